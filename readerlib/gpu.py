@@ -1,0 +1,33 @@
+"""Optional CuPy support: one place that imports it and says what to install."""
+
+_cupy = None
+_error = None
+
+
+def cupy_available():
+    """True when CuPy imports and sees at least one CUDA device."""
+    try:
+        cp = require_cupy()
+        return cp.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def require_cupy():
+    """Return the cupy module, or raise ImportError saying what to install."""
+    global _cupy, _error
+    if _cupy is not None:
+        return _cupy
+    try:
+        import cupy
+    except Exception as e:  # ImportError, or a CUDA runtime load failure
+        _error = e
+        raise ImportError(
+            "this operation needs CuPy and a CUDA GPU: pip install 'readerlib[gpu]' "
+            f"(cupy-cuda13x) on a machine with an NVIDIA driver ({type(e).__name__}: {e})") from e
+    _cupy = cupy
+    return cupy
+
+
+def is_cupy_array(a):
+    return type(a).__module__.startswith("cupy")

@@ -1,0 +1,89 @@
+"""Build the Cython extensions.
+
+Every ``readerlib/**/*.pyx`` becomes an extension module, so adding a kernel
+needs no edit here.  Environment switches:
+
+``READERLIB_NO_OPENMP=1``   build without OpenMP (parallel loops run on one thread)
+``READERLIB_BOUNDSCHECK=1`` turn Cython bounds/wraparound checks on (crash hunting)
+``READERLIB_ANNOTATE=1``    write Cython's annotated HTML next to each .pyx
+"""
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+
+import numpy as np
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+
+def _flag(name):
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _compiler_has_openmp():
+    """Compile and link a tiny OpenMP program; False if the toolchain lacks it."""
+    if _flag("READERLIB_NO_OPENMP"):
+        return False
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    cc = cc.split()
+    tmp = tempfile.mkdtemp()
+    try:
+        src = os.path.join(tmp, "t.c")
+        with open(src, "w") as f:
+            f.write("#include <omp.h>\nint main(void){return omp_get_max_threads() > 0 ? 0 : 1;}\n")
+        r = subprocess.run(cc + ["-fopenmp", src, "-o", os.path.join(tmp, "t")],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return r.returncode == 0
+    except OSError:
+        return False
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+OPENMP = _compiler_has_openmp()
+CHECKS = _flag("READERLIB_BOUNDSCHECK")
+
+directives = {
+    "language_level": 3,
+    "boundscheck": CHECKS,
+    "wraparound": CHECKS,
+    "initializedcheck": CHECKS,
+    "cdivision": True,
+    "embedsignature": True,
+}
+
+compile_args = ["-O3"] if sys.platform != "win32" else ["/O2"]
+link_args = []
+macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
+if OPENMP:
+    compile_args.append("-fopenmp")
+    link_args.append("-fopenmp")
+    macros.append(("READERLIB_OPENMP", "1"))
+
+include_dirs = [np.get_include(), os.path.join("readerlib", "include")]
+
+extensions = []
+for pyx in sorted(glob.glob("readerlib/**/*.pyx", recursive=True)):
+    module = pyx[:-4].replace(os.sep, ".").replace("/", ".")
+    extensions.append(Extension(
+        module, [pyx],
+        include_dirs=include_dirs,
+        define_macros=macros,
+        extra_compile_args=compile_args,
+        extra_link_args=link_args,
+    ))
+
+setup(
+    ext_modules=cythonize(
+        extensions,
+        compiler_directives=directives,
+        compile_time_env={"OPENMP": OPENMP},
+        annotate=_flag("READERLIB_ANNOTATE"),
+        nthreads=int(os.environ.get("READERLIB_BUILD_JOBS", "0")) or None,
+    ),
+    zip_safe=False,
+)
