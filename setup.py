@@ -75,6 +75,7 @@ for pyx in sorted(glob.glob("readerlib/**/*.pyx", recursive=True)):
         define_macros=macros,
         extra_compile_args=compile_args,
         extra_link_args=link_args,
+        libraries=["z"] if sys.platform != "win32" else [],
     ))
 
 setup(

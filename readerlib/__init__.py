@@ -1,6 +1,37 @@
-"""readerlib: Cython-accelerated reader chains, LoD batches and decode kernels."""
+"""readerlib: Cython-accelerated reader chains, LoD batches and decode kernels.
+
+Build a chain in Python, iterate batches::
+
+    import readerlib as rl
+    r = rl.RecordIOReader("train.rio").shuffle(10_000, seed=0).batch(256)
+    for feats, label in r:
+        ...
+"""
+from .errors import DataLossError, RecordIOError, RecordIOWarning, TFRecordError
+from .formats._recordio import RecordIOReader, RecordIOWriter
+from .readers._base import (
+    ArrayReader,
+    BatchReader,
+    DecoratedReader,
+    FileReader,
+    MultiPassReader,
+    PythonReader,
+    RandomDataGenerator,
+    ReaderBase,
+    ReaderHolder,
+    ShuffleReader,
+    crc32c,
+)
 from .tensor import Field, LoDTensor, Schema, SparseTensor
 
 __version__ = "0.1.0"
 
-__all__ = ["Field", "Schema", "LoDTensor", "SparseTensor"]
+__all__ = [
+    "Field", "Schema", "LoDTensor", "SparseTensor",
+    "ReaderBase", "FileReader", "DecoratedReader", "ReaderHolder",
+    "ArrayReader", "RandomDataGenerator", "PythonReader",
+    "ShuffleReader", "BatchReader", "MultiPassReader",
+    "RecordIOReader", "RecordIOWriter",
+    "DataLossError", "RecordIOError", "RecordIOWarning", "TFRecordError",
+    "crc32c",
+]

@@ -1,0 +1,725 @@
+"""RecordIO: chunked, checksummed, self-describing, seekable record files.
+
+Design:
+    See RECORDIO.md next to this file for the byte layout.  The reader maps
+    the file read-only; a chunk is verified (header CRC, body CRC-32C, sizes,
+    every record against the schema) when it is first touched, then its
+    records are handed downstream as pointers into the mapping (no copy)
+    while the chunk view is referenced.  zlib chunks are inflated into a
+    heap block instead.  Any single corrupted or truncated byte fails a
+    check; the error names the file and byte offset.
+"""
+import os
+import warnings
+import zlib as _pyzlib
+
+import numpy as np
+cimport numpy as cnp
+from libc.stdlib cimport malloc, free, realloc
+from libc.string cimport memcpy, memcmp
+from posix.mman cimport mmap, munmap, PROT_READ, MAP_PRIVATE, MAP_FAILED
+
+from readerlib._typedefs cimport int64_t, uint32_t, uint64_t, uint8_t
+from readerlib.readers._base cimport (
+    ReaderBase, FileReader, ArrayReader, layout_from_schema, rl_block, rl_record, rl_layout, rl_columns,
+    rl_block_incref, rl_block_decref, rl_block_new, rl_crc32c, rl_crc32c_init,
+    rl_load_u32, rl_load_u64, rl_store_u32, rl_store_u64,
+    layout_parse, columns_encoded_size, columns_encode, encode_instance,
+    ITEM_INSTANCE, RL_MAX_FIELDS)
+from readerlib.readers._base import _check_positive_int
+from readerlib.tensor import Schema
+from readerlib.errors import RecordIOError, RecordIOWarning
+
+cnp.import_array()
+rl_crc32c_init()
+
+cdef extern from "zlib.h":
+    ctypedef unsigned long uLongf
+    ctypedef unsigned long uLong
+    int Z_OK
+    int uncompress(unsigned char *dest, uLongf *destLen, const unsigned char *source, uLong sourceLen) nogil
+
+cdef extern from "rl_mmap.h":
+    rl_block *rl_mapping_new(char *data, int64_t size) nogil
+    rl_block *rl_chunkview_new(rl_block *mapping, char *data, int64_t size, int drop_pages) nogil
+
+__all__ = ["RecordIOWriter", "RecordIOReader", "FILE_MAGIC"]
+
+FILE_MAGIC = b"RLRECIO1"
+DEF HEADER_FIXED = 16
+DEF CHUNK_HEADER = 32
+DEF TRAILER = 16
+cdef uint32_t CHUNK_MAGIC = 0x4B484352      # b"RCHK" little endian
+cdef uint32_t INDEX_MAGIC = 0x58444952      # b"RIDX"
+cdef uint32_t TRAILER_MAGIC = 0x31584952    # b"RIX1"
+COMPRESSORS = {"none": 0, "zlib": 1}
+
+# error codes of a chunk check (messages in _CHUNK_ERRORS)
+cdef enum:
+    CK_OK = 0
+    CK_TRUNC_HEADER = 1
+    CK_MAGIC = 2
+    CK_HEADER_CRC = 3
+    CK_COMPRESSOR = 4
+    CK_TRUNC_BODY = 5
+    CK_BODY_CRC = 6
+    CK_COUNT = 7
+    CK_INFLATE = 8
+    CK_SIZES = 9
+    CK_RECORD = 10
+    CK_NOMEM = 11
+
+_CHUNK_ERRORS = {
+    CK_TRUNC_HEADER: "truncated chunk header",
+    CK_MAGIC: "bad chunk magic (not a chunk boundary: corrupt or truncated file)",
+    CK_HEADER_CRC: "chunk header checksum mismatch",
+    CK_COMPRESSOR: "unknown chunk compressor",
+    CK_TRUNC_BODY: "truncated chunk body",
+    CK_BODY_CRC: "chunk body checksum mismatch",
+    CK_COUNT: "chunk record count disagrees with the index footer",
+    CK_INFLATE: "chunk body does not inflate to its recorded size",
+    CK_SIZES: "record sizes disagree with the chunk size",
+    CK_RECORD: "record does not match the schema",
+    CK_NOMEM: "out of memory decoding chunk",
+}
+
+
+cdef inline uint32_t _chunk_header_crc(const char *h) noexcept nogil:
+    return rl_crc32c(0, h, 28)
+
+
+# ------------------------------------------------------------------- writer
+cdef class RecordIOWriter:
+    """Write instances to a RecordIO file.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    schema : Schema
+        Stored in the file: readers need no shapes from the user.
+    chunk_size : int
+        Target uncompressed bytes per chunk (a chunk holds at least one
+        record).  Chunks are the unit of checksumming, seeking and sharding.
+    compressor : {"none", "zlib"}
+    compression_level : int
+
+    Examples
+    --------
+    >>> with RecordIOWriter(path, Schema([Field("x", "float32", (3,))])) as w:
+    ...     w.write((np.zeros(3, np.float32),))
+    """
+    cdef readonly object path
+    cdef readonly object schema
+    cdef rl_layout layout
+    cdef object _f
+    cdef char *payload
+    cdef int64_t payload_len, payload_cap
+    cdef uint32_t *sizes
+    cdef int64_t nsizes, sizes_cap
+    cdef readonly int64_t chunk_size
+    cdef int compressor
+    cdef int level
+    cdef list _index
+    cdef int64_t _pos
+    cdef readonly int64_t num_records
+    cdef bint _closed
+
+    def __cinit__(self):
+        self._closed = True
+
+    def __init__(self, path, schema, chunk_size=1 << 20, compressor="none", compression_level=6):
+        self.schema = Schema.coerce(schema)
+        if compressor not in COMPRESSORS:
+            raise ValueError(f"compressor must be one of {sorted(COMPRESSORS)}, got {compressor!r}")
+        self.chunk_size = _check_positive_int(chunk_size, "chunk_size")
+        if not 0 <= compression_level <= 9:
+            raise ValueError(f"compression_level must be in 0..9, got {compression_level}")
+        layout_from_schema(&self.layout, self.schema)
+        self.compressor = COMPRESSORS[compressor]
+        self.level = compression_level
+        self.path = os.fspath(path)
+        self._f = open(self.path, "wb")
+        self._closed = False
+        self._index = []
+        schema_bytes = self.schema.to_json().encode()
+        head = bytearray(FILE_MAGIC + len(schema_bytes).to_bytes(4, "little"))
+        crc = rl_crc32c(rl_crc32c(0, <const char *>head, 12), <const char *>schema_bytes, len(schema_bytes))
+        head += crc.to_bytes(4, "little") + schema_bytes
+        self._f.write(head)
+        self._pos = len(head)
+
+    def __dealloc__(self):
+        free(self.payload)
+        free(self.sizes)
+
+    def __del__(self):
+        # Nothing a user wrote is lost: an unclosed writer still finishes its file.
+        if not self._closed:
+            try:
+                self.close()
+            except Exception:
+                pass
+
+    cdef int _reserve(self, int64_t nbytes) except -1:
+        cdef int64_t cap
+        cdef char *p
+        cdef uint32_t *q
+        if self.payload_len + nbytes > self.payload_cap:
+            cap = max(self.payload_cap * 2, self.payload_len + nbytes, 1 << 16)
+            p = <char *>realloc(self.payload, cap)
+            if p == NULL:
+                raise MemoryError()
+            self.payload = p
+            self.payload_cap = cap
+        if self.nsizes + 1 > self.sizes_cap:
+            cap = max(self.sizes_cap * 2, 1024)
+            q = <uint32_t *>realloc(self.sizes, cap * sizeof(uint32_t))
+            if q == NULL:
+                raise MemoryError()
+            self.sizes = q
+            self.sizes_cap = cap
+        return 0
+
+    def _check_open(self):
+        if self._closed:
+            raise ValueError("I/O operation on closed RecordIOWriter")
+
+    cdef int _add(self, const char *data, int64_t size) except -1:
+        if size > 0xFFFFFFFF - 64:
+            raise ValueError(f"a record of {size} bytes exceeds the 4 GiB record limit")
+        if self.nsizes and self.payload_len + size + 4 * (self.nsizes + 1) > self.chunk_size:
+            self._write_chunk()
+        self._reserve(size)
+        memcpy(self.payload + self.payload_len, data, size)
+        self.payload_len += size
+        self.sizes[self.nsizes] = <uint32_t>size
+        self.nsizes += 1
+        self.num_records += 1
+        return 0
+
+    def write(self, instance):
+        """Append one instance: a tuple, list or dict of values (one per field)."""
+        self._check_open()
+        cdef rl_block *b = encode_instance(self.schema, &self.layout, instance)
+        try:
+            self._add(b.data, b.size)
+        finally:
+            rl_block_decref(b)
+
+    def write_batch(self, columns):
+        """Append many instances given column-wise, as ArrayReader takes them.
+
+        `columns` is a dict name -> array (or LoDTensor / list of sequences
+        for sequence fields) or a tuple in schema order; row i of each is
+        instance i.  Much faster than `write` per instance.
+        """
+        self._check_open()
+        cdef ArrayReader src = ArrayReader(
+            columns if isinstance(columns, dict) else tuple(columns), schema=self.schema)
+        cdef int64_t i, n, s
+        n = src.num_instances
+        for i in range(n):
+            s = columns_encoded_size(&self.layout, &src.C, i)
+            if self.nsizes and self.payload_len + s + 4 * (self.nsizes + 1) > self.chunk_size:
+                self._write_chunk()
+            self._reserve(s)
+            columns_encode(&self.layout, &src.C, i, self.payload + self.payload_len)
+            self.payload_len += s
+            self.sizes[self.nsizes] = <uint32_t>s
+            self.nsizes += 1
+            self.num_records += 1
+
+    cdef int _write_chunk(self) except -1:
+        if self.nsizes == 0:
+            return 0
+        cdef int64_t n = self.nsizes
+        sizes_mv = <char[:n * 4]><char *>self.sizes
+        payload_mv = <char[:self.payload_len]>self.payload if self.payload_len else b""
+        cdef bytes body_c
+        cdef uint32_t body_crc
+        cdef int64_t raw_size = 4 * n + self.payload_len
+        if self.compressor == 1:
+            body_c = _pyzlib.compress(bytes(sizes_mv) + bytes(payload_mv), self.level)
+            body_crc = rl_crc32c(0, <const char *>body_c, len(body_c))
+            stored = len(body_c)
+        else:
+            body_crc = rl_crc32c(0, self.sizes, n * 4)
+            body_crc = rl_crc32c(body_crc, self.payload, self.payload_len)
+            stored = raw_size
+        if raw_size > 0xFFFFFFFF:
+            raise ValueError("chunk over 4 GiB; lower chunk_size")
+        head = bytearray(32)
+        cdef char *h = <char *>head
+        rl_store_u32(h, CHUNK_MAGIC)
+        rl_store_u32(h + 4, <uint32_t>n)
+        rl_store_u32(h + 8, <uint32_t>self.compressor)
+        rl_store_u32(h + 12, body_crc)
+        rl_store_u64(h + 16, <uint64_t>stored)
+        rl_store_u32(h + 24, <uint32_t>raw_size)
+        rl_store_u32(h + 28, _chunk_header_crc(h))
+        self._f.write(head)
+        if self.compressor == 1:
+            self._f.write(body_c)
+        else:
+            self._f.write(sizes_mv)
+            if self.payload_len:
+                self._f.write(payload_mv)
+        self._index.append((self._pos, n))
+        self._pos += 32 + stored
+        self.nsizes = 0
+        self.payload_len = 0
+        return 0
+
+    def flush(self):
+        """End the current chunk and push it to the OS."""
+        self._check_open()
+        self._write_chunk()
+        self._f.flush()
+
+    def close(self):
+        """Write the last chunk, the index footer and the trailer.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._write_chunk()
+            n = len(self._index)
+            idx = bytearray(24 + 16 * n)
+            idx[0:4] = INDEX_MAGIC.to_bytes(4, "little")
+            idx[8:16] = n.to_bytes(8, "little")
+            idx[16:24] = self.num_records.to_bytes(8, "little")
+            if n:
+                table = np.array(self._index, dtype="<u8").reshape(-1)
+                idx[24:] = table.tobytes()
+            crc = rl_crc32c(0, <const char *>idx, len(idx))
+            idx += crc.to_bytes(4, "little")
+            index_offset = self._pos
+            off = index_offset.to_bytes(8, "little")
+            trailer = off + rl_crc32c(0, <const char *>off, 8).to_bytes(4, "little") + \
+                TRAILER_MAGIC.to_bytes(4, "little")
+            self._f.write(bytes(idx) + trailer)
+        finally:
+            self._f.close()
+
+    @property
+    def closed(self):
+        return self._closed
+
+    @property
+    def num_chunks(self):
+        return len(self._index) + (1 if self.nsizes else 0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+# ------------------------------------------------------------------- reader
+cdef class RecordIOReader(FileReader):
+    """Read instances from a RecordIO file (schema comes from the file).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    on_error : {"raise", "skip"}
+        "raise" (default): any failed check raises RecordIOError naming the
+        file and byte offset.  "skip": a bad chunk is skipped, counted in
+        `skipped_chunks`, and reported with a RecordIOWarning.
+
+    Attributes
+    ----------
+    num_records, num_chunks : int
+        From the index footer (or a scan of chunk headers when the file has
+        no footer).
+    skipped_chunks : int
+        Chunks skipped so far (on_error="skip").
+    """
+    cdef readonly str path
+    cdef rl_block *mapping
+    cdef const char *base
+    cdef int64_t fsize
+    cdef int64_t *chunk_off
+    cdef int64_t *chunk_nrec
+    cdef int64_t *chunk_end            # where the chunk must end (next chunk / index)
+    cdef readonly int64_t num_chunks
+    cdef readonly int64_t num_records
+    cdef int64_t *order                # chunks to read, in order (a selection)
+    cdef int64_t norder
+    cdef int64_t iorder
+    cdef rl_block *cur
+    cdef const char *cur_sizes
+    cdef const char *cur_payload
+    cdef int64_t cur_n, cur_i, cur_pos
+    cdef bint skip_errors
+    cdef readonly int64_t skipped_chunks
+    cdef readonly bint has_index
+    cdef readonly int64_t data_start
+    cdef int64_t err_off
+    cdef int err_code
+    cdef int64_t err_record
+
+    def __cinit__(self):
+        self.mapping = NULL
+
+    def __init__(self, path, on_error="raise"):
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        self.skip_errors = on_error == "skip"
+        self.path = os.fspath(path)
+        if not isinstance(self.path, str):
+            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        fd = os.open(self.path, os.O_RDONLY)
+        cdef void *p
+        try:
+            size = os.fstat(fd).st_size
+            self.fsize = size
+            if size < HEADER_FIXED:
+                raise RecordIOError(f"{self.path}: not a RecordIO file ({size} bytes, truncated header "
+                                    f"at byte offset {size})", self.path, size)
+            p = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0)
+            if p == MAP_FAILED:
+                raise OSError(f"{self.path}: mmap failed")
+        finally:
+            os.close(fd)
+        self.mapping = rl_mapping_new(<char *>p, size)
+        if self.mapping == NULL:
+            munmap(p, size)
+            raise MemoryError()
+        self.base = <const char *>p
+        self._read_header()
+        self._read_footer_or_scan()
+        self._select_all()
+        self.c_reset()
+
+    def __dealloc__(self):
+        self._release_cur()
+        if self.mapping != NULL:
+            rl_block_decref(self.mapping)
+            self.mapping = NULL
+        free(self.chunk_off)
+        free(self.chunk_nrec)
+        free(self.chunk_end)
+        free(self.order)
+
+    cdef void _release_cur(self) noexcept nogil:
+        if self.cur != NULL:
+            rl_block_decref(self.cur)
+            self.cur = NULL
+
+    def _fail(self, msg, offset):
+        raise RecordIOError(f"{self.path}: {msg} at byte offset {offset}", self.path, offset)
+
+    cdef _read_header(self):
+        cdef const char *b = self.base
+        if b[:8] != FILE_MAGIC:
+            self._fail("not a readerlib RecordIO file (bad magic)", 0)
+        cdef int64_t slen = rl_load_u32(b + 8)
+        if slen > self.fsize - HEADER_FIXED:
+            self._fail(f"truncated or corrupt file header (schema of {slen} bytes)", 8)
+        crc = rl_crc32c(rl_crc32c(0, b, 12), b + HEADER_FIXED, slen)
+        if crc != rl_load_u32(b + 12):
+            self._fail("file header checksum mismatch", 0)
+        try:
+            schema = Schema.from_json((<bytes>b[HEADER_FIXED:HEADER_FIXED + slen]).decode())
+        except Exception as e:
+            self._fail(f"unreadable schema in the file header ({e})", HEADER_FIXED)
+        self._set_schema(schema, ITEM_INSTANCE)
+        self.data_start = HEADER_FIXED + slen
+
+    cdef _alloc_table(self, int64_t n):
+        self.chunk_off = <int64_t *>malloc(max(n, 1) * sizeof(int64_t))
+        self.chunk_nrec = <int64_t *>malloc(max(n, 1) * sizeof(int64_t))
+        self.chunk_end = <int64_t *>malloc(max(n, 1) * sizeof(int64_t))
+        self.order = <int64_t *>malloc(max(n, 1) * sizeof(int64_t))
+        if not (self.chunk_off and self.chunk_nrec and self.chunk_end and self.order):
+            raise MemoryError()
+
+    cdef _read_footer_or_scan(self):
+        cdef const char *b = self.base
+        cdef int64_t S = self.fsize
+        cdef int64_t ioff, n, i, total, o, end
+        problem = None
+        if S >= self.data_start + TRAILER and rl_load_u32(b + S - 4) == TRAILER_MAGIC:
+            ioff = <int64_t>rl_load_u64(b + S - 16)
+            if rl_crc32c(0, b + S - 16, 8) != rl_load_u32(b + S - 8):
+                problem = ("index trailer checksum mismatch", S - 16)
+            elif ioff < self.data_start or ioff > S - TRAILER - 28:
+                problem = ("index offset out of range", S - 16)
+            elif rl_load_u32(b + ioff) != INDEX_MAGIC:
+                problem = ("bad index magic", ioff)
+            else:
+                n = <int64_t>rl_load_u64(b + ioff + 8)
+                if n < 0 or n > (S - ioff) // 16 or ioff + 24 + 16 * n + 4 != S - TRAILER:
+                    problem = ("index size disagrees with the file size", ioff + 8)
+                elif rl_crc32c(0, b + ioff, 24 + 16 * n) != rl_load_u32(b + ioff + 24 + 16 * n):
+                    problem = ("index checksum mismatch", ioff)
+                else:
+                    self._alloc_table(n)
+                    total = 0
+                    end = self.data_start
+                    for i in range(n):
+                        o = <int64_t>rl_load_u64(b + ioff + 24 + 16 * i)
+                        self.chunk_off[i] = o
+                        self.chunk_nrec[i] = <int64_t>rl_load_u64(b + ioff + 32 + 16 * i)
+                        # a chunk ends where the next one starts (the last one at the index)
+                        end = <int64_t>rl_load_u64(b + ioff + 40 + 16 * i) if i + 1 < n else ioff
+                        self.chunk_end[i] = end
+                        if (o < self.data_start or end < o + CHUNK_HEADER or end > ioff
+                                or self.chunk_nrec[i] < 0 or (i == 0 and o != self.data_start)):
+                            problem = ("index entry disagrees with the chunk layout", ioff + 24 + 16 * i)
+                            break
+                        total += self.chunk_nrec[i]
+                    if problem is None and total != <int64_t>rl_load_u64(b + ioff + 16):
+                        problem = ("index record total disagrees with its entries", ioff + 16)
+                    if problem is None:
+                        self.num_chunks = n
+                        self.num_records = total
+                        self.has_index = True
+                        return
+                    free(self.chunk_off); free(self.chunk_nrec); free(self.chunk_end); free(self.order)
+                    self.chunk_off = self.chunk_nrec = self.chunk_end = self.order = NULL
+            if not self.skip_errors:
+                self._fail(problem[0], problem[1])
+            warnings.warn(f"{self.path}: {problem[0]} at byte offset {problem[1]}; "
+                          f"reading by scanning chunks", RecordIOWarning, stacklevel=3)
+        else:
+            warnings.warn(f"{self.path}: no index footer (the writer did not finish, or the file "
+                          f"was truncated at byte offset {S}); reading by scanning chunks",
+                          RecordIOWarning, stacklevel=3)
+        self._scan()
+
+    cdef _scan(self):
+        """Build the chunk table from chunk headers (no footer)."""
+        cdef const char *b = self.base
+        cdef int64_t S = self.fsize
+        cdef int64_t pos = self.data_start, stored, total = 0
+        offs, nrecs, ends = [], [], []
+        skipped = 0
+        while pos < S:
+            code = CK_OK
+            if S - pos < CHUNK_HEADER:
+                code = CK_TRUNC_HEADER
+            elif rl_load_u32(b + pos) == INDEX_MAGIC:
+                self._fail_or_warn("index footer without a valid trailer (truncated or corrupt footer)",
+                                   pos)
+                break
+            elif rl_load_u32(b + pos) != CHUNK_MAGIC:
+                code = CK_MAGIC
+            elif _chunk_header_crc(b + pos) != rl_load_u32(b + pos + 28):
+                code = CK_HEADER_CRC
+            else:
+                stored = <int64_t>rl_load_u64(b + pos + 16)
+                if stored > S - pos - CHUNK_HEADER:
+                    code = CK_TRUNC_BODY
+            if code != CK_OK:
+                if not self.skip_errors:
+                    self._fail(_CHUNK_ERRORS[code], pos)
+                skipped += 1
+                pos = self._resync(pos + 1)
+                continue
+            offs.append(pos)
+            k = rl_load_u32(b + pos + 4)
+            nrecs.append(k)
+            ends.append(pos + CHUNK_HEADER + stored)
+            total += k
+            pos += CHUNK_HEADER + stored
+        n = len(offs)
+        self._alloc_table(n)
+        for i in range(n):
+            self.chunk_off[i] = offs[i]
+            self.chunk_nrec[i] = nrecs[i]
+            self.chunk_end[i] = ends[i]
+        self.num_chunks = n
+        self.num_records = total
+        self.has_index = False
+        if skipped:
+            self.skipped_chunks += skipped
+            warnings.warn(f"{self.path}: skipped {skipped} unreadable region(s) while scanning",
+                          RecordIOWarning, stacklevel=4)
+
+    def _fail_or_warn(self, msg, offset):
+        if not self.skip_errors:
+            self._fail(msg, offset)
+        warnings.warn(f"{self.path}: {msg} at byte offset {offset}", RecordIOWarning, stacklevel=4)
+
+    cdef int64_t _resync(self, int64_t pos):
+        """Next offset >= pos holding a chunk header with a valid checksum."""
+        cdef const char *b = self.base
+        cdef int64_t S = self.fsize
+        while pos + CHUNK_HEADER <= S:
+            if rl_load_u32(b + pos) == CHUNK_MAGIC and _chunk_header_crc(b + pos) == rl_load_u32(b + pos + 28):
+                return pos
+            pos += 1
+        return S
+
+    # -- chunk loading (no GIL) ---------------------------------------------
+    cdef int _load_chunk(self, int64_t c) noexcept nogil:
+        """Verify chunk c and make it current.  Returns CK_OK or an error code."""
+        cdef const char *b = self.base
+        cdef int64_t off = self.chunk_off[c]
+        cdef int64_t limit = self.chunk_end[c]
+        cdef const char *h = b + off
+        cdef int64_t stored, raw, n, i, total, pos
+        cdef uint32_t comp
+        cdef rl_block *blk
+        cdef const char *ptrs[RL_MAX_FIELDS]
+        cdef int64_t rows[RL_MAX_FIELDS]
+        cdef uLongf dest_len
+        self.err_off = off
+        self.err_record = -1
+        if limit - off < CHUNK_HEADER:
+            return CK_TRUNC_HEADER
+        if rl_load_u32(h) != CHUNK_MAGIC:
+            return CK_MAGIC
+        if _chunk_header_crc(h) != rl_load_u32(h + 28):
+            return CK_HEADER_CRC
+        n = rl_load_u32(h + 4)
+        comp = rl_load_u32(h + 8)
+        stored = <int64_t>rl_load_u64(h + 16)
+        raw = rl_load_u32(h + 24)
+        if n != self.chunk_nrec[c]:
+            return CK_COUNT
+        if comp > 1:
+            return CK_COMPRESSOR
+        if stored != limit - off - CHUNK_HEADER:
+            return CK_TRUNC_BODY
+        if rl_crc32c(0, h + CHUNK_HEADER, stored) != rl_load_u32(h + 12):
+            self.err_off = off + CHUNK_HEADER
+            return CK_BODY_CRC
+        if comp == 0:
+            if raw != stored:
+                return CK_SIZES
+            blk = rl_chunkview_new(self.mapping, <char *>h + CHUNK_HEADER, stored, 1)
+            if blk == NULL:
+                return CK_NOMEM
+        else:
+            blk = rl_block_new(raw)
+            if blk == NULL:
+                return CK_NOMEM
+            dest_len = raw
+            if uncompress(<unsigned char *>blk.data, &dest_len, <const unsigned char *>h + CHUNK_HEADER,
+                          stored) != Z_OK or <int64_t>dest_len != raw:
+                rl_block_decref(blk)
+                return CK_INFLATE
+        # sizes table, then every record against the schema
+        if 4 * n > raw:
+            rl_block_decref(blk)
+            return CK_SIZES
+        total = 4 * n
+        for i in range(n):
+            total += rl_load_u32(blk.data + 4 * i)
+        if total != raw:
+            rl_block_decref(blk)
+            return CK_SIZES
+        pos = 4 * n
+        if self.layout.n_lod == 0:
+            for i in range(n):
+                if rl_load_u32(blk.data + 4 * i) != self.layout.fixed_size:
+                    self.err_record = i
+                    rl_block_decref(blk)
+                    return CK_RECORD
+        else:
+            for i in range(n):
+                if layout_parse(&self.layout, blk.data + pos, rl_load_u32(blk.data + 4 * i), ptrs, rows) != 0:
+                    self.err_record = i
+                    rl_block_decref(blk)
+                    return CK_RECORD
+                pos += rl_load_u32(blk.data + 4 * i)
+        self._release_cur()
+        self.cur = blk
+        self.cur_sizes = blk.data
+        self.cur_payload = blk.data + 4 * n
+        self.cur_n = n
+        self.cur_i = 0
+        self.cur_pos = 0
+        return CK_OK
+
+    cdef int c_next(self, rl_record *out) except -1 nogil:
+        cdef int code
+        cdef uint32_t s
+        while self.cur_i >= self.cur_n:
+            self._release_cur()
+            self.cur_n = 0
+            self.cur_i = 0
+            if self.iorder >= self.norder:
+                return 0
+            code = self._load_chunk(self.order[self.iorder])
+            self.iorder += 1
+            if code != CK_OK:
+                with gil:
+                    self._chunk_error(code, self.order[self.iorder - 1])
+        s = rl_load_u32(self.cur_sizes + 4 * self.cur_i)
+        out.block = self.cur
+        out.data = self.cur_payload + self.cur_pos
+        out.size = s
+        self.cur_pos += s
+        self.cur_i += 1
+        return 1
+
+    cdef int _chunk_error(self, int code, int64_t c) except -1:
+        msg = _CHUNK_ERRORS.get(code, f"chunk error {code}")
+        if self.err_record >= 0:
+            msg += f" (record {self.err_record} of chunk {c})"
+        else:
+            msg += f" (chunk {c})"
+        if code == CK_NOMEM:
+            raise MemoryError(f"{self.path}: {msg}")
+        if not self.skip_errors:
+            self._fail(msg, self.err_off)
+        self.skipped_chunks += 1
+        warnings.warn(f"{self.path}: skipped chunk: {msg} at byte offset {self.err_off}",
+                      RecordIOWarning, stacklevel=2)
+        return 0
+
+    cdef int c_reset(self) except -1:
+        cdef int64_t i
+        self._release_cur()
+        self.cur_n = 0
+        self.cur_i = 0
+        self.iorder = 0
+        return 0
+
+    def _select_all(self):
+        cdef int64_t i
+        for i in range(self.num_chunks):
+            self.order[i] = i
+        self.norder = self.num_chunks
+
+    def select_chunks(self, chunks):
+        """Read only these chunk indices, in this order (sharding, resume)."""
+        sel = np.asarray(chunks, dtype=np.int64).reshape(-1)
+        if sel.size and (sel.min() < 0 or sel.max() >= self.num_chunks):
+            raise IndexError(f"chunk indices must be in [0, {self.num_chunks}), got {sel.tolist()[:8]}")
+        cdef int64_t i
+        for i in range(sel.shape[0]):
+            self.order[i] = sel[i]
+        self.norder = sel.shape[0]
+        self.c_reset()
+        return self
+
+    def chunk_table(self):
+        """(offsets, record counts) of every chunk, as int64 arrays."""
+        offs = np.empty(self.num_chunks, np.int64)
+        nrec = np.empty(self.num_chunks, np.int64)
+        cdef int64_t i
+        for i in range(self.num_chunks):
+            offs[i] = self.chunk_off[i]
+            nrec[i] = self.chunk_nrec[i]
+        return offs, nrec
+
+    cdef int c_close(self) except -1:
+        self._release_cur()
+        if self.mapping != NULL:
+            rl_block_decref(self.mapping)    # chunk views still held keep it mapped
+            self.mapping = NULL
+        return 0
+
+    def __len__(self):
+        return self.num_records
+
+    def __repr__(self):
+        return (f"RecordIOReader({self.path!r}, {self.num_records} records in {self.num_chunks} chunks"
+                f"{'' if self.has_index else ', no index'})")

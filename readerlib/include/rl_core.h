@@ -1,0 +1,321 @@
+/* rl_core.h -- the C core shared by readerlib's compiled modules.
+ *
+ * Design:
+ *   - rl_block: a reference-counted owner of memory (a decoded chunk, a slice
+ *     of a memory-mapped file, a batch).  Records point into blocks; a reader
+ *     that wants to keep a record past the producer's next call takes a
+ *     reference.  Counts are atomic because blocks cross threads (prefetch).
+ *   - rl_record: (block, data, size) -- one serialized instance or one batch.
+ *   - CRC-32C (Castagnoli): SSE4.2 `crc32` instruction, three interleaved
+ *     streams combined with precomputed shift tables (Mark Adler's method),
+ *     with a slicing-by-8 software fallback chosen at run time.  CRC-32C
+ *     detects every burst error up to 32 bits, so any single corrupted byte.
+ *   - xoshiro256** seeded by splitmix64, Lemire's unbiased bounded draw.
+ */
+#ifndef READERLIB_RL_CORE_H
+#define READERLIB_RL_CORE_H
+
+#include <stdint.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------ blocks */
+typedef struct rl_block rl_block;
+struct rl_block {
+    int64_t refcnt;
+    void (*release)(rl_block *self);   /* called once when refcnt hits 0 */
+    char *data;
+    int64_t size;
+    void *ctx;                         /* owner-specific (mapping, ...) */
+    int64_t aux;                       /* owner-specific */
+};
+
+static inline void rl_block_incref(rl_block *b) {
+    if (b) __atomic_add_fetch(&b->refcnt, 1, __ATOMIC_RELAXED);
+}
+
+static inline void rl_block_decref(rl_block *b) {
+    if (b && __atomic_sub_fetch(&b->refcnt, 1, __ATOMIC_ACQ_REL) == 0) b->release(b);
+}
+
+static void rl_block_free_malloced(rl_block *b) {
+    free(b->data);
+    free(b);
+}
+
+/* A block owning `size` bytes of fresh heap memory (64-byte aligned), refcnt 1. */
+static inline rl_block *rl_block_new(int64_t size) {
+    rl_block *b = (rl_block *)malloc(sizeof(rl_block));
+    if (!b) return NULL;
+    void *p = NULL;
+    if (posix_memalign(&p, 64, size > 0 ? (size_t)size : 64) != 0) { free(b); return NULL; }
+    b->refcnt = 1;
+    b->release = rl_block_free_malloced;
+    b->data = (char *)p;
+    b->size = size;
+    b->ctx = NULL;
+    b->aux = 0;
+    return b;
+}
+
+static void rl_block_release_static(rl_block *b) { free(b); }
+
+/* A block over memory owned elsewhere (kept alive by a Python object). */
+static inline rl_block *rl_block_new_static(char *data, int64_t size) {
+    rl_block *b = (rl_block *)malloc(sizeof(rl_block));
+    if (!b) return NULL;
+    b->refcnt = 1;
+    b->release = rl_block_release_static;
+    b->data = data;
+    b->size = size;
+    b->ctx = NULL;
+    b->aux = 0;
+    return b;
+}
+
+typedef struct {
+    rl_block *block;
+    const char *data;
+    int64_t size;
+} rl_record;
+
+/* --------------------------------------------------------- little endian */
+static inline uint32_t rl_load_u32(const char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline uint64_t rl_load_u64(const char *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static inline int64_t rl_load_i64(const char *p) { int64_t v; memcpy(&v, p, 8); return v; }
+static inline void rl_store_u32(char *p, uint32_t v) { memcpy(p, &v, 4); }
+static inline void rl_store_u64(char *p, uint64_t v) { memcpy(p, &v, 8); }
+static inline void rl_store_i64(char *p, int64_t v) { memcpy(p, &v, 8); }
+
+/* ------------------------------------------------------------------ CRC32C */
+#define RL_CRC32C_POLY 0x82f63b78u
+#define RL_CRC_LONG 8192
+#define RL_CRC_SHORT 256
+
+static uint32_t rl_crc32c_table[8][256];
+static uint32_t rl_crc32c_long[4][256];
+static uint32_t rl_crc32c_short[4][256];
+static int rl_crc32c_hw = -1;
+
+static uint32_t rl_gf2_matrix_times(const uint32_t *mat, uint32_t vec) {
+    uint32_t sum = 0;
+    while (vec) {
+        if (vec & 1) sum ^= *mat;
+        vec >>= 1;
+        mat++;
+    }
+    return sum;
+}
+
+static void rl_gf2_matrix_square(uint32_t *square, const uint32_t *mat) {
+    for (int n = 0; n < 32; n++) square[n] = rl_gf2_matrix_times(mat, mat[n]);
+}
+
+/* Operator that appends `len` (a power of two) zero bytes to a raw CRC. */
+static void rl_crc32c_zeros_op(uint32_t *even, size_t len) {
+    uint32_t odd[32];
+    uint32_t row = 1;
+    odd[0] = RL_CRC32C_POLY;
+    for (int n = 1; n < 32; n++) { odd[n] = row; row <<= 1; }
+    rl_gf2_matrix_square(even, odd);   /* 2 zero bits */
+    rl_gf2_matrix_square(odd, even);   /* 4 zero bits */
+    do {
+        rl_gf2_matrix_square(even, odd);
+        len >>= 1;
+        if (len == 0) return;
+        rl_gf2_matrix_square(odd, even);
+        len >>= 1;
+    } while (len);
+    for (int n = 0; n < 32; n++) even[n] = odd[n];
+}
+
+static void rl_crc32c_zeros(uint32_t zeros[][256], size_t len) {
+    uint32_t op[32];
+    rl_crc32c_zeros_op(op, len);
+    for (uint32_t n = 0; n < 256; n++) {
+        zeros[0][n] = rl_gf2_matrix_times(op, n);
+        zeros[1][n] = rl_gf2_matrix_times(op, n << 8);
+        zeros[2][n] = rl_gf2_matrix_times(op, n << 16);
+        zeros[3][n] = rl_gf2_matrix_times(op, n << 24);
+    }
+}
+
+static inline uint32_t rl_crc32c_shift(uint32_t zeros[][256], uint32_t crc) {
+    return zeros[0][crc & 0xff] ^ zeros[1][(crc >> 8) & 0xff] ^
+           zeros[2][(crc >> 16) & 0xff] ^ zeros[3][crc >> 24];
+}
+
+/* Call once (under the GIL) before any rl_crc32c. */
+static void rl_crc32c_init(void) {
+    if (rl_crc32c_hw != -1) return;
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t crc = n;
+        for (int k = 0; k < 8; k++) crc = crc & 1 ? (crc >> 1) ^ RL_CRC32C_POLY : crc >> 1;
+        rl_crc32c_table[0][n] = crc;
+    }
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t crc = rl_crc32c_table[0][n];
+        for (int k = 1; k < 8; k++) {
+            crc = rl_crc32c_table[0][crc & 0xff] ^ (crc >> 8);
+            rl_crc32c_table[k][n] = crc;
+        }
+    }
+    rl_crc32c_zeros(rl_crc32c_long, RL_CRC_LONG);
+    rl_crc32c_zeros(rl_crc32c_short, RL_CRC_SHORT);
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    rl_crc32c_hw = __builtin_cpu_supports("sse4.2") ? 1 : 0;
+#else
+    rl_crc32c_hw = 0;
+#endif
+    if (getenv("READERLIB_NO_HW_CRC")) rl_crc32c_hw = 0;
+}
+
+/* Slicing-by-8 software CRC-32C (raw register in and out, no inversion). */
+static uint32_t rl_crc32c_sw_raw(uint32_t crc, const unsigned char *next, size_t len) {
+    while (len && ((uintptr_t)next & 7) != 0) {
+        crc = rl_crc32c_table[0][(crc ^ *next++) & 0xff] ^ (crc >> 8);
+        len--;
+    }
+    while (len >= 8) {
+        uint64_t word;
+        memcpy(&word, next, 8);
+        word ^= crc;
+        crc = rl_crc32c_table[7][word & 0xff] ^ rl_crc32c_table[6][(word >> 8) & 0xff] ^
+              rl_crc32c_table[5][(word >> 16) & 0xff] ^ rl_crc32c_table[4][(word >> 24) & 0xff] ^
+              rl_crc32c_table[3][(word >> 32) & 0xff] ^ rl_crc32c_table[2][(word >> 40) & 0xff] ^
+              rl_crc32c_table[1][(word >> 48) & 0xff] ^ rl_crc32c_table[0][word >> 56];
+        next += 8;
+        len -= 8;
+    }
+    while (len) {
+        crc = rl_crc32c_table[0][(crc ^ *next++) & 0xff] ^ (crc >> 8);
+        len--;
+    }
+    return crc;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <nmmintrin.h>
+__attribute__((target("sse4.2")))
+static uint32_t rl_crc32c_hw_raw(uint32_t crc, const unsigned char *next, size_t len) {
+    uint64_t crc0 = crc, crc1, crc2;
+    while (len && ((uintptr_t)next & 7) != 0) {
+        crc0 = _mm_crc32_u8((uint32_t)crc0, *next++);
+        len--;
+    }
+    while (len >= RL_CRC_LONG * 3) {
+        const unsigned char *end = next + RL_CRC_LONG;
+        crc1 = 0; crc2 = 0;
+        do {
+            uint64_t a, b, c;
+            memcpy(&a, next, 8); memcpy(&b, next + RL_CRC_LONG, 8); memcpy(&c, next + 2 * RL_CRC_LONG, 8);
+            crc0 = _mm_crc32_u64(crc0, a);
+            crc1 = _mm_crc32_u64(crc1, b);
+            crc2 = _mm_crc32_u64(crc2, c);
+            next += 8;
+        } while (next < end);
+        crc0 = rl_crc32c_shift(rl_crc32c_long, (uint32_t)crc0) ^ crc1;
+        crc0 = rl_crc32c_shift(rl_crc32c_long, (uint32_t)crc0) ^ crc2;
+        next += RL_CRC_LONG * 2;
+        len -= RL_CRC_LONG * 3;
+    }
+    while (len >= RL_CRC_SHORT * 3) {
+        const unsigned char *end = next + RL_CRC_SHORT;
+        crc1 = 0; crc2 = 0;
+        do {
+            uint64_t a, b, c;
+            memcpy(&a, next, 8); memcpy(&b, next + RL_CRC_SHORT, 8); memcpy(&c, next + 2 * RL_CRC_SHORT, 8);
+            crc0 = _mm_crc32_u64(crc0, a);
+            crc1 = _mm_crc32_u64(crc1, b);
+            crc2 = _mm_crc32_u64(crc2, c);
+            next += 8;
+        } while (next < end);
+        crc0 = rl_crc32c_shift(rl_crc32c_short, (uint32_t)crc0) ^ crc1;
+        crc0 = rl_crc32c_shift(rl_crc32c_short, (uint32_t)crc0) ^ crc2;
+        next += RL_CRC_SHORT * 2;
+        len -= RL_CRC_SHORT * 3;
+    }
+    while (len >= 8) {
+        uint64_t a;
+        memcpy(&a, next, 8);
+        crc0 = _mm_crc32_u64(crc0, a);
+        next += 8;
+        len -= 8;
+    }
+    while (len) {
+        crc0 = _mm_crc32_u8((uint32_t)crc0, *next++);
+        len--;
+    }
+    return (uint32_t)crc0;
+}
+#endif
+
+/* CRC-32C of buf, continuing from `crc` (0 to start), zlib-style conditioning. */
+static inline uint32_t rl_crc32c(uint32_t crc, const void *buf, size_t len) {
+    const unsigned char *p = (const unsigned char *)buf;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    if (rl_crc32c_hw == 1) return ~rl_crc32c_hw_raw(~crc, p, len);
+#endif
+    return ~rl_crc32c_sw_raw(~crc, p, len);
+}
+
+/* TFRecord's masked CRC. */
+static inline uint32_t rl_crc32c_mask(uint32_t crc) {
+    return ((crc >> 15) | (crc << 17)) + 0xa282ead8u;
+}
+
+/* ------------------------------------------------------------------ random */
+typedef struct { uint64_t s[4]; } rl_rng;
+
+static inline uint64_t rl_splitmix64(uint64_t *x) {
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* Seed from (seed, stream): distinct streams give independent sequences. */
+static inline void rl_rng_seed(rl_rng *r, uint64_t seed, uint64_t stream) {
+    uint64_t x = seed ^ (stream * 0xd1342543de82ef95ull + 0x2545f4914f6cdd1dull);
+    for (int i = 0; i < 4; i++) r->s[i] = rl_splitmix64(&x);
+}
+
+static inline uint64_t rl_rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+static inline uint64_t rl_rng_next(rl_rng *r) {
+    uint64_t *s = r->s;
+    uint64_t result = rl_rotl(s[1] * 5, 7) * 9;
+    uint64_t t = s[1] << 17;
+    s[2] ^= s[0]; s[3] ^= s[1]; s[1] ^= s[2]; s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rl_rotl(s[3], 45);
+    return result;
+}
+
+/* Uniform integer in [0, n), n >= 1, unbiased (Lemire 2019). */
+static inline uint64_t rl_rng_below(rl_rng *r, uint64_t n) {
+    uint64_t x = rl_rng_next(r);
+    __uint128_t m = (__uint128_t)x * n;
+    uint64_t l = (uint64_t)m;
+    if (l < n) {
+        uint64_t t = -n % n;
+        while (l < t) {
+            x = rl_rng_next(r);
+            m = (__uint128_t)x * n;
+            l = (uint64_t)m;
+        }
+    }
+    return (uint64_t)(m >> 64);
+}
+
+/* Stateless hash of (seed, a, b): for per-position randomness. */
+static inline uint64_t rl_hash3(uint64_t seed, uint64_t a, uint64_t b) {
+    uint64_t x = seed ^ (a * 0x9e3779b97f4a7c15ull);
+    uint64_t h = rl_splitmix64(&x);
+    x = h ^ (b * 0xc2b2ae3d27d4eb4full);
+    return rl_splitmix64(&x);
+}
+
+#endif

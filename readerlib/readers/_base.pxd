@@ -1,0 +1,123 @@
+# The C-level reader API: what other Cython code may `cimport`.
+#
+# A chain moves `rl_record`s (block, data, size) between compiled readers
+# without the GIL and without a Python object per record.  A record returned
+# by `c_next` is *borrowed*: valid until the producer's next `c_next`,
+# `c_reset` or `c_close`.  A consumer that keeps it longer takes a reference
+# on `record.block` (`rl_block_incref`) and drops it when done.
+#
+# Two kinds of items flow: instances (one serialized instance, layout below)
+# and batches (a block built by BatchReader).  Decorators that only move
+# items (shuffle, multi_pass, holder) accept both.
+#
+# Instance encoding, fields in schema order, no padding:
+#   lod_level 0: row_bytes bytes
+#   lod_level 1: int64 n_rows (little endian), then n_rows * row_bytes bytes
+from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
+
+cdef extern from "rl_core.h":
+    ctypedef struct rl_block:
+        int64_t refcnt
+        char *data
+        int64_t size
+        void *ctx
+        int64_t aux
+    ctypedef struct rl_record:
+        rl_block *block
+        const char *data
+        int64_t size
+    ctypedef struct rl_rng:
+        uint64_t s[4]
+    void rl_block_incref(rl_block *b) nogil
+    void rl_block_decref(rl_block *b) nogil
+    rl_block *rl_block_new(int64_t size) nogil
+    rl_block *rl_block_new_static(char *data, int64_t size) nogil
+    void rl_crc32c_init()
+    uint32_t rl_crc32c(uint32_t crc, const void *buf, size_t length) nogil
+    uint32_t rl_crc32c_mask(uint32_t crc) nogil
+    void rl_rng_seed(rl_rng *r, uint64_t seed, uint64_t stream) nogil
+    uint64_t rl_rng_next(rl_rng *r) nogil
+    uint64_t rl_rng_below(rl_rng *r, uint64_t n) nogil
+    uint64_t rl_hash3(uint64_t seed, uint64_t a, uint64_t b) nogil
+    uint32_t rl_load_u32(const char *p) nogil
+    uint64_t rl_load_u64(const char *p) nogil
+    int64_t rl_load_i64(const char *p) nogil
+    void rl_store_u32(char *p, uint32_t v) nogil
+    void rl_store_u64(char *p, uint64_t v) nogil
+    void rl_store_i64(char *p, int64_t v) nogil
+
+cdef enum:
+    ITEM_INSTANCE = 0
+    ITEM_BATCH = 1
+    RL_MAX_FIELDS = 64
+
+# The schema as compiled code sees it.
+cdef struct rl_layout:
+    int nfields
+    int n_lod                     # fields with lod_level 1
+    int64_t fixed_size            # encoded bytes when n_lod == 0, else -1
+    int64_t row_bytes[RL_MAX_FIELDS]
+    int lod[RL_MAX_FIELDS]
+    int64_t fixed_offset[RL_MAX_FIELDS]   # byte offset of a field when n_lod == 0
+
+# Column-major instances (ArrayReader, writers): field f of instance i is row i
+# of ptr[f] (fixed) or rows off[f][i]:off[f][i+1] of ptr[f] (sequence).
+cdef struct rl_columns:
+    int n
+    const char *ptr[RL_MAX_FIELDS]
+    const int64_t *off[RL_MAX_FIELDS]
+
+cdef int64_t columns_encoded_size(const rl_layout *L, const rl_columns *C, int64_t i) noexcept nogil
+cdef int64_t columns_encode(const rl_layout *L, const rl_columns *C, int64_t i, char *out) noexcept nogil
+
+cdef int layout_from_schema(rl_layout *L, object schema) except -1
+
+# Split an encoded instance into per-field (pointer, rows); -1 if malformed.
+cdef int layout_parse(const rl_layout *L, const char *data, int64_t size,
+                      const char **ptrs, int64_t *rows) noexcept nogil
+
+# Python instance (tuple / dict / single array) -> a fresh block holding its
+# encoding (refcount 1).  Raises ValueError/TypeError naming the field.
+cdef rl_block *encode_instance(object schema, const rl_layout *L, object instance) except NULL
+
+
+cdef class ReaderBase:
+    cdef readonly object schema
+    cdef readonly int item_kind
+    cdef rl_layout layout
+    cdef bint _closed
+    cdef bint _started
+    # 1: *out holds the next item; 0: end of the epoch; -1: exception set.
+    cdef int c_next(self, rl_record *out) except -1 nogil
+    # Restart the whole chain below (next epoch).
+    cdef int c_reset(self) except -1
+    cdef int c_close(self) except -1
+    cdef int _set_schema(self, object schema, int item_kind) except -1
+
+
+cdef class FileReader(ReaderBase):
+    pass
+
+
+cdef class DecoratedReader(ReaderBase):
+    cdef readonly ReaderBase reader      # the decorated (upstream) reader
+
+
+# Sources that encode instances into blocks a chunk at a time.
+cdef class _ChunkedSource(FileReader):
+    cdef rl_block *cur
+    cdef int64_t *rec_off
+    cdef int64_t rec_off_cap
+    cdef int64_t ncur
+    cdef int64_t icur
+    cdef readonly int64_t num_instances
+    cdef int64_t next_index
+    cdef int64_t chunk_records
+    cdef int _reserve(self, int64_t n) except -1
+    cdef int _load(self, int64_t start, int64_t count) except -1
+
+
+cdef class ArrayReader(_ChunkedSource):
+    cdef list _cols
+    cdef rl_columns C          # the validated columns (writers reuse them)
+    cdef bint zero_copy

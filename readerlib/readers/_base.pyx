@@ -1,0 +1,1168 @@
+# cython: freethreading_compatible=False
+"""Reader hierarchy (Paddle Fluid's readers, in Cython).
+
+Design:
+    ReaderBase        c_next / c_reset / c_close, Python read_next / reset / close
+    FileReader        sources: ArrayReader, RandomDataGenerator, PythonReader,
+                      RecordIOReader (formats/_recordio.pyx), TFRecordReader
+    DecoratedReader   wraps `reader`: ShuffleReader, BatchReader, MultiPassReader
+    ReaderHolder      type erasure: holds any chain, same interface
+
+    Items move as `rl_record`s through `c_next` with the GIL released.  Shuffle
+    keeps *references* to records (no copy); BatchReader copies each record
+    once, into one freshly allocated batch block that the returned NumPy
+    arrays view without a further copy.  Python objects appear only for what
+    leaves the chain (`read_next`).
+"""
+import os
+import warnings
+
+import numpy as np
+cimport numpy as cnp
+from cpython.ref cimport PyObject
+from libc.stdlib cimport malloc, free, calloc
+from libc.string cimport memcpy, memset
+
+from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
+from readerlib.tensor import Field, LoDTensor, Schema
+
+cnp.import_array()
+rl_crc32c_init()
+
+__all__ = ["ReaderBase", "FileReader", "DecoratedReader", "ReaderHolder",
+           "ShuffleReader", "BatchReader", "MultiPassReader", "ArrayReader",
+           "RandomDataGenerator", "PythonReader", "crc32c"]
+
+
+def crc32c(data, uint32_t crc=0):
+    """CRC-32C (Castagnoli) of a bytes-like object, continuing from `crc`."""
+    cdef const unsigned char[::1] view = memoryview(data).cast("B")
+    cdef uint32_t out
+    with nogil:
+        out = rl_crc32c(crc, &view[0] if view.shape[0] else NULL, view.shape[0])
+    return out
+
+
+cdef extern from "rl_core.h":
+    int rl_crc32c_hw
+
+
+def _crc32c_uses_hardware():
+    return rl_crc32c_hw == 1
+
+
+# --------------------------------------------------------------------- layout
+cdef int layout_from_schema(rl_layout *L, object schema) except -1:
+    cdef int i
+    memset(L, 0, sizeof(rl_layout))
+    if len(schema) > RL_MAX_FIELDS:
+        raise ValueError(f"a schema may have at most {RL_MAX_FIELDS} fields, got {len(schema)}")
+    L.nfields = len(schema)
+    L.n_lod = 0
+    cdef int64_t off = 0
+    for i, f in enumerate(schema):
+        L.row_bytes[i] = f.row_bytes
+        L.lod[i] = f.lod_level
+        L.fixed_offset[i] = off
+        off += f.row_bytes
+        if f.lod_level:
+            L.n_lod += 1
+    L.fixed_size = off if L.n_lod == 0 else -1
+    return 0
+
+
+cdef int layout_parse(const rl_layout *L, const char *data, int64_t size,
+                      const char **ptrs, int64_t *rows) noexcept nogil:
+    cdef int f
+    cdef int64_t pos = 0, n, nbytes
+    if L.n_lod == 0:
+        if size != L.fixed_size:
+            return -1
+        for f in range(L.nfields):
+            ptrs[f] = data + L.fixed_offset[f]
+            rows[f] = 1
+        return 0
+    for f in range(L.nfields):
+        if L.lod[f]:
+            if size - pos < 8:
+                return -1
+            n = rl_load_i64(data + pos)
+            pos += 8
+            if n < 0:
+                return -1
+            if L.row_bytes[f] and n > (size - pos) // L.row_bytes[f]:
+                return -1
+            nbytes = n * L.row_bytes[f]
+            rows[f] = n
+        else:
+            nbytes = L.row_bytes[f]
+            rows[f] = 1
+            if size - pos < nbytes:
+                return -1
+        ptrs[f] = data + pos
+        pos += nbytes
+    return 0 if pos == size else -1
+
+
+cdef int64_t columns_encoded_size(const rl_layout *L, const rl_columns *C, int64_t i) noexcept nogil:
+    cdef int f
+    cdef int64_t s = 0
+    if L.n_lod == 0:
+        return L.fixed_size
+    for f in range(L.nfields):
+        if L.lod[f]:
+            s += 8 + (C.off[f][i + 1] - C.off[f][i]) * L.row_bytes[f]
+        else:
+            s += L.row_bytes[f]
+    return s
+
+
+cdef int64_t columns_encode(const rl_layout *L, const rl_columns *C, int64_t i, char *out) noexcept nogil:
+    """Encode instance i of the columns at `out`; returns bytes written."""
+    cdef int f
+    cdef int64_t pos = 0, r0, n, nb
+    for f in range(L.nfields):
+        if L.lod[f]:
+            r0 = C.off[f][i]
+            n = C.off[f][i + 1] - r0
+            rl_store_i64(out + pos, n)
+            pos += 8
+            nb = n * L.row_bytes[f]
+            memcpy(out + pos, C.ptr[f] + r0 * L.row_bytes[f], nb)
+        else:
+            nb = L.row_bytes[f]
+            memcpy(out + pos, C.ptr[f] + i * nb, nb)
+        pos += nb
+    return pos
+
+
+cdef object _as_field_array(object value, object field, str what):
+    """One instance's value for `field` as a C-contiguous array of the right dtype/shape."""
+    arr = np.asarray(value)
+    if arr.dtype != field.dtype:
+        if arr.dtype.kind == "O":
+            raise TypeError(f"{what}: field {field.name!r} got an object array, expected {field.dtype}")
+        if not np.can_cast(arr.dtype, field.dtype, casting="same_kind") and not (
+                arr.dtype.kind in "iub" and field.dtype.kind in "iuf"):
+            raise TypeError(f"{what}: field {field.name!r} has dtype {field.dtype}, got {arr.dtype}")
+        arr = arr.astype(field.dtype)
+    if field.lod_level:
+        if arr.ndim == len(field.shape):            # a single step given without the time axis
+            raise ValueError(f"{what}: field {field.name!r} is a sequence (lod_level=1) of steps "
+                             f"{field.shape}; got shape {arr.shape} (no time axis)")
+        if arr.shape[1:] != field.shape:
+            raise ValueError(f"{what}: field {field.name!r} steps have shape {field.shape}, "
+                             f"got value of shape {arr.shape}")
+    elif arr.shape != field.shape:
+        if arr.size == field.row_elems and arr.size == 1 and field.shape == ():
+            arr = arr.reshape(())
+        else:
+            raise ValueError(f"{what}: field {field.name!r} has shape {field.shape}, got {arr.shape}")
+    return np.ascontiguousarray(arr)
+
+
+cdef list _instance_values(object schema, object instance, str what):
+    """Normalise a tuple / list / dict / single value into a list of arrays."""
+    n = len(schema)
+    if isinstance(instance, dict):
+        missing = [f.name for f in schema if f.name not in instance]
+        extra = [k for k in instance if k not in schema.names]
+        if missing or extra:
+            raise ValueError(f"{what}: instance keys do not match the schema "
+                             f"(missing {missing}, unknown {extra})")
+        values = [instance[f.name] for f in schema]
+    elif isinstance(instance, tuple) or (isinstance(instance, list) and n > 1):
+        if len(instance) != n:
+            raise ValueError(f"{what}: instance has {len(instance)} values, the schema has {n} fields "
+                             f"{list(schema.names)}")
+        values = list(instance)
+    elif n == 1:
+        values = [instance]
+    else:
+        raise TypeError(f"{what}: an instance is a tuple, list or dict of {n} values, "
+                        f"got {type(instance).__name__}")
+    return [_as_field_array(v, f, what) for v, f in zip(values, schema)]
+
+
+cdef rl_block *encode_instance(object schema, const rl_layout *L, object instance) except NULL:
+    values = _instance_values(schema, instance, "instance")
+    cdef rl_columns C
+    cdef int64_t offs[RL_MAX_FIELDS * 2]
+    cdef int f
+    cdef cnp.ndarray a
+    C.n = L.nfields
+    for f in range(L.nfields):
+        a = values[f]
+        C.ptr[f] = <const char *>cnp.PyArray_DATA(a)
+        if L.lod[f]:
+            offs[2 * f] = 0
+            offs[2 * f + 1] = a.shape[0]
+            C.off[f] = &offs[2 * f]
+        else:
+            C.off[f] = NULL
+    cdef int64_t size = columns_encoded_size(L, &C, 0)
+    cdef rl_block *b = rl_block_new(size)
+    if b == NULL:
+        raise MemoryError()
+    columns_encode(L, &C, 0, b.data)
+    return b
+
+
+# -------------------------------------------------------------- Python views
+cdef class _BlockRef:
+    """Keeps an rl_block alive for NumPy arrays that view it."""
+    cdef rl_block *block
+
+    def __dealloc__(self):
+        if self.block != NULL:
+            rl_block_decref(self.block)
+            self.block = NULL
+
+
+cdef _BlockRef _block_ref(rl_block *b):
+    cdef _BlockRef r = _BlockRef.__new__(_BlockRef)
+    rl_block_incref(b)
+    r.block = b
+    return r
+
+
+cdef object _view(object owner, const char *ptr, int64_t rows, object field):
+    cdef cnp.npy_intp dims[33]
+    cdef int nd = 1 + len(field.shape)
+    cdef int k
+    if nd > 32:
+        raise ValueError("too many dimensions")
+    dims[0] = rows
+    for k in range(1, nd):
+        dims[k] = field.shape[k - 1]
+    arr = cnp.PyArray_SimpleNewFromData(nd, dims, field.dtype.num, <void *>ptr)
+    cnp.set_array_base(arr, owner)
+    return arr
+
+
+cdef object _trusted_lod(object data, list lod):
+    t = LoDTensor.__new__(LoDTensor)
+    t.data = data
+    t.lod = lod
+    return t
+
+
+# Batch block: int64 header [n, nfields, (rows, data_off, lod_off) * nfields],
+# then 64-byte aligned sections.
+cdef inline int64_t _align64(int64_t x) noexcept nogil:
+    return (x + 63) & ~(<int64_t>63)
+
+
+cdef tuple _wrap_batch(ReaderBase r, rl_record *rec):
+    cdef _BlockRef owner = _block_ref(rec.block)
+    cdef const char *base = rec.data
+    cdef int64_t n = rl_load_i64(base)
+    cdef int nf = <int>rl_load_i64(base + 8)
+    cdef int f
+    cdef int64_t rows, doff, loff
+    out = []
+    for f in range(nf):
+        rows = rl_load_i64(base + 16 + 24 * f)
+        doff = rl_load_i64(base + 24 + 24 * f)
+        loff = rl_load_i64(base + 32 + 24 * f)
+        field = r.schema.fields[f]
+        if loff >= 0:
+            data = _view(owner, base + doff, rows, field)
+            lod = [_view(owner, base + loff, n + 1, _OFFSETS_FIELD)]
+        else:
+            data = _view(owner, base + doff, n, field)
+            lod = []
+        out.append(_trusted_lod(data, lod))
+    return tuple(out)
+
+
+_OFFSETS_FIELD = Field("offsets", "int64")
+
+
+cdef tuple _decode_instance(ReaderBase r, rl_record *rec):
+    cdef const char *ptrs[RL_MAX_FIELDS]
+    cdef int64_t rows[RL_MAX_FIELDS]
+    cdef int f
+    if layout_parse(&r.layout, rec.data, rec.size, ptrs, rows) != 0:
+        raise ValueError(f"malformed record of {rec.size} bytes for schema {r.schema}")
+    out = []
+    for f in range(r.layout.nfields):
+        field = r.schema.fields[f]
+        dt = field.dtype
+        if r.layout.lod[f]:
+            shape = (rows[f],) + field.shape
+        else:
+            shape = field.shape
+        nbytes = rows[f] * r.layout.row_bytes[f]
+        a = np.empty(shape, dtype=dt)
+        if nbytes:
+            memcpy(cnp.PyArray_DATA(a), ptrs[f], nbytes)
+        out.append(a)
+    return tuple(out)
+
+
+# ------------------------------------------------------------------ the base
+cdef class ReaderBase:
+    """Base of every reader: `read_next()` returns the next item or None.
+
+    Items are instances (a tuple of NumPy arrays, one per schema field) or,
+    after `.batch()`, batches (a tuple of LoDTensor).  Iterating a reader
+    yields the rest of the current epoch; iterating it again starts the next
+    epoch (like a tf.data Dataset).  `reset()` restarts the chain.
+    """
+
+    def __cinit__(self, *args, **kwargs):
+        self._closed = False
+        self._started = False
+        self.item_kind = ITEM_INSTANCE
+
+    cdef int _set_schema(self, object schema, int item_kind) except -1:
+        self.schema = Schema.coerce(schema)
+        layout_from_schema(&self.layout, self.schema)
+        self.item_kind = item_kind
+        return 0
+
+    cdef int c_next(self, rl_record *out) except -1 nogil:
+        with gil:
+            raise NotImplementedError(f"{type(self).__name__} does not implement c_next")
+
+    cdef int c_reset(self) except -1:
+        return 0
+
+    cdef int c_close(self) except -1:
+        return 0
+
+    def _check_open(self):
+        if self._closed:
+            raise ValueError(f"I/O operation on closed reader ({type(self).__name__})")
+
+    def read_next(self):
+        """The next instance or batch, or None at the end of the epoch."""
+        cdef rl_record rec
+        cdef int r
+        if self._closed:
+            self._check_open()
+        if not self._started:
+            self._mark_started(True)
+        with nogil:
+            r = self.c_next(&rec)
+        if r == 0:
+            return None
+        if self.item_kind == ITEM_BATCH:
+            return _wrap_batch(self, &rec)
+        return _decode_instance(self, &rec)
+
+    def reset(self):
+        """Restart the whole chain; shuffles draw a new order (next epoch)."""
+        self._check_open()
+        self.c_reset()
+        self._mark_started(False)
+
+    def _mark_started(self, bint started):
+        """Flag every reader of the chain as mid-epoch (or fresh after reset)."""
+        r = self
+        while isinstance(r, ReaderBase):
+            (<ReaderBase>r)._started = started
+            r = getattr(r, "reader", None)
+
+    def close(self):
+        """Release files and buffers of the whole chain.  Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.c_close()
+
+    @property
+    def closed(self):
+        return self._closed
+
+    @property
+    def is_batched(self):
+        return self.item_kind == ITEM_BATCH
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __iter__(self):
+        self._check_open()
+        if self._started:
+            self.reset()
+        return self
+
+    def __next__(self):
+        item = self.read_next()
+        if item is None:
+            raise StopIteration
+        return item
+
+    # -- fluent decoration -------------------------------------------------
+    def shuffle(self, buffer_size, seed=None):
+        """`ShuffleReader(self, buffer_size, seed)`."""
+        return ShuffleReader(self, buffer_size, seed)
+
+    def batch(self, batch_size, drop_last=False):
+        """`BatchReader(self, batch_size, drop_last)`."""
+        return BatchReader(self, batch_size, drop_last)
+
+    def multi_pass(self, num_passes):
+        """`MultiPassReader(self, num_passes)`."""
+        return MultiPassReader(self, num_passes)
+
+
+cdef class FileReader(ReaderBase):
+    """A source of instances (a file, arrays, a generator)."""
+    pass
+
+
+cdef class DecoratedReader(ReaderBase):
+    """A reader that transforms the items of another (`self.reader`)."""
+
+    def __init__(self, ReaderBase reader not None):
+        if reader._started:          # a fresh chain starts at the top of an epoch
+            reader.reset()
+        self.reader = reader
+        self._set_schema(reader.schema, reader.item_kind)
+
+    cdef int c_reset(self) except -1:
+        return self.reader.c_reset()
+
+    cdef int c_close(self) except -1:
+        self.reader.close()
+        return 0
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.reader!r})"
+
+
+def _check_positive_int(value, name, allow_zero=False):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+    return int(value)
+
+
+def _check_reader(reader, who):
+    if not isinstance(reader, ReaderBase):
+        raise TypeError(f"{who} decorates a readerlib reader, got {type(reader).__name__}")
+    return reader
+
+
+# ------------------------------------------------------------------ holder
+cdef class ReaderHolder(ReaderBase):
+    """Type-erasing holder: any reader in, the same interface out.
+
+    `holder.reader` gives the held chain back; `holder.reset_reader(r)`
+    swaps it (Paddle's ReaderHolder).
+    """
+    cdef ReaderBase _held
+
+    def __init__(self, reader):
+        self.reset_reader(reader)
+
+    def reset_reader(self, reader):
+        _check_reader(reader, "ReaderHolder")
+        self._held = reader
+        self._set_schema(reader.schema, reader.item_kind)
+
+    @property
+    def reader(self):
+        return self._held
+
+    cdef int c_next(self, rl_record *out) except -1 nogil:
+        return self._held.c_next(out)
+
+    cdef int c_reset(self) except -1:
+        return self._held.c_reset()
+
+    cdef int c_close(self) except -1:
+        self._held.close()
+        return 0
+
+
+# ----------------------------------------------------------------- shuffle
+cdef class ShuffleReader(DecoratedReader):
+    """Shuffle through a buffer of `buffer_size` items (tf.data's algorithm).
+
+    Every item comes out exactly once per epoch.  The order is a function of
+    (seed, epoch): the same seed gives the same order, and each `reset()`
+    starts a new epoch with a new order.  The buffer holds references to
+    records, not copies.
+
+    Parameters
+    ----------
+    reader : ReaderBase
+    buffer_size : int
+        Items held; 1 means no shuffling.
+    seed : int, optional
+        Pass `seed=` to make the order reproducible; without it a seed is
+        drawn from the OS once, at construction.
+    """
+    cdef rl_record *slots
+    cdef int64_t cap
+    cdef int64_t count
+    cdef bint filled
+    cdef bint upstream_done
+    cdef rl_block *hold
+    cdef rl_rng rng
+    cdef readonly uint64_t seed
+    cdef readonly int64_t epoch
+    cdef readonly int64_t position
+
+    def __init__(self, reader, buffer_size, seed=None):
+        _check_reader(reader, "ShuffleReader")
+        cap = _check_positive_int(buffer_size, "buffer_size")
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little")
+        elif isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+        DecoratedReader.__init__(self, reader)
+        self.slots = <rl_record *>calloc(cap, sizeof(rl_record))
+        if self.slots == NULL:
+            raise MemoryError(f"shuffle buffer of {cap} items")
+        self.cap = cap
+        self.seed = <uint64_t>(int(seed) & 0xFFFFFFFFFFFFFFFF)
+        self.epoch = 0
+        self._restart()
+
+    cdef void _drop(self) noexcept nogil:
+        cdef int64_t i
+        for i in range(self.count):
+            rl_block_decref(self.slots[i].block)
+        self.count = 0
+        if self.hold != NULL:
+            rl_block_decref(self.hold)
+            self.hold = NULL
+
+    cdef void _restart(self) noexcept nogil:
+        self._drop()
+        self.filled = False
+        self.upstream_done = False
+        self.position = 0
+        rl_rng_seed(&self.rng, self.seed, <uint64_t>self.epoch)
+
+    def __dealloc__(self):
+        if self.slots != NULL:
+            self._drop()
+            free(self.slots)
+            self.slots = NULL
+
+    cdef int c_next(self, rl_record *out) except -1 nogil:
+        cdef rl_record rec
+        cdef int r
+        cdef uint64_t j
+        if self.hold != NULL:
+            rl_block_decref(self.hold)
+            self.hold = NULL
+        if not self.filled:
+            while self.count < self.cap:
+                r = self.reader.c_next(&rec)
+                if r < 0:
+                    return -1
+                if r == 0:
+                    self.upstream_done = True
+                    break
+                rl_block_incref(rec.block)
+                self.slots[self.count] = rec
+                self.count += 1
+            self.filled = True
+        if self.count == 0:
+            return 0
+        j = rl_rng_below(&self.rng, <uint64_t>self.count)
+        out[0] = self.slots[j]
+        self.hold = self.slots[j].block       # our reference moves to `hold`
+        self.position += 1
+        if not self.upstream_done:
+            r = self.reader.c_next(&rec)
+            if r < 0:
+                # keep the buffer consistent: the emitted slot is gone
+                self.slots[j] = self.slots[self.count - 1]
+                self.count -= 1
+                return -1
+            if r == 1:
+                rl_block_incref(rec.block)
+                self.slots[j] = rec
+                return 1
+            self.upstream_done = True
+        self.slots[j] = self.slots[self.count - 1]
+        self.count -= 1
+        return 1
+
+    cdef int c_reset(self) except -1:
+        self.epoch += 1
+        self._restart()
+        return self.reader.c_reset()
+
+    cdef int c_close(self) except -1:
+        self._drop()
+        self.reader.close()
+        return 0
+
+    @property
+    def buffer_size(self):
+        return self.cap
+
+    def __repr__(self):
+        return f"ShuffleReader({self.reader!r}, buffer_size={self.cap}, seed={self.seed})"
+
+
+# ------------------------------------------------------------------- batch
+cdef class BatchReader(DecoratedReader):
+    """Group `batch_size` instances into one batch (Paddle's BatchReader).
+
+    Each field becomes a LoDTensor: fixed fields stack to `[B, *shape]`;
+    sequence fields concatenate their rows and carry offsets `lod[0]`
+    (each instance's offsets shifted by the running total).
+
+    Parameters
+    ----------
+    reader : ReaderBase
+        Must yield instances (not batches).
+    batch_size : int
+    drop_last : bool
+        Drop a final batch smaller than `batch_size`.
+    """
+    cdef readonly int64_t batch_size
+    cdef readonly bint drop_last
+    cdef rl_record *recs
+    cdef int64_t nrecs
+    cdef rl_block *hold
+
+    def __init__(self, reader, batch_size, drop_last=False):
+        _check_reader(reader, "BatchReader")
+        if reader.item_kind != ITEM_INSTANCE:
+            raise TypeError("BatchReader needs a reader of instances; this one already yields "
+                            "batches (call .batch() once)")
+        bs = _check_positive_int(batch_size, "batch_size")
+        DecoratedReader.__init__(self, reader)
+        self.item_kind = ITEM_BATCH
+        self.batch_size = bs
+        self.drop_last = bool(drop_last)
+        self.recs = <rl_record *>calloc(bs, sizeof(rl_record))
+        if self.recs == NULL:
+            raise MemoryError()
+
+    cdef void _release(self) noexcept nogil:
+        cdef int64_t i
+        for i in range(self.nrecs):
+            rl_block_decref(self.recs[i].block)
+        self.nrecs = 0
+
+    def __dealloc__(self):
+        if self.recs != NULL:
+            self._release()
+            free(self.recs)
+            self.recs = NULL
+        if self.hold != NULL:
+            rl_block_decref(self.hold)
+            self.hold = NULL
+
+    cdef int c_next(self, rl_record *out) except -1 nogil:
+        cdef rl_record rec
+        cdef int r, f
+        cdef int64_t n = 0, i
+        if self.hold != NULL:
+            rl_block_decref(self.hold)
+            self.hold = NULL
+        while n < self.batch_size:
+            r = self.reader.c_next(&rec)
+            if r < 0:
+                self._release()
+                return -1
+            if r == 0:
+                break
+            rl_block_incref(rec.block)
+            self.recs[n] = rec
+            n += 1
+            self.nrecs = n
+        if n == 0 or (n < self.batch_size and self.drop_last):
+            self._release()
+            return 0
+        r = self._assemble(n, out)
+        self._release()
+        return r
+
+    cdef int _assemble(self, int64_t n, rl_record *out) except -1 nogil:
+        cdef const rl_layout *L = &self.layout
+        cdef int nf = L.nfields
+        cdef int f
+        cdef int64_t i, k
+        cdef const char *ptrs[RL_MAX_FIELDS]
+        cdef int64_t rows[RL_MAX_FIELDS]
+        cdef int64_t total_rows[RL_MAX_FIELDS]
+        cdef int64_t doff[RL_MAX_FIELDS]
+        cdef int64_t loff[RL_MAX_FIELDS]
+        cdef int64_t pos, size, rb
+        cdef char *base
+        cdef int64_t *offs
+        cdef char *dst
+        for f in range(nf):
+            total_rows[f] = 0 if L.lod[f] else n
+        if L.n_lod:
+            for i in range(n):
+                if layout_parse(L, self.recs[i].data, self.recs[i].size, ptrs, rows) != 0:
+                    with gil:
+                        raise ValueError(
+                            f"BatchReader: instance {i} of the batch is malformed "
+                            f"({self.recs[i].size} bytes) for schema {self.schema}")
+                for f in range(nf):
+                    if L.lod[f]:
+                        total_rows[f] += rows[f]
+        else:
+            for i in range(n):
+                if self.recs[i].size != L.fixed_size:
+                    with gil:
+                        raise ValueError(
+                            f"BatchReader: instance {i} of the batch has {self.recs[i].size} bytes, "
+                            f"the schema needs {L.fixed_size}")
+        pos = _align64(16 + 24 * nf)
+        for f in range(nf):
+            doff[f] = pos
+            pos = _align64(pos + total_rows[f] * L.row_bytes[f])
+            if L.lod[f]:
+                loff[f] = pos
+                pos = _align64(pos + (n + 1) * 8)
+            else:
+                loff[f] = -1
+        size = pos
+        cdef rl_block *b = rl_block_new(size)
+        if b == NULL:
+            with gil:
+                raise MemoryError(f"batch of {size} bytes")
+        base = b.data
+        rl_store_i64(base, n)
+        rl_store_i64(base + 8, nf)
+        for f in range(nf):
+            rl_store_i64(base + 16 + 24 * f, total_rows[f])
+            rl_store_i64(base + 24 + 24 * f, doff[f])
+            rl_store_i64(base + 32 + 24 * f, loff[f])
+        if L.n_lod == 0:
+            if nf == 1:
+                rb = L.row_bytes[0]
+                dst = base + doff[0]
+                for i in range(n):
+                    memcpy(dst + i * rb, self.recs[i].data, rb)
+            else:
+                for i in range(n):
+                    for f in range(nf):
+                        rb = L.row_bytes[f]
+                        memcpy(base + doff[f] + i * rb, self.recs[i].data + L.fixed_offset[f], rb)
+        else:
+            for f in range(nf):
+                total_rows[f] = 0
+                if L.lod[f]:
+                    (<int64_t *>(base + loff[f]))[0] = 0
+            for i in range(n):
+                layout_parse(L, self.recs[i].data, self.recs[i].size, ptrs, rows)
+                for f in range(nf):
+                    rb = L.row_bytes[f]
+                    if L.lod[f]:
+                        memcpy(base + doff[f] + total_rows[f] * rb, ptrs[f], rows[f] * rb)
+                        total_rows[f] += rows[f]
+                        (<int64_t *>(base + loff[f]))[i + 1] = total_rows[f]
+                    else:
+                        memcpy(base + doff[f] + i * rb, ptrs[f], rb)
+        out.block = b
+        out.data = b.data
+        out.size = size
+        self.hold = b
+        return 1
+
+    cdef int c_reset(self) except -1:
+        if self.hold != NULL:
+            rl_block_decref(self.hold)
+            self.hold = NULL
+        return self.reader.c_reset()
+
+    def __repr__(self):
+        return f"BatchReader({self.reader!r}, batch_size={self.batch_size}, drop_last={self.drop_last})"
+
+
+# --------------------------------------------------------------- multipass
+cdef class MultiPassReader(DecoratedReader):
+    """Read the decorated reader `num_passes` times per epoch (Paddle's)."""
+    cdef readonly int64_t num_passes
+    cdef readonly int64_t pass_id
+
+    def __init__(self, reader, num_passes):
+        _check_reader(reader, "MultiPassReader")
+        n = _check_positive_int(num_passes, "num_passes")
+        DecoratedReader.__init__(self, reader)
+        self.num_passes = n
+        self.pass_id = 0
+
+    cdef int c_next(self, rl_record *out) except -1 nogil:
+        cdef int r = self.reader.c_next(out)
+        while r == 0 and self.pass_id + 1 < self.num_passes:
+            self.pass_id += 1
+            with gil:
+                self.reader.c_reset()
+            r = self.reader.c_next(out)
+        return r
+
+    cdef int c_reset(self) except -1:
+        self.pass_id = 0
+        return self.reader.c_reset()
+
+    def __repr__(self):
+        return f"MultiPassReader({self.reader!r}, num_passes={self.num_passes})"
+
+
+# ---------------------------------------------------------- block sources
+cdef class _ChunkedSource(FileReader):
+    """A source that encodes instances into blocks, a chunk of them at a time.
+
+    Subclasses fill `self.cur` (a block of encoded records) and the record
+    offsets `self.rec_off[0..ncur]` in `_load(chunk_start)`.
+    """
+    cdef int _reserve(self, int64_t n) except -1:
+        if n + 1 > self.rec_off_cap:
+            free(self.rec_off)
+            self.rec_off = <int64_t *>malloc((n + 1) * sizeof(int64_t))
+            if self.rec_off == NULL:
+                self.rec_off_cap = 0
+                raise MemoryError()
+            self.rec_off_cap = n + 1
+        return 0
+
+    cdef int _load(self, int64_t start, int64_t count) except -1:
+        raise NotImplementedError
+
+    def __dealloc__(self):
+        if self.cur != NULL:
+            rl_block_decref(self.cur)
+            self.cur = NULL
+        free(self.rec_off)
+        self.rec_off = NULL
+
+    cdef int c_next(self, rl_record *out) except -1 nogil:
+        cdef int64_t count
+        if self.icur >= self.ncur:
+            if self.next_index >= self.num_instances:
+                return 0
+            count = self.num_instances - self.next_index
+            if count > self.chunk_records:
+                count = self.chunk_records
+            with gil:
+                if self.cur != NULL:
+                    rl_block_decref(self.cur)
+                    self.cur = NULL
+                self._load(self.next_index, count)
+            self.next_index += count
+            self.ncur = count
+            self.icur = 0
+        out.block = self.cur
+        out.data = self.cur.data + self.rec_off[self.icur]
+        out.size = self.rec_off[self.icur + 1] - self.rec_off[self.icur]
+        self.icur += 1
+        return 1
+
+    cdef int c_reset(self) except -1:
+        if self.cur != NULL:
+            rl_block_decref(self.cur)
+            self.cur = NULL
+        self.ncur = 0
+        self.icur = 0
+        self.next_index = 0
+        return 0
+
+    cdef int c_close(self) except -1:
+        return self.c_reset()
+
+    def __len__(self):
+        return self.num_instances
+
+
+def _as_column(value, name):
+    """(array, offsets or None) for one ArrayReader column."""
+    if isinstance(value, LoDTensor):
+        if value.device != "cpu":
+            raise TypeError(f"ArrayReader column {name!r}: LoDTensor is on the GPU; use .to('cpu')")
+        if len(value.lod) != 1:
+            raise ValueError(f"ArrayReader column {name!r}: needs one lod level, got {len(value.lod)}")
+        return np.ascontiguousarray(value.data), np.ascontiguousarray(value.lod[0], dtype=np.int64)
+    if isinstance(value, list):
+        if not value:
+            raise ValueError(f"ArrayReader column {name!r}: empty list of sequences")
+        t = LoDTensor.from_sequences([np.asarray(v) for v in value])
+        return np.ascontiguousarray(t.data), t.lod[0]
+    arr = np.asarray(value)
+    if arr.ndim == 0:
+        raise ValueError(f"ArrayReader column {name!r}: needs at least one dimension (instances), "
+                         f"got a scalar")
+    if arr.dtype.kind == "O":
+        raise TypeError(f"ArrayReader column {name!r}: object arrays are not supported")
+    if not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    return np.ascontiguousarray(arr), None
+
+
+cdef class ArrayReader(_ChunkedSource):
+    """Instances from NumPy arrays (one per field), memory-mapped `.npy` included.
+
+    Parameters
+    ----------
+    arrays : array, sequence of arrays, or dict name -> array
+        Row i of every array is instance i.  A LoDTensor, or a list of
+        arrays, makes a sequence field (lod_level=1).
+    schema : Schema, optional
+        Checked against the arrays; inferred (names `f0`, `f1`, ... or the
+        dict's keys) when omitted.
+
+    Examples
+    --------
+    >>> r = ArrayReader({"x": np.zeros((10, 3), np.float32), "y": np.arange(10)})
+    >>> len(list(r))
+    10
+    """
+    def __init__(self, arrays, schema=None, chunk_records=None):
+        if isinstance(arrays, dict):
+            names = list(arrays)
+            values = list(arrays.values())
+        elif isinstance(arrays, (tuple, list)) and arrays and not (
+                isinstance(arrays, list) and all(isinstance(a, np.ndarray) for a in arrays)
+                and schema is not None and len(schema) == 1 and schema[0].lod_level):
+            names = [f"f{i}" for i in range(len(arrays))]
+            values = list(arrays)
+        else:
+            names = ["f0"]
+            values = [arrays]
+        if not values:
+            raise ValueError("ArrayReader needs at least one array")
+        cols = [_as_column(v, n) for v, n in zip(values, names)]
+        if schema is None:
+            schema = Schema([Field(n, a.dtype, a.shape[1:], lod_level=1 if off is not None else 0)
+                             for n, (a, off) in zip(names, cols)])
+        else:
+            schema = Schema.coerce(schema)
+            if len(schema) != len(cols):
+                raise ValueError(f"ArrayReader: {len(cols)} arrays for a schema of {len(schema)} fields")
+            fixed = []
+            for f, (a, off) in zip(schema, cols):
+                if (off is not None) != bool(f.lod_level):
+                    raise ValueError(f"ArrayReader: field {f.name!r} has lod_level {f.lod_level} but "
+                                     f"its array is {'a sequence column' if off is not None else 'fixed'}")
+                if a.shape[1:] != f.shape:
+                    raise ValueError(f"ArrayReader: field {f.name!r} has shape {f.shape}, "
+                                     f"array rows have shape {a.shape[1:]}")
+                if a.dtype != f.dtype:
+                    if not np.can_cast(a.dtype, f.dtype, casting="same_kind"):
+                        raise TypeError(f"ArrayReader: field {f.name!r} has dtype {f.dtype}, "
+                                        f"array has {a.dtype}")
+                    a = a.astype(f.dtype)
+                fixed.append((a, off))
+            cols = fixed
+        counts = [(len(off) - 1 if off is not None else a.shape[0]) for a, off in cols]
+        if len(set(counts)) != 1:
+            raise ValueError(f"ArrayReader: arrays disagree on the number of instances: "
+                             f"{dict(zip(schema.names, counts))}")
+        self._set_schema(schema, ITEM_INSTANCE)
+        self._cols = []
+        cdef cnp.ndarray a_, o_
+        self.C.n = len(cols)
+        for f, (a, off) in enumerate(cols):
+            a_ = a
+            self._cols.append(a_)
+            self.C.ptr[f] = <const char *>cnp.PyArray_DATA(a_)
+            if off is not None:
+                o_ = np.ascontiguousarray(off, dtype=np.int64)
+                if o_[0] != 0 or np.any(np.diff(o_) < 0) or o_[o_.shape[0] - 1] != a_.shape[0]:
+                    raise ValueError(f"ArrayReader: bad offsets for field {schema[f].name!r}")
+                self._cols.append(o_)
+                self.C.off[f] = <const int64_t *>cnp.PyArray_DATA(o_)
+            else:
+                self.C.off[f] = NULL
+        self.num_instances = counts[0]
+        self.zero_copy = self.layout.nfields == 1 and self.layout.n_lod == 0
+        if chunk_records is None:
+            avg = max(1, self.layout.fixed_size if self.layout.fixed_size > 0 else 1024)
+            chunk_records = max(1, min(4096, (1 << 20) // avg))
+        self.chunk_records = _check_positive_int(chunk_records, "chunk_records")
+        if self.zero_copy:
+            self.chunk_records = max(self.num_instances, 1)
+        self.c_reset()
+
+    cdef int _load(self, int64_t start, int64_t count) except -1:
+        cdef int64_t i, size = 0
+        cdef const rl_layout *L = &self.layout
+        self._reserve(count)
+        if self.zero_copy:
+            self.cur = rl_block_new_static(<char *>self.C.ptr[0], count * L.fixed_size)
+            if self.cur == NULL:
+                raise MemoryError()
+            for i in range(count + 1):
+                self.rec_off[i] = (start + i) * L.fixed_size - start * L.fixed_size
+            self.cur.data = <char *>self.C.ptr[0] + start * L.fixed_size
+            return 0
+        with nogil:
+            self.rec_off[0] = 0
+            for i in range(count):
+                size += columns_encoded_size(L, &self.C, start + i)
+                self.rec_off[i + 1] = size
+        self.cur = rl_block_new(size)
+        if self.cur == NULL:
+            raise MemoryError()
+        with nogil:
+            for i in range(count):
+                columns_encode(L, &self.C, start + i, self.cur.data + self.rec_off[i])
+        return 0
+
+    def __repr__(self):
+        return f"ArrayReader({self.num_instances} instances, {self.schema})"
+
+
+cdef class RandomDataGenerator(_ChunkedSource):
+    """Seeded random instances for a schema (Paddle's, made reproducible).
+
+    Instance i depends only on (seed, i // chunk): every epoch and every
+    reset yields the same data.  Floats are uniform in [low, high), integers
+    uniform in [low, high), sequence lengths uniform in `length_range`
+    (inclusive).
+
+    Parameters
+    ----------
+    schema : Schema
+    num_instances : int
+    seed : int
+    low, high : float
+    length_range : (int, int)
+    """
+    cdef readonly uint64_t seed
+    cdef object low, high, length_range
+
+    def __init__(self, schema, num_instances, seed=0, low=0.0, high=1.0, length_range=(1, 16)):
+        schema = Schema.coerce(schema)
+        self.num_instances = _check_positive_int(num_instances, "num_instances", allow_zero=True)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        lo, hi = length_range
+        if not (0 <= lo <= hi):
+            raise ValueError(f"length_range must satisfy 0 <= low <= high, got {length_range}")
+        if not high > low:
+            raise ValueError(f"need high > low, got low={low}, high={high}")
+        self._set_schema(schema, ITEM_INSTANCE)
+        self.seed = <uint64_t>(int(seed) & 0xFFFFFFFFFFFFFFFF)
+        self.low, self.high, self.length_range = low, high, (int(lo), int(hi))
+        self.chunk_records = 1024
+        self.c_reset()
+
+    cdef int _load(self, int64_t start, int64_t count) except -1:
+        rng = np.random.default_rng([self.seed, start // 1024])
+        cols = []
+        offs = []
+        for f in self.schema:
+            if f.lod_level:
+                lengths = rng.integers(self.length_range[0], self.length_range[1] + 1, size=count)
+                off = np.zeros(count + 1, np.int64)
+                np.cumsum(lengths, out=off[1:])
+                rows = int(off[count])
+            else:
+                off = None
+                rows = count
+            shape = (rows,) + f.shape
+            if f.dtype.kind == "f":
+                a = (rng.random(shape) * (self.high - self.low) + self.low).astype(f.dtype)
+            elif f.dtype.kind == "b":
+                a = rng.integers(0, 2, size=shape).astype(bool)
+            else:
+                lo = max(int(np.floor(self.low)), int(np.iinfo(f.dtype).min))
+                hi = min(int(np.ceil(self.high)), int(np.iinfo(f.dtype).max))
+                if hi <= lo:
+                    hi = lo + 1
+                a = rng.integers(lo, hi, size=shape, dtype=np.int64).astype(f.dtype)
+            cols.append(np.ascontiguousarray(a))
+            offs.append(off)
+        cdef rl_columns C
+        cdef cnp.ndarray a_, o_
+        cdef int k
+        C.n = len(cols)
+        for k in range(C.n):
+            a_ = cols[k]
+            C.ptr[k] = <const char *>cnp.PyArray_DATA(a_)
+            if offs[k] is not None:
+                o_ = offs[k]
+                C.off[k] = <const int64_t *>cnp.PyArray_DATA(o_)
+            else:
+                C.off[k] = NULL
+        cdef int64_t i, size = 0
+        self._reserve(count)
+        self.rec_off[0] = 0
+        for i in range(count):
+            size += columns_encoded_size(&self.layout, &C, i)
+            self.rec_off[i + 1] = size
+        self.cur = rl_block_new(size)
+        if self.cur == NULL:
+            raise MemoryError()
+        for i in range(count):
+            columns_encode(&self.layout, &C, i, self.cur.data + self.rec_off[i])
+        return 0
+
+    def __repr__(self):
+        return f"RandomDataGenerator({self.schema}, num_instances={self.num_instances}, seed={self.seed})"
+
+
+cdef class PythonReader(FileReader):
+    """A file reader written in Python (the slow path).
+
+    Parameters
+    ----------
+    make_iterator : callable
+        Called at the start of each epoch; returns an iterator of instances
+        (tuples, dicts, or single arrays for one-field schemas).
+    schema : Schema
+    """
+    cdef object make_iterator
+    cdef object _it
+    cdef rl_block *cur
+    cdef readonly int64_t index
+
+    def __init__(self, make_iterator, schema):
+        if not callable(make_iterator):
+            raise TypeError("PythonReader needs a callable that returns an iterator of instances")
+        self._set_schema(schema, ITEM_INSTANCE)
+        self.make_iterator = make_iterator
+        self._it = None
+        self.index = 0
+
+    def __dealloc__(self):
+        if self.cur != NULL:
+            rl_block_decref(self.cur)
+            self.cur = NULL
+
+    cdef int c_next(self, rl_record *out) except -1 nogil:
+        with gil:
+            return self._next_py(out)
+
+    cdef int _next_py(self, rl_record *out) except -1:
+        if self.cur != NULL:
+            rl_block_decref(self.cur)
+            self.cur = NULL
+        if self._it is None:
+            self._it = iter(self.make_iterator())
+        try:
+            item = next(self._it)
+        except StopIteration:
+            return 0
+        try:
+            self.cur = encode_instance(self.schema, &self.layout, item)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"PythonReader instance {self.index}: {e}") from None
+        self.index += 1
+        out.block = self.cur
+        out.data = self.cur.data
+        out.size = self.cur.size
+        return 1
+
+    cdef int c_reset(self) except -1:
+        if self.cur != NULL:
+            rl_block_decref(self.cur)
+            self.cur = NULL
+        self._it = None
+        self.index = 0
+        return 0
+
+    cdef int c_close(self) except -1:
+        return self.c_reset()
