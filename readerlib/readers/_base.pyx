@@ -484,6 +484,16 @@ cdef class ReaderHolder(ReaderBase):
 
 
 # ----------------------------------------------------------------- shuffle
+cdef extern from *:
+    void __builtin_prefetch(const void *p) nogil
+
+
+cdef struct _bref:
+    rl_block *block
+    int64_t count        # references held by this shuffle (slots + output)
+    int64_t next_free
+
+
 cdef class ShuffleReader(DecoratedReader):
     """Shuffle through a buffer of `buffer_size` items (tf.data's algorithm).
 
@@ -501,12 +511,23 @@ cdef class ShuffleReader(DecoratedReader):
         Pass `seed=` to make the order reproducible; without it a seed is
         drawn from the OS once, at construction.
     """
+    # Design: slots[] hold borrowed-then-kept records.  Keeping a record
+    # means keeping its block; instead of one atomic incref/decref per
+    # record, blocks are counted in a local table (`btab`, non-atomic) and
+    # only the first/last local reference touches the block's atomic count.
+    # Records arrive in runs from the same block, so the common case is one
+    # comparison and one increment.
     cdef rl_record *slots
+    cdef int64_t *slot_ref
+    cdef _bref *btab
+    cdef int64_t btab_free
+    cdef int64_t btab_last
     cdef int64_t cap
     cdef int64_t count
     cdef bint filled
     cdef bint upstream_done
-    cdef rl_block *hold
+    cdef int64_t hold
+    cdef int64_t next_j          # the next draw, made one call ahead to prefetch its data
     cdef rl_rng rng
     cdef readonly uint64_t seed
     cdef readonly int64_t epoch
@@ -521,42 +542,84 @@ cdef class ShuffleReader(DecoratedReader):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
         DecoratedReader.__init__(self, reader)
         self.slots = <rl_record *>calloc(cap, sizeof(rl_record))
-        if self.slots == NULL:
+        self.slot_ref = <int64_t *>calloc(cap, sizeof(int64_t))
+        self.btab = <_bref *>calloc(cap + 2, sizeof(_bref))
+        if self.slots == NULL or self.slot_ref == NULL or self.btab == NULL:
             raise MemoryError(f"shuffle buffer of {cap} items")
         self.cap = cap
+        self.count = 0
+        self.hold = -1
+        self._init_table()
         self.seed = <uint64_t>(int(seed) & 0xFFFFFFFFFFFFFFFF)
         self.epoch = 0
         self._restart()
 
+    cdef void _init_table(self) noexcept nogil:
+        cdef int64_t i
+        for i in range(self.cap + 2):
+            self.btab[i].block = NULL
+            self.btab[i].count = 0
+            self.btab[i].next_free = i + 1 if i + 1 < self.cap + 2 else -1
+        self.btab_free = 0
+        self.btab_last = -1
+
+    cdef inline int64_t _acquire(self, rl_block *b) noexcept nogil:
+        cdef int64_t i = self.btab_last
+        if i >= 0 and self.btab[i].block == b:
+            self.btab[i].count += 1
+            return i
+        i = self.btab_free                 # never empty: at most cap + 1 blocks are held
+        self.btab_free = self.btab[i].next_free
+        self.btab[i].block = b
+        self.btab[i].count = 1
+        rl_block_incref(b)
+        self.btab_last = i
+        return i
+
+    cdef inline void _release(self, int64_t i) noexcept nogil:
+        self.btab[i].count -= 1
+        if self.btab[i].count == 0:
+            rl_block_decref(self.btab[i].block)
+            self.btab[i].block = NULL
+            self.btab[i].next_free = self.btab_free
+            self.btab_free = i
+            if self.btab_last == i:
+                self.btab_last = -1
+
     cdef void _drop(self) noexcept nogil:
         cdef int64_t i
         for i in range(self.count):
-            rl_block_decref(self.slots[i].block)
+            self._release(self.slot_ref[i])
         self.count = 0
-        if self.hold != NULL:
-            rl_block_decref(self.hold)
-            self.hold = NULL
+        if self.hold >= 0:
+            self._release(self.hold)
+            self.hold = -1
 
     cdef void _restart(self) noexcept nogil:
         self._drop()
         self.filled = False
         self.upstream_done = False
         self.position = 0
+        self.next_j = -1
         rl_rng_seed(&self.rng, self.seed, <uint64_t>self.epoch)
 
     def __dealloc__(self):
-        if self.slots != NULL:
+        if self.slots != NULL and self.slot_ref != NULL and self.btab != NULL:
             self._drop()
-            free(self.slots)
-            self.slots = NULL
+        free(self.slots)
+        free(self.slot_ref)
+        free(self.btab)
+        self.slots = NULL
+        self.slot_ref = NULL
+        self.btab = NULL
 
     cdef int c_next(self, rl_record *out) except -1 nogil:
         cdef rl_record rec
         cdef int r
         cdef uint64_t j
-        if self.hold != NULL:
-            rl_block_decref(self.hold)
-            self.hold = NULL
+        if self.hold >= 0:
+            self._release(self.hold)
+            self.hold = -1
         if not self.filled:
             while self.count < self.cap:
                 r = self.reader.c_next(&rec)
@@ -565,31 +628,47 @@ cdef class ShuffleReader(DecoratedReader):
                 if r == 0:
                     self.upstream_done = True
                     break
-                rl_block_incref(rec.block)
+                self.slot_ref[self.count] = self._acquire(rec.block)
                 self.slots[self.count] = rec
                 self.count += 1
             self.filled = True
         if self.count == 0:
             return 0
-        j = rl_rng_below(&self.rng, <uint64_t>self.count)
+        if self.next_j >= 0:
+            j = <uint64_t>self.next_j
+        else:
+            j = rl_rng_below(&self.rng, <uint64_t>self.count)
+        self.next_j = -1
         out[0] = self.slots[j]
-        self.hold = self.slots[j].block       # our reference moves to `hold`
+        self.hold = self.slot_ref[j]        # the slot's reference moves to `hold`
         self.position += 1
         if not self.upstream_done:
             r = self.reader.c_next(&rec)
             if r < 0:
                 # keep the buffer consistent: the emitted slot is gone
-                self.slots[j] = self.slots[self.count - 1]
                 self.count -= 1
+                self.slots[j] = self.slots[self.count]
+                self.slot_ref[j] = self.slot_ref[self.count]
                 return -1
             if r == 1:
-                rl_block_incref(rec.block)
+                self.slot_ref[j] = self._acquire(rec.block)
                 self.slots[j] = rec
+                self._draw_ahead()
                 return 1
             self.upstream_done = True
-        self.slots[j] = self.slots[self.count - 1]
         self.count -= 1
+        self.slots[j] = self.slots[self.count]
+        self.slot_ref[j] = self.slot_ref[self.count]
+        self._draw_ahead()
         return 1
+
+    cdef inline void _draw_ahead(self) noexcept nogil:
+        # Same draws in the same order as drawing on demand; doing it now lets
+        # the next record's first cache lines load while the caller copies.
+        if self.count > 0:
+            self.next_j = <int64_t>rl_rng_below(&self.rng, <uint64_t>self.count)
+            __builtin_prefetch(self.slots[self.next_j].data)
+            __builtin_prefetch(self.slots[self.next_j].data + 63)
 
     cdef int c_reset(self) except -1:
         self.epoch += 1
@@ -667,6 +746,8 @@ cdef class BatchReader(DecoratedReader):
         if self.hold != NULL:
             rl_block_decref(self.hold)
             self.hold = NULL
+        if self.layout.n_lod == 0:
+            return self._next_fixed(out)
         while n < self.batch_size:
             r = self.reader.c_next(&rec)
             if r < 0:
@@ -684,6 +765,59 @@ cdef class BatchReader(DecoratedReader):
         r = self._assemble(n, out)
         self._release()
         return r
+
+    cdef int _next_fixed(self, rl_record *out) except -1 nogil:
+        """Fixed-size instances: copy each into the batch as it arrives."""
+        cdef const rl_layout *L = &self.layout
+        cdef int nf = L.nfields
+        cdef int f, r
+        cdef int64_t n = 0, rb, B = self.batch_size
+        cdef int64_t doff[RL_MAX_FIELDS]
+        cdef rl_record rec
+        cdef int64_t pos = _align64(16 + 24 * nf)
+        for f in range(nf):
+            doff[f] = pos
+            pos = _align64(pos + B * L.row_bytes[f])
+        cdef rl_block *b = rl_block_new(pos)
+        if b == NULL:
+            with gil:
+                raise MemoryError(f"batch of {pos} bytes")
+        cdef char *base = b.data
+        rb = L.row_bytes[0]
+        while n < B:
+            r = self.reader.c_next(&rec)
+            if r < 0:
+                rl_block_decref(b)
+                return -1
+            if r == 0:
+                break
+            if rec.size != L.fixed_size:
+                rl_block_decref(b)
+                with gil:
+                    raise ValueError(
+                        f"BatchReader: instance {n} of the batch has {rec.size} bytes, "
+                        f"the schema needs {L.fixed_size}")
+            if nf == 1:
+                memcpy(base + doff[0] + n * rb, rec.data, rb)
+            else:
+                for f in range(nf):
+                    memcpy(base + doff[f] + n * L.row_bytes[f], rec.data + L.fixed_offset[f],
+                           L.row_bytes[f])
+            n += 1
+        if n == 0 or (n < B and self.drop_last):
+            rl_block_decref(b)
+            return 0
+        rl_store_i64(base, n)
+        rl_store_i64(base + 8, nf)
+        for f in range(nf):
+            rl_store_i64(base + 16 + 24 * f, n)
+            rl_store_i64(base + 24 + 24 * f, doff[f])
+            rl_store_i64(base + 32 + 24 * f, -1)
+        out.block = b
+        out.data = base
+        out.size = pos
+        self.hold = b
+        return 1
 
     cdef int _assemble(self, int64_t n, rl_record *out) except -1 nogil:
         cdef const rl_layout *L = &self.layout
