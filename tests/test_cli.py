@@ -57,6 +57,8 @@ def test_inspect_ok_and_corrupt(tmp_path, capsys):
     assert "byte offset" in out
 
 
-def test_console_script_runs():
-    r = subprocess.run([sys.executable, "-m", "readerlib.cli", "--help"], capture_output=True, text=True)
+def test_console_script_runs(tmp_path):
+    # run outside the source tree so the installed package is what runs
+    r = subprocess.run([sys.executable, "-m", "readerlib.cli", "--help"], capture_output=True, text=True,
+                       cwd=tmp_path)
     assert r.returncode == 0 and "bench" in r.stdout
