@@ -32,6 +32,8 @@ cdef extern from "rl_core.h":
     void rl_block_decref(rl_block *b) nogil
     rl_block *rl_block_new(int64_t size) nogil
     rl_block *rl_block_new_static(char *data, int64_t size) nogil
+    void rl_copy_big(char *dst, const char *src, size_t n) nogil
+    void rl_copy_fence() nogil
     void rl_crc32c_init()
     uint32_t rl_crc32c(uint32_t crc, const void *buf, size_t length) nogil
     uint32_t rl_crc32c_mask(uint32_t crc) nogil

@@ -891,12 +891,13 @@ cdef class BatchReader(DecoratedReader):
                         f"BatchReader: instance {n} of the batch has {rec.size} bytes, "
                         f"the schema needs {L.fixed_size}")
             if nf == 1:
-                memcpy(base + doff[0] + n * rb, rec.data, rb)
+                rl_copy_big(base + doff[0] + n * rb, rec.data, rb)
             else:
                 for f in range(nf):
-                    memcpy(base + doff[f] + n * L.row_bytes[f], rec.data + L.fixed_offset[f],
-                           L.row_bytes[f])
+                    rl_copy_big(base + doff[f] + n * L.row_bytes[f], rec.data + L.fixed_offset[f],
+                                L.row_bytes[f])
             n += 1
+        rl_copy_fence()
         if n == 0 or (n < B and self.drop_last):
             rl_block_decref(b)
             return 0
@@ -987,11 +988,12 @@ cdef class BatchReader(DecoratedReader):
                 for f in range(nf):
                     rb = L.row_bytes[f]
                     if L.lod[f]:
-                        memcpy(base + doff[f] + total_rows[f] * rb, ptrs[f], rows[f] * rb)
+                        rl_copy_big(base + doff[f] + total_rows[f] * rb, ptrs[f], rows[f] * rb)
                         total_rows[f] += rows[f]
                         (<int64_t *>(base + loff[f]))[i + 1] = total_rows[f]
                     else:
                         memcpy(base + doff[f] + i * rb, ptrs[f], rb)
+        rl_copy_fence()
         out.block = b
         out.data = b.data
         out.size = size
