@@ -1084,8 +1084,12 @@ cdef class _ChunkedSource(FileReader):
             self.ncur = count
             self.icur = 0
         out.block = self.cur
-        out.data = self.cur.data + self.rec_off[self.icur]
-        out.size = self.rec_off[self.icur + 1] - self.rec_off[self.icur]
+        if self.layout.n_lod == 0:          # fixed-size records: no offset table needed
+            out.data = self.cur.data + self.icur * self.layout.fixed_size
+            out.size = self.layout.fixed_size
+        else:
+            out.data = self.cur.data + self.rec_off[self.icur]
+            out.size = self.rec_off[self.icur + 1] - self.rec_off[self.icur]
         self.icur += 1
         return 1
 
@@ -1217,15 +1221,12 @@ cdef class ArrayReader(_ChunkedSource):
     cdef int _load(self, int64_t start, int64_t count) except -1:
         cdef int64_t i, size = 0
         cdef const rl_layout *L = &self.layout
-        self._reserve(count)
         if self.zero_copy:
-            self.cur = rl_block_new_static(<char *>self.C.ptr[0], count * L.fixed_size)
+            self.cur = rl_block_new_static(<char *>self.C.ptr[0] + start * L.fixed_size, count * L.fixed_size)
             if self.cur == NULL:
                 raise MemoryError()
-            for i in range(count + 1):
-                self.rec_off[i] = (start + i) * L.fixed_size - start * L.fixed_size
-            self.cur.data = <char *>self.C.ptr[0] + start * L.fixed_size
             return 0
+        self._reserve(count)
         with nogil:
             self.rec_off[0] = 0
             for i in range(count):
