@@ -728,3 +728,39 @@ def test_one_reader_read_from_several_threads():
     p = subprocess.run([sys.executable, "-c", _THREADS], capture_output=True, text=True, env=env,
                        cwd=root, timeout=300)
     assert p.returncode == 0 and p.stdout.strip() == "ok", (p.returncode, p.stdout[-500:], p.stderr[-1500:])
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_large_batches_stay_valid(shuffle):
+    """Batches of several MB (blocks the core recycles through a pool) are not reused while referenced."""
+    n, width = 96, 16384                              # 64 KiB records, 2 MiB batches of 32
+    x = np.arange(n, dtype=np.float32)[:, None] + np.zeros((1, width), np.float32)
+    seqs = [np.full((1 + k % 3, 1024), k, np.float32) for k in range(n)]
+    r = rl.ArrayReader({"x": x, "id": np.arange(n), "s": seqs})
+    if shuffle:
+        r = r.shuffle(40, seed=1)
+    chain = r.batch(32).multi_pass(3)
+    kept = list(chain)                                 # not copied
+    for epoch in range(2):
+        drain(chain)                                   # more batches through the same pool
+        chain.reset()
+    ids = []
+    for xb, idb, sb in kept:
+        assert xb.data.shape == (32, width)
+        np.testing.assert_array_equal(xb.data, idb.data[:, None].astype(np.float32) + np.zeros((1, width), np.float32))
+        for i, k in enumerate(idb.data.tolist()):
+            np.testing.assert_array_equal(sb.sequence(i), seqs[k])
+        ids.extend(idb.data.tolist())
+    assert sorted(ids) == sorted(list(range(n)) * 3)
+
+
+@pytest.mark.xfail(strict=True, reason="core bug (message): Schema.coerce on a non-iterable says only "
+                   "\"'int' object is not iterable\", not that the schema is wrong (tensor.py, Schema.coerce)")
+@pytest.mark.parametrize("make", [
+    lambda: rl.RandomDataGenerator(3, 5),
+    lambda: rl.PythonReader(lambda: iter([]), 3),
+    lambda: rl.ArrayReader(np.arange(3), schema=3),
+], ids=["RandomDataGenerator", "PythonReader", "ArrayReader"])
+def test_bad_schema_argument_names_the_schema(make):
+    with pytest.raises(TypeError, match="[Ss]chema"):
+        make()

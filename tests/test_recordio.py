@@ -640,3 +640,15 @@ def test_file_checksums_are_crc32c(tmp_path):
     assert int.from_bytes(head[12:16], "little") == rl.crc32c(body)
     raw = zlib.decompress(body)
     assert raw[:20] == b"\x08\x00\x00\x00" * 5 and raw[20:] == np.arange(5, dtype="<i8").tobytes()
+
+
+def test_unclosed_writer_finishes_its_file_when_collected(tmp_path):
+    import gc
+    path = tmp_path / "x.rio"
+    w = rl.RecordIOWriter(path, [("x", "int64")], chunk_size=40)
+    for i in range(10):
+        w.write((i,))
+    del w
+    gc.collect()
+    got, ws, r = read_all(path)
+    assert not ws and r.has_index and [int.from_bytes(g[0][2], "little") for g in got] == list(range(10))
