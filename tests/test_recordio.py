@@ -652,3 +652,15 @@ def test_unclosed_writer_finishes_its_file_when_collected(tmp_path):
     gc.collect()
     got, ws, r = read_all(path)
     assert not ws and r.has_index and [int.from_bytes(g[0][2], "little") for g in got] == list(range(10))
+
+
+@pytest.mark.xfail(strict=True, reason="core bug: RecordIOWriter.write wraps ints that do not fit the field "
+                   "dtype (300 -> 44 for uint8) instead of refusing them (readers/_base.pyx, _as_field_array)")
+def test_writer_refuses_out_of_range_ints(tmp_path):
+    with rl.RecordIOWriter(tmp_path / "x.rio", [("v", "uint8"), ("w", "int16")]) as w:
+        w.write((1, 2))
+        with pytest.raises((ValueError, TypeError, OverflowError), match="'v'"):
+            w.write((300, 2))
+        with pytest.raises((ValueError, TypeError, OverflowError), match="'w'"):
+            w.write((1, 70000))
+    assert len(drain(rl.RecordIOReader(tmp_path / "x.rio"))) == 1
