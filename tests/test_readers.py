@@ -587,9 +587,6 @@ def test_array_reader_forms():
     assert [i[0].tolist() for i in r] == [s.tolist() for s in seqs]
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: ArrayReader indexes `schema[0].lod_level` before "
-                   "Schema.coerce, so a list-of-tuples schema with a list of arrays raises AttributeError "
-                   "(readers/_base.pyx, ArrayReader.__init__)")
 def test_array_reader_list_of_sequences_with_tuple_schema():
     seqs = [np.ones((k, 2), np.float32) * k for k in (1, 0, 3)]
     r = rl.ArrayReader(seqs, schema=[("s", "float32", (2,), 1)])
@@ -662,9 +659,6 @@ def test_random_data_generator_seeded():
     assert {bool(x[2]) for x in insts} == {False, True}
 
 
-@pytest.mark.xfail(strict=True, reason="core bug (or docstring): RandomDataGenerator says instance i "
-                   "depends only on (seed, i // chunk), but the last chunk's draws depend on its size, "
-                   "so the first instances change with num_instances")
 def test_random_data_generator_prefix_does_not_depend_on_num_instances():
     schema = rl.Schema([rl.Field("f", "float32", (3,), 1), rl.Field("u", "uint8")])
     long = drain_canon(rl.RandomDataGenerator(schema, 2500, seed=5))
@@ -721,9 +715,6 @@ print("ok")
 """
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: read_next releases the GIL around c_next with no lock, so "
-                   "two threads reading one chain race on the shuffle/batch state: wrong or duplicated "
-                   "data, 'malformed record' errors, or heap corruption (abort)")
 def test_one_reader_read_from_several_threads():
     """Several threads sharing one chain get each instance exactly once, or a clean RuntimeError -- never a crash."""
     import subprocess
@@ -759,8 +750,6 @@ def test_large_batches_stay_valid(shuffle):
     assert sorted(ids) == sorted(list(range(n)) * 3)
 
 
-@pytest.mark.xfail(strict=True, reason="core bug (message): Schema.coerce on a non-iterable says only "
-                   "\"'int' object is not iterable\", not that the schema is wrong (tensor.py, Schema.coerce)")
 @pytest.mark.parametrize("make", [
     lambda: rl.RandomDataGenerator(3, 5),
     lambda: rl.PythonReader(lambda: iter([]), 3),
@@ -771,9 +760,6 @@ def test_bad_schema_argument_names_the_schema(make):
         make()
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: _as_field_array casts any int to any int field with astype "
-                   "(readers/_base.pyx, `arr.dtype.kind in 'iub' and field.dtype.kind in 'iuf'`), so values "
-                   "that do not fit wrap silently (300 -> 44 in uint8); ArrayReader refuses the same cast")
 @pytest.mark.parametrize("value", [300, -1, 2**40])
 def test_python_reader_out_of_range_int_is_an_error_not_wrapped(value):
     r = rl.PythonReader(lambda: iter([1, value]), rl.Schema([rl.Field("v", "uint8")]))

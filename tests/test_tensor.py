@@ -315,9 +315,6 @@ def test_sparse_validation(indices, values, shape, match):
         rl.SparseTensor(indices, values, shape)
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: LoDTensor.sequence() with 3+ lod levels slices data with "
-                   "level-1 offsets (which index level 2, not rows) and passes deeper levels unsliced "
-                   "(tensor.py, sequence): ValueError from the constructor")
 def test_sequence_three_levels():
     # 2 documents of (2, 1) paragraphs; paragraphs of (1, 2, 1) sentences; sentences of (1, 1, 2, 1) words
     t = rl.LoDTensor(np.arange(5), [[0, 2, 3], [0, 1, 3, 4], [0, 1, 2, 4, 5]])
@@ -327,8 +324,6 @@ def test_sequence_three_levels():
     assert [l.tolist() for l in d1.lod] == [[0, 1], [0, 1]] and d1.data.tolist() == [4]
 
 
-@pytest.mark.xfail(strict=True, reason="core bug (NumPy 2 protocol): __array__(dtype, copy=False) must raise "
-                   "ValueError when a copy is needed; it silently copies")
 def test_array_copy_false_never_copies():
     t = rl.LoDTensor(np.arange(3, dtype=np.int64))
     assert np.shares_memory(np.asarray(t, copy=False), t.data)
