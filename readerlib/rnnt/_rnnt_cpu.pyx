@@ -6,16 +6,19 @@ Design:
     array library and hand everything else to one fused kernel per step, so a
     step costs one Python call instead of a dozen NumPy passes over [B] masks.
 
-    * Each kernel first takes, for every row it is given, the argmax of the
-      joint logits and the log-softmax value there,
-      ``lp = -log(sum(exp(x - max)))`` accumulated in double (ties -> lowest
-      index, like numpy.argmax).  Rows are independent: ``prange`` over rows,
-      ``n_threads`` passed down (1 on a shared box; BLAS owns the cores).
-    * Then a serial O(rows) pass does the bookkeeping: blank/active/advance
-      masks, time-index updates, masked writes of labels, timestamps and
-      scores into per-utterance buffers ``[B, capacity]``, alignment records,
-      and the compacted list of rows still to work on (``out_rows``).
-      The caller guarantees capacity (a row gains at most one entry per call).
+    * For every logits row it needs, a kernel takes the argmax and the
+      log-softmax value there, ``lp = -log(sum(exp(x - max)))`` accumulated in
+      double (ties -> lowest index, like numpy.argmax).  Only rows that are
+      still searching are reduced (a window's frames after the first label
+      are skipped), so the pass is serial: it costs ~1/J of the GEMM that made
+      the logits.  ``argmax_logsoftmax`` is the ``prange`` version (reference
+      and tests).
+    * In the same pass: blank/active/advance masks, time-index updates,
+      masked writes of labels, timestamps and scores into per-utterance
+      buffers ``[B, capacity]``, alignment records, and the compacted list of
+      rows still to work on (``out_rows``).  The caller guarantees capacity
+      (a row gains at most one hypothesis entry per call, and at most
+      ``window`` alignment records).
 
     Rows are passed as an int64 list (``rows[r]`` is the batch index of logits
     row ``r``) so the same kernel serves the compacted CPU path (only the rows
@@ -79,30 +82,34 @@ def argmax_logsoftmax(const real_t[:, ::1] logits, int64_t[::1] labels, double[:
         _rows_argmax(logits, n, labels, logp, n_threads)
 
 
-def loop_labels_joint_step(const real_t[:, ::1] logits, const int64_t[::1] rows, bint first,
-                           int64_t blank,
+def loop_labels_joint_step(const real_t[:, ::1] logits, const int64_t[::1] rows, Py_ssize_t window,
+                           bint first, int64_t blank,
                            int64_t[::1] labels, double[::1] scores, int64_t[::1] time,
                            int64_t[::1] time_cur, int64_t[::1] safe_time, const int64_t[::1] lengths,
                            uint8_t[::1] active, uint8_t[::1] advance,
                            bint record, int64_t[:, ::1] al_labels, int64_t[:, ::1] al_times,
-                           double[:, ::1] al_logp, int64_t[::1] al_len,
-                           int64_t[::1] out_rows, int64_t[::1] tmp_k, double[::1] tmp_lp,
-                           int n_threads=1):
-    """Consume one joint evaluation of the label-looping decoder.
+                           double[:, ::1] al_logp, int64_t[::1] al_len, int64_t[::1] out_rows):
+    """Consume one (windowed) joint evaluation of the label-looping decoder.
 
-    For each ``r``, ``b = rows[r]`` is processed when ``active[b]`` (``first``:
-    right after a predictor step) or ``advance[b]`` (inner loop): its label and
-    score become the argmax of ``logits[r]``; blank advances ``time[b]``.
-    Writes the rows that must keep searching (``advance``) to ``out_rows`` and
-    returns their number.
+    ``logits[r * window + w]`` is the joint of row ``b = rows[r]`` at frame
+    ``time[b] + w`` (its prediction-network output does not change while it
+    searches, so the frames of a window are independent).  Row ``b`` is
+    processed when ``active[b]`` (``first``: right after a predictor step) or
+    ``advance[b]`` (later searches): the window is scanned in order, each
+    evaluation recorded, blanks advance ``time[b]``; the scan stops at the
+    first non-blank label or at the row's end.  Rows that exhausted the window
+    on blanks keep ``advance`` set and are written to ``out_rows``; returns
+    their number.
     """
-    cdef Py_ssize_t n = rows.shape[0], r, cnt = 0
-    cdef int64_t b, k, t, pos
-    cdef bint is_blank, act
-    if logits.shape[0] < n:
-        raise ValueError("fewer logits rows than rows")
+    cdef Py_ssize_t n = rows.shape[0], r, w, cnt = 0, V = logits.shape[1]
+    cdef int64_t b, k, t, pos, last
+    cdef double lp
+    cdef bint is_blank = False, act = False
+    if logits.shape[0] < n * window:
+        raise ValueError(f"{logits.shape[0]} logits rows for {n} rows x window {window}")
+    if window < 1:
+        raise ValueError("window must be >= 1")
     with nogil:
-        _rows_argmax(logits, n, tmp_k, tmp_lp, n_threads)
         for r in range(n):
             b = rows[r]
             if first:
@@ -110,23 +117,29 @@ def loop_labels_joint_step(const real_t[:, ::1] logits, const int64_t[::1] rows,
                     continue
             elif not advance[b]:
                 continue
-            k = tmp_k[r]
             t = time[b]
-            labels[b] = k
-            scores[b] = tmp_lp[r]
-            time_cur[b] = t
-            if record:
-                pos = al_len[b]
-                al_labels[b, pos] = k
-                al_times[b, pos] = t
-                al_logp[b, pos] = tmp_lp[r]
-                al_len[b] = pos + 1
-            is_blank = k == blank
-            if is_blank:
+            act = True
+            for w in range(window):
+                _argmax_logsoftmax(&logits[r * window + w, 0], V, &k, &lp)
+                labels[b] = k
+                scores[b] = lp
+                time_cur[b] = t
+                if record:
+                    pos = al_len[b]
+                    al_labels[b, pos] = k
+                    al_times[b, pos] = t
+                    al_logp[b, pos] = lp
+                    al_len[b] = pos + 1
+                is_blank = k == blank
+                if not is_blank:
+                    break
                 t = t + 1
-                time[b] = t
-            safe_time[b] = t if t < lengths[b] - 1 else lengths[b] - 1
-            act = t < lengths[b]
+                if t >= lengths[b]:
+                    act = False
+                    break
+            time[b] = t
+            last = lengths[b] - 1
+            safe_time[b] = t if t < last else last
             active[b] = act
             advance[b] = act and is_blank
             if act and is_blank:
@@ -183,8 +196,7 @@ def loop_frames_joint_step(const real_t[:, ::1] logits, int64_t t, int64_t blank
                            int64_t[:, ::1] hyp_labels, int64_t[:, ::1] hyp_times, int64_t[::1] hyp_len,
                            double[::1] hyp_score,
                            bint record, int64_t[:, ::1] al_labels, int64_t[:, ::1] al_times,
-                           double[:, ::1] al_logp, int64_t[::1] al_len,
-                           int64_t[::1] tmp_k, double[::1] tmp_lp, int n_threads=1):
+                           double[:, ::1] al_logp, int64_t[::1] al_len):
     """Consume one joint evaluation of the frame-looping decoder at frame ``t``.
 
     Row ``b`` (logits row ``b``) is processed unless ``done[b]`` (already
@@ -193,20 +205,22 @@ def loop_frames_joint_step(const real_t[:, ::1] logits, int64_t t, int64_t blank
     ``emitted[b]`` says which rows must keep their new predictor state.
     Returns the number of rows not done.
     """
-    cdef Py_ssize_t B = logits.shape[0], b, n_left = 0
+    cdef Py_ssize_t B = logits.shape[0], b, n_left = 0, V = logits.shape[1]
     cdef int64_t k, pos
+    cdef double lp
+    if done.shape[0] < B or emitted.shape[0] < B or last_label.shape[0] < B:
+        raise ValueError("state arrays shorter than the number of logits rows")
     with nogil:
-        _rows_argmax(logits, B, tmp_k, tmp_lp, n_threads)
         for b in range(B):
             emitted[b] = 0
             if done[b]:
                 continue
-            k = tmp_k[b]
+            _argmax_logsoftmax(&logits[b, 0], V, &k, &lp)
             if record:
                 pos = al_len[b]
                 al_labels[b, pos] = k
                 al_times[b, pos] = t
-                al_logp[b, pos] = tmp_lp[b]
+                al_logp[b, pos] = lp
                 al_len[b] = pos + 1
             if k == blank:
                 done[b] = 1
@@ -215,7 +229,7 @@ def loop_frames_joint_step(const real_t[:, ::1] logits, int64_t t, int64_t blank
             hyp_labels[b, pos] = k
             hyp_times[b, pos] = t
             hyp_len[b] = pos + 1
-            hyp_score[b] += tmp_lp[b]
+            hyp_score[b] += lp
             last_label[b] = k
             emitted[b] = 1
             n_left = n_left + 1

@@ -120,6 +120,7 @@ class _Buffers:
         self.al_times = xp.zeros((B, cap_a), dtype=np.int64)
         self.al_logp = xp.zeros((B, cap_a), dtype=np.float64)
         self.al_len = xp.zeros(B, dtype=np.int64)
+        self.n_records = 0  # host-side bound on records per row so far
 
     def ensure_hyp(self, n):
         """Room for ``n`` labels per row."""
@@ -166,23 +167,20 @@ def _frames(T, labels, times, logps):
 class _CpuKernels:
     """The Cython kernel set (NumPy arrays); see ``_rnnt_cpu.pyx``."""
 
-    def __init__(self, compact=True, n_threads=1):
+    def __init__(self, compact=True):
         from . import _rnnt_cpu
         self._k = _rnnt_cpu
         self.compact = compact
-        self.n_threads = n_threads
 
     def prepare(self, B):
-        self.tmp_k = np.empty(B, dtype=np.int64)
-        self.tmp_lp = np.empty(B, dtype=np.float64)
         self.adv_rows = np.empty(B, dtype=np.int64)
         self.act_rows = np.empty(B, dtype=np.int64)
 
-    def ll_joint_step(self, S, buf, logits, rows, first):
+    def ll_joint_step(self, S, buf, logits, rows, window, first):
         return self._k.loop_labels_joint_step(
-            logits, rows, first, S.blank, S.labels, S.scores, S.time, S.time_cur, S.safe_time,
+            logits, rows, window, first, S.blank, S.labels, S.scores, S.time, S.time_cur, S.safe_time,
             S.lengths, S.active, S.advance, buf.record, buf.al_labels, buf.al_times, buf.al_logp,
-            buf.al_len, self.adv_rows, self.tmp_k, self.tmp_lp, self.n_threads)
+            buf.al_len, self.adv_rows)
 
     def ll_store(self, S, buf, rows, max_symbols):
         return self._k.loop_labels_store(
@@ -194,7 +192,7 @@ class _CpuKernels:
         return self._k.loop_frames_joint_step(
             logits, t, S.blank, S.done, S.last_label, S.emitted, buf.hyp_labels, buf.hyp_times,
             buf.hyp_len, buf.hyp_score, buf.record, buf.al_labels, buf.al_times, buf.al_logp,
-            buf.al_len, self.tmp_k, self.tmp_lp, self.n_threads)
+            buf.al_len)
 
     def masked_replace_rows(self, dst, src, mask):
         self._k.masked_replace_rows(dst.reshape(dst.shape[0], -1), src.reshape(src.shape[0], -1), mask)
@@ -273,7 +271,8 @@ def _prepare_inputs(model, encoder_output, encoder_lengths):
 
 
 def rnnt_greedy_decode(model, encoder_output, encoder_lengths=None, max_symbols=10,
-                       algorithm="loop_labels", return_alignments=False, *, compact=None, stats=None):
+                       algorithm="loop_labels", return_alignments=False, *, window=8, compact=None,
+                       stats=None):
     """Greedy (best-path) RNN-T decoding of a batch.
 
     Parameters
@@ -291,6 +290,13 @@ def rnnt_greedy_decode(model, encoder_output, encoder_lengths=None, max_symbols=
     algorithm : {'loop_labels', 'loop_frames', 'single'}
     return_alignments : bool
         Fill :attr:`Hypothesis.alignments`.
+    window : int, default 8
+        ``loop_labels`` only: frames evaluated per row in one joint call while
+        it searches for its next label (its prediction output is fixed
+        meanwhile, so they are independent).  1 is NeMo's frame-by-frame
+        search; larger windows trade wasted joint rows (frames after the
+        label) for fewer, larger GEMMs and fewer loop iterations.  Results do
+        not depend on it.
     compact : bool, optional
         CPU only: run predictor and joint only on the rows that need work
         (default).  ``False`` runs the GPU's full-batch masked control flow.
@@ -319,6 +325,8 @@ def rnnt_greedy_decode(model, encoder_output, encoder_lengths=None, max_symbols=
     2
     """
     cap = _check_max_symbols(max_symbols)
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"window must be a positive int, got {window!r}")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
     encp, lengths, lengths_h = _prepare_inputs(model, encoder_output, encoder_lengths)
@@ -333,14 +341,18 @@ def rnnt_greedy_decode(model, encoder_output, encoder_lengths=None, max_symbols=
         hyps = _decode_single(model, encp, lengths_h, cap, return_alignments, counters)
     else:
         kernels = _kernels_for(model.xp, compact)
-        fn = _decode_loop_labels if algorithm == "loop_labels" else _decode_loop_frames
-        hyps = fn(model, encp, lengths, lengths_h, cap, return_alignments, kernels, counters)
+        if algorithm == "loop_labels":
+            hyps = _decode_loop_labels(model, encp, lengths, lengths_h, cap, return_alignments, kernels,
+                                       counters, window)
+        else:
+            hyps = _decode_loop_frames(model, encp, lengths, lengths_h, cap, return_alignments, kernels,
+                                       counters)
     if stats is not None:
         stats.update(counters)
     return hyps
 
 
-def _decode_loop_labels(model, encp, lengths, lengths_h, cap, record, K, counters):
+def _decode_loop_labels(model, encp, lengths, lengths_h, cap, record, K, counters, window):
     xp = model.xp
     pred, joint = model.predictor, model.joint
     B, T, J = encp.shape
@@ -369,7 +381,6 @@ def _decode_loop_labels(model, encp, lengths, lengths_h, cap, record, K, counter
         rows = all_rows
         n_active = int((lengths_h > 0).sum())
     n_outer = 0
-    n_joint = 0
     while n_active > 0:
         # stage 1: one predictor step for every active row (blank = start symbol at first)
         if K.compact and n_active < B:
@@ -384,26 +395,13 @@ def _decode_loop_labels(model, encp, lengths, lengths_h, cap, record, K, counter
         counters["predictor_calls"] += 1
         counters["predictor_rows"] += rows.shape[0]
 
-        # stage 2: joint at each row's own frame; rows that got blank move to
-        # their next frame and are evaluated again until all found a label
-        buf.ensure_align(n_joint + 1)
-        if rows.shape[0] == B:
-            f = encp[all_rows, S.safe_time]
-            logits = joint.joint_after_projection(f, gp)
-        else:
-            logits = joint.joint_after_projection(encp[rows, S.safe_time[rows]], gp[rows])
-        n_joint += 1
-        counters["joint_calls"] += 1
-        counters["joint_rows"] += rows.shape[0]
-        n_adv = K.ll_joint_step(S, buf, logits, rows, True)
+        # stage 2: joint at each row's own frames; the prediction output is fixed
+        # while a row searches, so `window` frames per row go into one GEMM and
+        # the kernel scans them in order; rows that saw only blanks search on
+        n_adv = _search(S, buf, K, joint, encp, gp, rows, window, True, counters)
         while n_adv > 0:
             adv = K.adv_rows[:n_adv].copy() if K.compact else all_rows
-            buf.ensure_align(n_joint + 1)
-            logits = joint.joint_after_projection(encp[adv, S.safe_time[adv]], gp[adv])
-            n_joint += 1
-            counters["joint_calls"] += 1
-            counters["joint_rows"] += adv.shape[0]
-            n_adv = K.ll_joint_step(S, buf, logits, adv, False)
+            n_adv = _search(S, buf, K, joint, encp, gp, adv, window, False, counters)
 
         # stage 3: append the found labels; force a frame advance at the cap
         n_outer += 1
@@ -412,6 +410,25 @@ def _decode_loop_labels(model, encp, lengths, lengths_h, cap, record, K, counter
         if K.compact:
             rows = K.act_rows[:n_active].copy()
     return buf.hypotheses(lengths_h)
+
+
+def _search(S, buf, K, joint, encp, gp, rows, window, first, counters):
+    """One windowed joint evaluation for ``rows`` and its bookkeeping kernel."""
+    xp = joint.xp
+    buf.n_records += window
+    buf.ensure_align(buf.n_records)
+    if window == 1:
+        f = encp[rows, S.safe_time[rows]]
+        logits = joint.joint_after_projection(f, gp[rows])
+    else:
+        last = xp.maximum(S.lengths[rows] - 1, 0)[:, None]
+        frames = xp.minimum(S.time[rows][:, None] + xp.arange(window, dtype=np.int64), last)
+        f = encp[rows[:, None], frames]                      # [n, W, J]
+        logits = joint.joint_after_projection(f, gp[rows][:, None, :])
+        logits = logits.reshape(rows.shape[0] * window, -1)
+    counters["joint_calls"] += 1
+    counters["joint_rows"] += rows.shape[0] * window
+    return K.ll_joint_step(S, buf, logits, rows, window, first)
 
 
 def _decode_loop_frames(model, encp, lengths, lengths_h, cap, record, K, counters):
