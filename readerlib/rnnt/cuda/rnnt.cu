@@ -6,8 +6,10 @@
 //   The matrix products (predictor, joint) are cuBLAS calls made by CuPy;
 //   everything between two products is one launch here:
 //
-//   * *_joint_step: one block (RNNT_THREADS threads) per logits row; the block
-//     reduces argmax (ties -> lowest index, as numpy.argmax) and
+//   * *_joint_step: one block (RNNT_THREADS threads) per utterance row; for
+//     loop labels the row's `window` frames are scanned in order (stopping at
+//     the first label or the row's end; frames after it are not reduced); the
+//     block reduces argmax (ties -> lowest index, as numpy.argmax) and
 //     sum(exp(x - max)) in double, then thread 0 does the row's bookkeeping
 //     (labels, scores, time indices, active/advance masks, hypothesis and
 //     alignment writes) and raises flag[0] when the row needs more work.
@@ -79,38 +81,55 @@ __device__ __forceinline__ void block_argmax_logsoftmax(const T* __restrict__ x,
 
 template <typename T>
 __device__ void loop_labels_joint_step_impl(
-        const T* __restrict__ logits, i64 V, const i64* __restrict__ rows, i64 n, int first,
-        i64 blank, i64* labels, double* scores, i64* time, i64* time_cur, i64* safe_time,
+        const T* __restrict__ logits, i64 V, const i64* __restrict__ rows, i64 n, i64 window,
+        int first, i64 blank, i64* labels, double* scores, i64* time, i64* time_cur, i64* safe_time,
         const i64* __restrict__ lengths, u8* active, u8* advance,
         int record, i64* al_labels, i64* al_times, double* al_logp, i64* al_len, i64 al_cap,
         int* flag) {
+    // logits[(r * window + w) * V ...] is row rows[r] at frame time[b] + w; the
+    // window is scanned in order and the scan stops at the first label.
     __shared__ i64 s_k;
     __shared__ double s_lp;
+    __shared__ int s_go;
     for (i64 r = blockIdx.x; r < n; r += gridDim.x) {
         const i64 b = rows[r];
         // uniform across the block: every thread reads the same mask byte
         if (!(first ? active[b] : advance[b])) continue;
-        block_argmax_logsoftmax<T>(logits + r * V, V, &s_k, &s_lp);
-        if (threadIdx.x == 0) {
-            const i64 k = s_k;
-            i64 t = time[b];
-            labels[b] = k;
-            scores[b] = s_lp;
-            time_cur[b] = t;
-            if (record) {
-                const i64 pos = al_len[b];
-                if (pos < al_cap) {
-                    al_labels[b * al_cap + pos] = k;
-                    al_times[b * al_cap + pos] = t;
-                    al_logp[b * al_cap + pos] = s_lp;
-                    al_len[b] = pos + 1;
+        i64 t = time[b];  // only thread 0's copy is authoritative
+        bool act = true, is_blank = false;
+        for (i64 w = 0; w < window; ++w) {
+            block_argmax_logsoftmax<T>(logits + (r * window + w) * V, V, &s_k, &s_lp);
+            if (threadIdx.x == 0) {
+                const i64 k = s_k;
+                labels[b] = k;
+                scores[b] = s_lp;
+                time_cur[b] = t;
+                if (record) {
+                    const i64 pos = al_len[b];
+                    if (pos < al_cap) {
+                        al_labels[b * al_cap + pos] = k;
+                        al_times[b * al_cap + pos] = t;
+                        al_logp[b * al_cap + pos] = s_lp;
+                        al_len[b] = pos + 1;
+                    }
                 }
+                is_blank = k == blank;
+                int go = 0;
+                if (is_blank) {
+                    t += 1;
+                    if (t >= lengths[b]) act = false; else go = 1;
+                }
+                s_go = go;
             }
-            const bool is_blank = k == blank;
-            if (is_blank) { t += 1; time[b] = t; }
+            __syncthreads();
+            const int go = s_go;
+            __syncthreads();  // s_go / s_k are rewritten by the next window element
+            if (!go) break;
+        }
+        if (threadIdx.x == 0) {
+            time[b] = t;
             const i64 last = lengths[b] - 1;
             safe_time[b] = t < last ? t : last;
-            const bool act = t < lengths[b];
             active[b] = act;
             advance[b] = act && is_blank;
             if (act && is_blank) flag[0] = 1;
@@ -177,11 +196,11 @@ extern "C" {
 
 #define RNNT_JOINT_STEP(NAME, T)                                                                 \
 __global__ void __launch_bounds__(RNNT_THREADS) loop_labels_joint_step_##NAME(                   \
-        const T* logits, i64 V, const i64* rows, i64 n, int first, i64 blank, i64* labels,       \
-        double* scores, i64* time, i64* time_cur, i64* safe_time, const i64* lengths, u8* active, \
-        u8* advance, int record, i64* al_labels, i64* al_times, double* al_logp, i64* al_len,    \
-        i64 al_cap, int* flag) {                                                                 \
-    loop_labels_joint_step_impl<T>(logits, V, rows, n, first, blank, labels, scores, time,       \
+        const T* logits, i64 V, const i64* rows, i64 n, i64 window, int first, i64 blank,        \
+        i64* labels, double* scores, i64* time, i64* time_cur, i64* safe_time, const i64* lengths, \
+        u8* active, u8* advance, int record, i64* al_labels, i64* al_times, double* al_logp,     \
+        i64* al_len, i64 al_cap, int* flag) {                                                    \
+    loop_labels_joint_step_impl<T>(logits, V, rows, n, window, first, blank, labels, scores, time, \
                                    time_cur, safe_time, lengths, active, advance, record,        \
                                    al_labels, al_times, al_logp, al_len, al_cap, flag);          \
 }                                                                                                \
