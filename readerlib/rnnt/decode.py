@@ -19,7 +19,16 @@ Design:
                      evaluate only the joint, advancing each row's own frame
                      index over blanks until every active row has found a
                      non-blank label (or ran off its end).  Predictor calls =
-                     1 + the longest hypothesis (+ cap-forced advances).
+                     1 + the longest hypothesis.
+                     One change to NeMo: while a row searches, its prediction
+                     output is fixed, so the joint at its next ``window``
+                     frames is one GEMM and the kernel scans them in order
+                     (``window=1`` is NeMo's search).  On the CPU a joint call
+                     is bound by reading the output weights (2.6 MB for
+                     640 x 1025 float32) whatever the row count, and NeMo's
+                     search costs ~(1 + the longest blank run in the batch)
+                     joint calls per label column; the window divides that by
+                     ~window for ~2x the joint rows.
 
     Both batched decoders are written once against the array module (NumPy on
     the CPU, CuPy on the GPU): the matrix products go to the array library,
