@@ -227,6 +227,12 @@ def test_stats_count_calls():
     stats = {}
     rnnt_greedy_decode(model, x, lengths, 10, "single", stats=stats)
     assert stats["predictor_calls"] == sum(len(h) for h in hyps) + 4
+    # the GPU control flow learns "nothing active" one (wasted) predictor step late,
+    # instead of reading a flag after every store
+    compact, masked = {}, {}
+    rnnt_greedy_decode(model, x, lengths, 10, "loop_labels", stats=compact)
+    rnnt_greedy_decode(model, x, lengths, 10, "loop_labels", compact=False, stats=masked)
+    assert masked["predictor_calls"] == compact["predictor_calls"] + 1
 
 
 # -- models -------------------------------------------------------------------------------

@@ -88,7 +88,8 @@ def loop_labels_joint_step(const real_t[:, ::1] logits, const int64_t[::1] rows,
                            int64_t[::1] time_cur, int64_t[::1] safe_time, const int64_t[::1] lengths,
                            uint8_t[::1] active, uint8_t[::1] advance,
                            bint record, int64_t[:, ::1] al_labels, int64_t[:, ::1] al_times,
-                           double[:, ::1] al_logp, int64_t[::1] al_len, int64_t[::1] out_rows):
+                           double[:, ::1] al_logp, int64_t[::1] al_len, int64_t[::1] out_rows,
+                           int64_t[::1] counts):
     """Consume one (windowed) joint evaluation of the label-looping decoder.
 
     ``logits[r * window + w]`` is the joint of row ``b = rows[r]`` at frame
@@ -99,9 +100,10 @@ def loop_labels_joint_step(const real_t[:, ::1] logits, const int64_t[::1] rows,
     evaluation recorded, blanks advance ``time[b]``; the scan stops at the
     first non-blank label or at the row's end.  Rows that exhausted the window
     on blanks keep ``advance`` set and are written to ``out_rows``; returns
-    their number.
+    their number, also stored in ``counts[0]``; ``counts[1]`` is the number of
+    rows processed (for ``first``: the rows that were active).
     """
-    cdef Py_ssize_t n = rows.shape[0], r, w, cnt = 0, V = logits.shape[1]
+    cdef Py_ssize_t n = rows.shape[0], r, w, cnt = 0, seen = 0, V = logits.shape[1]
     cdef int64_t b, k, t, pos, last
     cdef double lp
     cdef bint is_blank = False, act = False
@@ -117,6 +119,7 @@ def loop_labels_joint_step(const real_t[:, ::1] logits, const int64_t[::1] rows,
                     continue
             elif not advance[b]:
                 continue
+            seen = seen + 1
             t = time[b]
             act = True
             for w in range(window):
@@ -145,6 +148,8 @@ def loop_labels_joint_step(const real_t[:, ::1] logits, const int64_t[::1] rows,
             if act and is_blank:
                 out_rows[cnt] = b
                 cnt = cnt + 1
+    counts[0] = cnt
+    counts[1] = seen
     return cnt
 
 

@@ -4,9 +4,11 @@ Design:
     Same methods and arguments as ``decode._CpuKernels`` so ``decode.py``
     drives both with one control flow.  Differences: ``compact`` is False
     (rows are always ``arange(B)``; masks select), and each step method returns
-    0 or 1, read from a 4-byte device flag that the kernel raises when some
-    row needs more work.  That read is the only host synchronisation per loop
-    iteration; launches are otherwise asynchronous on the current stream.
+    0 or 1, read from a device flag that the kernel raises when some row needs
+    more work.  Label looping reads it once per label column (after the first
+    search, which also reports whether any row was active, so the store step
+    needs no read) plus once per extra search window; frame looping once per
+    inner step.  Launches are otherwise asynchronous on the current stream.
 
     The module is compiled lazily by NVRTC (``cupy.RawModule``) with
     ``#line 1 "<file>"`` prepended so compiler errors name the real file, and
@@ -65,16 +67,25 @@ class GpuKernels:
     """Fused bookkeeping kernels on CuPy arrays (see ``cuda/rnnt.cu``)."""
 
     compact = False
+    deferred_active = True
 
     def __init__(self):
         self.cp = require_cupy()
+        self._any_active = True
 
     def prepare(self, B):
-        self.flag = self.cp.zeros(1, dtype=np.int32)
+        # flag[0]: some row needs more work; flag[1]: some row was processed
+        self.flag = self.cp.zeros(2, dtype=np.int32)
 
     def _read_flag(self):
-        # the one device -> host read per loop iteration
-        return int(self.flag.get()[0])
+        # the one device -> host read per loop iteration (8 bytes)
+        f = self.flag.get()
+        self._any_active = bool(f[1])
+        return int(f[0])
+
+    def any_active(self):
+        """After a ``first`` joint step: were any rows active?"""
+        return self._any_active
 
     def ll_joint_step(self, S, buf, logits, rows, window, first):
         cp = self.cp
@@ -99,7 +110,9 @@ class GpuKernels:
             (rows, cp.int64(n), cp.int64(max_symbols), S.labels, S.scores, S.time, S.time_cur,
              S.safe_time, S.lengths, S.active, buf.hyp_labels, buf.hyp_times, buf.hyp_len,
              cp.int64(buf.hyp_labels.shape[1]), buf.hyp_score, S.last_ts, S.ts_count, self.flag))
-        return self._read_flag()
+        # not read: whether anything is still active is learnt from the next
+        # first joint step's flag[1], so a label column costs one read, not two
+        return 1
 
     def fl_joint_step(self, S, buf, logits, t):
         cp = self.cp

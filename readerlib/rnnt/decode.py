@@ -60,7 +60,7 @@ cap (a model that never emits blank then never stops, as in NeMo).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -180,6 +180,9 @@ class _CpuKernels:
         from . import _rnnt_cpu
         self._k = _rnnt_cpu
         self.compact = compact
+        # compact=False mirrors the GPU exactly, including when "any active" is known
+        self.deferred_active = not compact
+        self.counts = np.zeros(2, dtype=np.int64)
 
     def prepare(self, B):
         self.adv_rows = np.empty(B, dtype=np.int64)
@@ -189,13 +192,18 @@ class _CpuKernels:
         return self._k.loop_labels_joint_step(
             logits, rows, window, first, S.blank, S.labels, S.scores, S.time, S.time_cur, S.safe_time,
             S.lengths, S.active, S.advance, buf.record, buf.al_labels, buf.al_times, buf.al_logp,
-            buf.al_len, self.adv_rows)
+            buf.al_len, self.adv_rows, self.counts)
+
+    def any_active(self):
+        """After a ``first`` joint step: were any rows active (deferred mode)?"""
+        return bool(self.counts[1])
 
     def ll_store(self, S, buf, rows, max_symbols):
-        return self._k.loop_labels_store(
+        n = self._k.loop_labels_store(
             rows, max_symbols, S.labels, S.scores, S.time, S.time_cur, S.safe_time, S.lengths,
             S.active, buf.hyp_labels, buf.hyp_times, buf.hyp_len, buf.hyp_score, S.last_ts,
             S.ts_count, self.act_rows)
+        return 1 if self.deferred_active else n
 
     def fl_joint_step(self, S, buf, logits, t):
         return self._k.loop_frames_joint_step(
@@ -280,7 +288,7 @@ def _prepare_inputs(model, encoder_output, encoder_lengths):
 
 
 def rnnt_greedy_decode(model, encoder_output, encoder_lengths=None, max_symbols=10,
-                       algorithm="loop_labels", return_alignments=False, *, window=8, compact=None,
+                       algorithm="loop_labels", return_alignments=False, *, window=None, compact=None,
                        stats=None):
     """Greedy (best-path) RNN-T decoding of a batch.
 
@@ -299,13 +307,14 @@ def rnnt_greedy_decode(model, encoder_output, encoder_lengths=None, max_symbols=
     algorithm : {'loop_labels', 'loop_frames', 'single'}
     return_alignments : bool
         Fill :attr:`Hypothesis.alignments`.
-    window : int, default 8
+    window : int, optional
         ``loop_labels`` only: frames evaluated per row in one joint call while
         it searches for its next label (its prediction output is fixed
         meanwhile, so they are independent).  1 is NeMo's frame-by-frame
         search; larger windows trade wasted joint rows (frames after the
-        label) for fewer, larger GEMMs and fewer loop iterations.  Results do
-        not depend on it.
+        label) for fewer, larger GEMMs and fewer loop iterations (on the GPU:
+        fewer host reads).  Results do not depend on it.  Default 8 on the
+        CPU, 32 on the GPU.
     compact : bool, optional
         CPU only: run predictor and joint only on the rows that need work
         (default).  ``False`` runs the GPU's full-batch masked control flow.
@@ -334,6 +343,8 @@ def rnnt_greedy_decode(model, encoder_output, encoder_lengths=None, max_symbols=
     2
     """
     cap = _check_max_symbols(max_symbols)
+    if window is None:
+        window = 8 if model.xp is np else 32
     if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
         raise ValueError(f"window must be a positive int, got {window!r}")
     if algorithm not in ALGORITHMS:
@@ -408,6 +419,10 @@ def _decode_loop_labels(model, encp, lengths, lengths_h, cap, record, K, counter
         # while a row searches, so `window` frames per row go into one GEMM and
         # the kernel scans them in order; rows that saw only blanks search on
         n_adv = _search(S, buf, K, joint, encp, gp, rows, window, True, counters)
+        if K.deferred_active and not K.any_active():
+            # the GPU learns "nothing was active" here, with the first search's flag,
+            # rather than paying a read after each store; this last step changed nothing
+            break
         while n_adv > 0:
             adv = K.adv_rows[:n_adv].copy() if K.compact else all_rows
             n_adv = _search(S, buf, K, joint, encp, gp, adv, window, False, counters)

@@ -18,8 +18,10 @@
 //     applies max_symbols; raises flag[0] for rows still active.
 //   * masked_replace_rows: grid-stride copy dst[b, :] = src[b, :] where mask[b].
 //
-//   flag[0] is the only value the host reads per loop iteration (4 bytes);
-//   the host zeroes it before each launch.  Rows are given as a list
+//   flag[0] (some row needs more work) and flag[1] (loop labels: some row
+//   was processed, i.e. was active) are the only values the host reads per
+//   loop iteration (8 bytes); the host zeroes them before the launches it
+//   reads.  Rows are given as a list
 //   (rows[r] = batch index of logits row r); the GPU decoder passes
 //   arange(B) and masks do the selection, so no compaction (and no host
 //   read of a row count) is needed.  Capacities (hyp_cap, al_cap) are
@@ -95,6 +97,7 @@ __device__ void loop_labels_joint_step_impl(
         const i64 b = rows[r];
         // uniform across the block: every thread reads the same mask byte
         if (!(first ? active[b] : advance[b])) continue;
+        if (threadIdx.x == 0) flag[1] = 1;  // some row was processed (host: "any active")
         i64 t = time[b];  // only thread 0's copy is authoritative
         bool act = true, is_blank = false;
         for (i64 w = 0; w < window; ++w) {
