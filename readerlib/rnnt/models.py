@@ -411,7 +411,9 @@ class RNNTModel:
         ``state_dict`` maps names to arrays (NumPy, CuPy, or anything with
         ``__array__``, e.g. CPU torch tensors) from a NeMo RNN-T model's
         ``decoder.state_dict()`` and ``joint.state_dict()`` merged, or from the
-        whole model with ``decoder.`` / ``joint.`` prefixes (they are stripped).
+        whole model: when names carry ``decoder.`` / ``joint.`` prefixes, those
+        entries are used (prefix stripped) and the rest (``encoder.*`` ...)
+        ignored.
 
         LSTM prediction network: ``prediction.embed.weight`` and
         ``prediction.dec_rnn.lstm.{weight_ih,weight_hh,bias_ih,bias_hh}_l{k}``.
@@ -439,10 +441,14 @@ class RNNTModel:
         """
         xp = np if xp is None else xp
         sd = {}
+        # A whole model's dict (decoder.* / joint.* next to encoder.*, preprocessor.*, ...):
+        # keep the decoder and joint, drop the prefixes.
+        whole = any(k.startswith(("decoder.", "joint.")) for k in state_dict)
         for name, value in state_dict.items():
-            for prefix in ("decoder.", "joint."):
-                if name.startswith(prefix):
-                    name = name[len(prefix):]
+            if whole:
+                if not name.startswith(("decoder.", "joint.")):
+                    continue
+                name = name.split(".", 1)[1]
             sd[name] = _to_host(value.detach().cpu().numpy() if hasattr(value, "detach") else value)
 
         problems = []
