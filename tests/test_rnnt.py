@@ -356,3 +356,12 @@ def test_masked_replace_rows_kernel(dtype):
     np.testing.assert_array_equal(dst, want)
     with pytest.raises(ValueError, match="do not match"):
         _rnnt_cpu.masked_replace_rows(dst, src[:2], mask)
+
+
+@pytest.mark.parametrize("context_size", [1, 3])
+def test_stateless_context_sizes(context_size):
+    rng = np.random.default_rng(14)
+    model = RNNTModel.random(6, 4, 6, 3, predictor="stateless", context_size=context_size,
+                             dtype=np.float64, rng=context_size)
+    x = rng.standard_normal((4, 9, 4))
+    decode_all(model, x, np.array([9, 2, 0, 5]), 3)
