@@ -54,18 +54,33 @@ cdef extern from *:
     #include <emmintrin.h>
     #define RL_CTC_SSE2 1
     #endif
-    #ifndef RL_CTC_PREFETCH
-    #define RL_CTC_PREFETCH 1024
+    #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+    #include <immintrin.h>
+    #define RL_CTC_X86_DISPATCH 1   /* AVX2 / AVX-512 bodies, chosen at import */
+    #define RL_TARGET(isa) __attribute__((target(isa)))
     #endif
 
     /* TensorFlow's RowMax index: start at row[0], replace on strictly greater.
        So: the first maximum wins ties; a NaN at row[0] wins; other NaNs never do.
-       Step 1 keeps 16 (float) / 8 (double) independent running maxima with
-       MAXPS/MAXPD, whose semantics are exactly `v > m ? v : m` (a NaN `v`
-       keeps `m`), so no lane ever holds a NaN and the lanes combine in any
-       order.  Step 2 finds the first element equal to the maximum, a block
-       at a time, while the row is still in L1. */
-    static inline Py_ssize_t rl_argmax_f32(const float* row, Py_ssize_t n) {
+       Step 1 keeps independent running maxima (4 registers) with MAXPS/MAXPD,
+       whose semantics are exactly `v > m ? v : m` (a NaN `v` keeps `m`, the
+       second operand), so no lane ever holds a NaN and the lanes combine in
+       any order.  Step 2 finds the first element equal to the maximum, one
+       block at a time, while the row is still in L1.  The scalar loops finish
+       the tail (and are the whole algorithm on other architectures). */
+    /* Rows are visited in memory order; the hardware prefetcher stops at 4 KiB
+       pages and loses the stream at every row's branchy end, so ask for the
+       bytes a few rows ahead explicitly (measured: 8.6 -> 13 GB/s, one thread,
+       V = 1025; harmless past the end of the array: prefetches never fault). */
+    #ifndef RL_CTC_PREFETCH
+    #define RL_CTC_PREFETCH 4096
+    #endif
+    static inline Py_ssize_t rl_find_first_f32(const float* row, Py_ssize_t i, Py_ssize_t n, float m) {
+        for (; i < n; ++i) if (row[i] == m) return i;
+        return 0;  /* unreachable: m is an element of the row */
+    }
+
+    static Py_ssize_t rl_argmax_f32_sse2(const float* row, Py_ssize_t n) {
         float m = row[0];
         Py_ssize_t i = 0;
         if (m != m) return 0;
@@ -101,11 +116,87 @@ cdef extern from *:
             }
         }
     #endif
-        for (; i < n; ++i) if (row[i] == m) return i;
-        return 0;  /* unreachable: m is an element of the row */
+        return rl_find_first_f32(row, i, n, m);
     }
 
-    static inline Py_ssize_t rl_argmax_f64(const double* row, Py_ssize_t n) {
+    #ifdef RL_CTC_X86_DISPATCH
+    RL_TARGET("avx2")
+    static Py_ssize_t rl_argmax_f32_avx2(const float* row, Py_ssize_t n) {
+        float m = row[0];
+        Py_ssize_t i = 0;
+        const Py_ssize_t nb = n & ~(Py_ssize_t)31;
+        if (m != m) return 0;
+        if (nb) {
+            __m256 a0 = _mm256_set1_ps(m), a1 = a0, a2 = a0, a3 = a0;
+            float t[8];
+            for (; i < nb; i += 32) {
+                _mm_prefetch((const char*)(row + i) + RL_CTC_PREFETCH, _MM_HINT_T0);
+                _mm_prefetch((const char*)(row + i) + RL_CTC_PREFETCH + 64, _MM_HINT_T0);
+                a0 = _mm256_max_ps(_mm256_loadu_ps(row + i), a0);
+                a1 = _mm256_max_ps(_mm256_loadu_ps(row + i + 8), a1);
+                a2 = _mm256_max_ps(_mm256_loadu_ps(row + i + 16), a2);
+                a3 = _mm256_max_ps(_mm256_loadu_ps(row + i + 24), a3);
+            }
+            a0 = _mm256_max_ps(_mm256_max_ps(a0, a1), _mm256_max_ps(a2, a3));
+            _mm256_storeu_ps(t, a0);
+            for (int k = 0; k < 8; ++k) m = t[k] > m ? t[k] : m;
+        }
+        for (; i < n; ++i) m = row[i] > m ? row[i] : m;
+        {
+            const __m256 mm = _mm256_set1_ps(m);
+            for (i = 0; i < nb; i += 32) {
+                __m256 e = _mm256_or_ps(
+                    _mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), mm, _CMP_EQ_OQ),
+                                 _mm256_cmp_ps(_mm256_loadu_ps(row + i + 8), mm, _CMP_EQ_OQ)),
+                    _mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i + 16), mm, _CMP_EQ_OQ),
+                                 _mm256_cmp_ps(_mm256_loadu_ps(row + i + 24), mm, _CMP_EQ_OQ)));
+                if (_mm256_movemask_ps(e)) break;
+            }
+        }
+        return rl_find_first_f32(row, i, n, m);
+    }
+
+    RL_TARGET("avx512f")
+    static Py_ssize_t rl_argmax_f32_avx512(const float* row, Py_ssize_t n) {
+        float m = row[0];
+        Py_ssize_t i = 0;
+        const Py_ssize_t nb = n & ~(Py_ssize_t)63;
+        __m512 a0, a1, a2, a3, mm;
+        __mmask16 k, e;
+        if (m != m) return 0;
+        a0 = _mm512_set1_ps(m); a1 = a0; a2 = a0; a3 = a0;
+        for (; i < nb; i += 64) {
+            const char* ahead = (const char*)(row + i) + RL_CTC_PREFETCH;
+            _mm_prefetch(ahead, _MM_HINT_T0);
+            _mm_prefetch(ahead + 64, _MM_HINT_T0);
+            _mm_prefetch(ahead + 128, _MM_HINT_T0);
+            _mm_prefetch(ahead + 192, _MM_HINT_T0);
+            a0 = _mm512_max_ps(_mm512_loadu_ps(row + i), a0);
+            a1 = _mm512_max_ps(_mm512_loadu_ps(row + i + 16), a1);
+            a2 = _mm512_max_ps(_mm512_loadu_ps(row + i + 32), a2);
+            a3 = _mm512_max_ps(_mm512_loadu_ps(row + i + 48), a3);
+        }
+        for (; i + 16 <= n; i += 16) {
+            _mm_prefetch((const char*)(row + i) + RL_CTC_PREFETCH, _MM_HINT_T0);
+            a0 = _mm512_max_ps(_mm512_loadu_ps(row + i), a0);
+        }
+        if (i < n) {   /* masked tail: the lanes past the row keep their value */
+            k = (__mmask16)((1u << (n - i)) - 1u);
+            a1 = _mm512_max_ps(_mm512_mask_loadu_ps(a1, k, row + i), a1);
+        }
+        m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(a0, a1), _mm512_max_ps(a2, a3)));
+        mm = _mm512_set1_ps(m);
+        for (i = 0; i + 16 <= n; i += 16) {
+            e = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), mm, _CMP_EQ_OQ);
+            if (e) return i + __builtin_ctz((unsigned)e);
+        }
+        k = (__mmask16)((1u << (n - i)) - 1u);
+        e = _mm512_mask_cmp_ps_mask(k, _mm512_maskz_loadu_ps(k, row + i), mm, _CMP_EQ_OQ);
+        return e ? i + __builtin_ctz((unsigned)e) : 0;
+    }
+    #endif  /* RL_CTC_X86_DISPATCH */
+
+    static Py_ssize_t rl_argmax_f64(const double* row, Py_ssize_t n) {
         double m = row[0];
         Py_ssize_t i = 0;
         if (m != m) return 0;
@@ -144,9 +235,51 @@ cdef extern from *:
         for (; i < n; ++i) if (row[i] == m) return i;
         return 0;
     }
+
+    /* float32 body chosen once at import: the widest the CPU has. */
+    typedef Py_ssize_t (*rl_argmax_f32_fn)(const float*, Py_ssize_t);
+    static rl_argmax_f32_fn rl_argmax_f32 = rl_argmax_f32_sse2;
+
+    static int rl_ctc_select_isa(int want) {   /* want: 0 best, 1 sse2, 2 avx2, 3 avx512 */
+        int best = 1;
+    #ifdef RL_CTC_X86_DISPATCH
+        __builtin_cpu_init();
+        if (__builtin_cpu_supports("avx2")) best = 2;
+        if (__builtin_cpu_supports("avx512f")) best = 3;
+    #endif
+        if (want == 0 || want > best) want = best;
+        rl_argmax_f32 = rl_argmax_f32_sse2;
+    #ifdef RL_CTC_X86_DISPATCH
+        if (want == 2) rl_argmax_f32 = rl_argmax_f32_avx2;
+        if (want == 3) rl_argmax_f32 = rl_argmax_f32_avx512;
+    #endif
+        return want;
+    }
     """
     intp_t rl_argmax_f32(const float32_t* row, intp_t n) noexcept nogil
     intp_t rl_argmax_f64(const float64_t* row, intp_t n) noexcept nogil
+    int rl_ctc_select_isa(int want) noexcept nogil
+
+
+_ISA_NAMES = {1: "sse2", 2: "avx2", 3: "avx512"}
+_ISA = rl_ctc_select_isa(0)
+
+
+def isa():
+    """The instruction set the float32 row argmax uses ('sse2', 'avx2' or 'avx512')."""
+    return _ISA_NAMES[_ISA]
+
+
+def _set_isa(name=None):
+    """Force the float32 row-argmax body (tests and benchmarks); None picks the best.
+
+    Returns the name in use (a request above what the CPU has falls back).
+    Not thread-safe: call it while no decode is running.
+    """
+    global _ISA
+    want = 0 if name is None else {v: k for k, v in _ISA_NAMES.items()}[name]
+    _ISA = rl_ctc_select_isa(want)
+    return _ISA_NAMES[_ISA]
 
 
 cdef inline intp_t _row_argmax(const real_t* row, intp_t n) noexcept nogil:
