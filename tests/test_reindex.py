@@ -344,3 +344,27 @@ def test_half_conversions_match_numpy():
 
 def test_openmp_flag_is_bool():
     assert _reindex.openmp_enabled() in (True, False)
+
+
+def test_out_buffers():
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((6, 5)).astype(np.float32)
+    idx = np.array([5, 0, 5, 2])
+    out = np.full((4, 5), np.nan, np.float32)
+    assert batch_reindex(x, idx, out=out) is out
+    np.testing.assert_array_equal(out, x[idx])
+    dx = np.full((7, 5), np.nan, np.float32)            # every element is overwritten
+    assert batch_reindex_grad(out, idx, 7, out=dx) is dx
+    np.testing.assert_array_equal(dx, batch_reindex_grad_reference(out, idx, 7))
+    with pytest.raises(ValueError, match="shape"):
+        batch_reindex(x, idx, out=np.empty((3, 5), np.float32))
+    with pytest.raises(ValueError, match="dtype"):
+        batch_reindex(x, idx, out=np.empty((4, 5), np.float64))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        batch_reindex(x, idx, out=np.empty((5, 4), np.float32).T)
+    with pytest.raises(ValueError, match="overlap"):
+        batch_reindex(x, [0, 1, 2, 3, 4, 5], out=x)
+    with pytest.raises(ValueError, match="overlap"):
+        batch_reindex_grad(x, [0, 1, 2, 3, 4, 5], 6, out=x)
+    with pytest.raises(TypeError, match="LoDTensor"):
+        batch_reindex(LoDTensor.from_sequences([x]), [0], out=out)

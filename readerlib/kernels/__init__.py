@@ -94,7 +94,22 @@ def _xp(a):
     return np
 
 
-def batch_reindex(x, idx, *, num_threads=None):
+def _check_out(out, shape, dtype, src):
+    if out is None:
+        return np.empty(shape, dtype=dtype)
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a NumPy array here, got {type(out).__name__}")
+    if out.shape != shape or out.dtype != dtype:
+        raise ValueError(f"out must have shape {shape} and dtype {dtype}, "
+                         f"got {out.shape} and {out.dtype}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError("out must be a writeable C-contiguous array")
+    if np.may_share_memory(out, src):
+        raise ValueError("out must not overlap the input (rows would be overwritten before they are read)")
+    return out
+
+
+def batch_reindex(x, idx, *, out=None, num_threads=None):
     """Gather along the batch axis: ``y[n] = x[idx[n]]`` (Caffe's BatchReindex forward).
 
     Parameters
@@ -108,6 +123,11 @@ def batch_reindex(x, idx, *, num_threads=None):
     idx : array_like of int
         1-D, int32 or int64 (other integer types are converted; floats are
         rejected), each in ``[0, batch)``.  Repeats and omissions are fine.
+    out : ndarray, optional
+        C-contiguous ``[len(idx), *inner]`` array of ``x``'s dtype to write
+        into (NumPy input, no LoDTensor).  Reusing a buffer skips the
+        kernel's page zeroing of a fresh allocation, which costs as much as
+        the copy for large outputs.
     num_threads : int, optional
         Threads for the CPU kernel (default: ``OMP_NUM_THREADS`` or all CPUs
         this process may use).
@@ -136,6 +156,8 @@ def batch_reindex(x, idx, *, num_threads=None):
     [[4, 5], [0, 1], [4, 5]]
     """
     if isinstance(x, LoDTensor):
+        if out is not None:
+            raise TypeError("out= is not supported for LoDTensor input")
         return _batch_reindex_lod(x, idx, num_threads)
     xp = _xp(x)
     if not hasattr(x, "dtype"):
@@ -145,10 +167,12 @@ def batch_reindex(x, idx, *, num_threads=None):
     _check_reindex_dtype(x, "x")
     idx = _as_index(idx, xp)
     if xp is not np:
+        if out is not None:
+            raise NotImplementedError("out= is not supported for CuPy arrays")
         from . import _gpu
         return _gpu.batch_reindex(x, idx)
     n_threads = _threads(num_threads)
-    out = np.empty((idx.shape[0],) + x.shape[1:], dtype=x.dtype)
+    out = _check_out(out, (idx.shape[0],) + x.shape[1:], x.dtype, x)
     if idx.shape[0] == 0:
         return out
     _reindex.gather_rows(np.ascontiguousarray(x), idx, out, n_threads)
@@ -204,7 +228,7 @@ def _batch_reindex_lod(t, idx, num_threads):
     return LoDTensor(out, new_lod)
 
 
-def batch_reindex_grad(dy, idx, num_rows, *, num_threads=None):
+def batch_reindex_grad(dy, idx, num_rows, *, out=None, num_threads=None):
     """Backward of :func:`batch_reindex`: ``dx[k] = sum(dy[n] for idx[n] == k)``.
 
     Deterministic: the output is bitwise the same for any number of threads.
@@ -224,6 +248,9 @@ def batch_reindex_grad(dy, idx, num_rows, *, num_threads=None):
         The forward's indices: 1-D int32/int64, each in ``[0, num_rows)``.
     num_rows : int
         Rows of ``dx`` (the forward input's batch size).
+    out : ndarray, optional
+        C-contiguous ``[num_rows, *inner]`` array of ``dy``'s dtype to write
+        into (every element is overwritten; no need to zero it).
     num_threads : int, optional
         Threads for the CPU kernel (default: ``OMP_NUM_THREADS`` or all CPUs).
 
@@ -262,10 +289,19 @@ def batch_reindex_grad(dy, idx, num_rows, *, num_threads=None):
         raise ValueError(f"dy has {dy.shape[0]} rows but idx has {idx.shape[0]} entries; "
                          "they must match (dy is the gradient of batch_reindex(x, idx))")
     if xp is not np:
+        if out is not None:
+            raise NotImplementedError("out= is not supported for CuPy arrays")
         from . import _gpu
         return _gpu.batch_reindex_grad(dy, idx, num_rows)
-    out = np.empty((num_rows,) + dy.shape[1:], dtype=dy.dtype)
-    _reindex.scatter_add_rows(np.ascontiguousarray(dy), idx, num_rows, out, _threads(num_threads))
+    fresh = out is None
+    if fresh:
+        # np.zeros of a large array maps untouched zero pages: rows that no
+        # index refers to are then never written (nor faulted in) at all.
+        out = np.zeros((num_rows,) + dy.shape[1:], dtype=dy.dtype)
+    else:
+        out = _check_out(out, (num_rows,) + dy.shape[1:], dy.dtype, dy)
+    _reindex.scatter_add_rows(np.ascontiguousarray(dy), idx, num_rows, out, _threads(num_threads),
+                              fresh)
     return out
 
 

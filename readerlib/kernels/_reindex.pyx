@@ -18,10 +18,14 @@ Design:
   thread, once, with a fixed order of additions, so the result is bitwise the
   same for any thread count.  ``dx[k] = 0 + dy[n0] + dy[n1] + ...`` exactly as
   ``np.add.at`` on zeros (the ``0 +`` keeps ``-0.0`` behaving like NumPy).
-  Traffic: ``len(idx)`` rows read, ``num_rows`` rows written once; groups of
-  several rows re-read their output row from cache.  float16 is accumulated in
-  float32 (per-thread scratch row) and rounded once at the end (round to
-  nearest even, as NumPy's ``astype(float16)``); integer sums wrap.
+  Traffic: ``len(idx)`` rows read, each referenced ``dx`` row written once
+  (groups of several rows re-read their output row from cache).  Rows no
+  index refers to are zeroed, or, when the caller passes a fresh
+  ``np.zeros`` array (lazily mapped zero pages), not touched at all: for
+  random indices that is a fraction ``exp(-len(idx) / num_rows)`` of ``dx``.
+  float16 is accumulated in float32 (per-thread scratch row) and rounded
+  once at the end (round to nearest even, as NumPy's ``astype(float16)``);
+  integer sums wrap.
 
   Indices are validated (a min/max pass) before any byte is written; the C
   functions return ``ERR_NEGATIVE`` / ``ERR_TOO_LARGE`` and the Python wrappers
@@ -265,7 +269,7 @@ cdef void _group_by_index(const index_t* idx, intp_t n, intp_t num_rows,
 
 
 cdef void _segment_sum(const sum_t* dy, intp_t inner, const int64_t* start,
-                       const int64_t* order, intp_t num_rows, sum_t* dx,
+                       const int64_t* order, intp_t num_rows, sum_t* dx, bint dx_is_zero,
                        int n_threads) noexcept nogil:
     cdef intp_t k, j
     cdef int64_t p
@@ -274,7 +278,8 @@ cdef void _segment_sum(const sum_t* dy, intp_t inner, const int64_t* start,
     for k in prange(num_rows, schedule='static', nogil=True, num_threads=n_threads):
         out = dx + k * inner
         if start[k] == start[k + 1]:
-            memset(out, 0, inner * sizeof(sum_t))
+            if not dx_is_zero:
+                memset(out, 0, inner * sizeof(sum_t))
             continue
         row = dy + order[start[k]] * inner
         for j in range(inner):
@@ -286,7 +291,7 @@ cdef void _segment_sum(const sum_t* dy, intp_t inner, const int64_t* start,
 
 
 cdef int _segment_sum_half(const uint16_t* dy, intp_t inner, const int64_t* start,
-                           const int64_t* order, intp_t num_rows, uint16_t* dx,
+                           const int64_t* order, intp_t num_rows, uint16_t* dx, bint dx_is_zero,
                            int n_threads) noexcept nogil:
     """float16 rows summed in a float32 scratch row per thread; -1 if malloc failed."""
     cdef intp_t k, j
@@ -303,7 +308,8 @@ cdef int _segment_sum_half(const uint16_t* dy, intp_t inner, const int64_t* star
             if acc == NULL:
                 continue
             if start[k] == start[k + 1]:
-                memset(dx + k * inner, 0, inner * sizeof(uint16_t))
+                if not dx_is_zero:
+                    memset(dx + k * inner, 0, inner * sizeof(uint16_t))
                 continue
             row = dy + order[start[k]] * inner
             for j in range(inner):
@@ -320,30 +326,30 @@ cdef int _segment_sum_half(const uint16_t* dy, intp_t inner, const int64_t* star
 
 cdef void _segment_sum_dispatch(cnp.ndarray dy, intp_t inner, const int64_t* start,
                                 const int64_t* order, intp_t num_rows, cnp.ndarray dx,
-                                int n_threads) except *:
+                                bint z, int n_threads) except *:
     cdef void* src = cnp.PyArray_DATA(dy)
     cdef void* dst = cnp.PyArray_DATA(dx)
     cdef int num = dy.dtype.num
     cdef int rc = 0
     if num == cnp.NPY_FLOAT32:
         with nogil:
-            _segment_sum(<const float32_t*> src, inner, start, order, num_rows, <float32_t*> dst, n_threads)
+            _segment_sum(<const float32_t*> src, inner, start, order, num_rows, <float32_t*> dst, z, n_threads)
     elif num == cnp.NPY_FLOAT64:
         with nogil:
-            _segment_sum(<const float64_t*> src, inner, start, order, num_rows, <float64_t*> dst, n_threads)
+            _segment_sum(<const float64_t*> src, inner, start, order, num_rows, <float64_t*> dst, z, n_threads)
     elif num == cnp.NPY_INT32:
         with nogil:
-            _segment_sum(<const int32_t*> src, inner, start, order, num_rows, <int32_t*> dst, n_threads)
+            _segment_sum(<const int32_t*> src, inner, start, order, num_rows, <int32_t*> dst, z, n_threads)
     elif num == cnp.NPY_INT64:
         with nogil:
-            _segment_sum(<const int64_t*> src, inner, start, order, num_rows, <int64_t*> dst, n_threads)
+            _segment_sum(<const int64_t*> src, inner, start, order, num_rows, <int64_t*> dst, z, n_threads)
     elif num == cnp.NPY_UINT8:
         with nogil:
-            _segment_sum(<const uint8_t*> src, inner, start, order, num_rows, <uint8_t*> dst, n_threads)
+            _segment_sum(<const uint8_t*> src, inner, start, order, num_rows, <uint8_t*> dst, z, n_threads)
     elif num == cnp.NPY_FLOAT16:
         with nogil:
             rc = _segment_sum_half(<const uint16_t*> src, inner, start, order, num_rows,
-                                   <uint16_t*> dst, n_threads)
+                                   <uint16_t*> dst, z, n_threads)
         if rc != 0:
             raise MemoryError("batch_reindex_grad: could not allocate a float32 scratch row")
     else:  # the public function validates dtypes first
@@ -351,12 +357,15 @@ cdef void _segment_sum_dispatch(cnp.ndarray dy, intp_t inner, const int64_t* sta
 
 
 def scatter_add_rows(cnp.ndarray dy, cnp.ndarray idx, intp_t num_rows, cnp.ndarray out,
-                     int n_threads):
+                     int n_threads, bint out_is_zero=False):
     """``out[k] = sum(dy[n] for idx[n] == k)``, deterministic (see module Design).
 
     ``dy`` and ``out`` C-contiguous, same dtype and inner shape, ``out`` has
     ``num_rows`` rows; ``idx`` 1-D contiguous int32/int64 with ``len(dy)``
-    entries.  Raises Caffe's IndexError before writing.
+    entries.  Raises Caffe's IndexError before writing.  ``out_is_zero``:
+    ``out`` is known to hold zeros (fresh ``np.zeros``: untouched pages of a
+    large calloc), so rows nobody references are not written at all, and
+    their pages are never faulted in.
     """
     cdef intp_t n = idx.shape[0]
     cdef intp_t inner = (dy.size // n) if n else 0
@@ -372,7 +381,8 @@ def scatter_add_rows(cnp.ndarray dy, cnp.ndarray idx, intp_t num_rows, cnp.ndarr
     if num_rows == 0:
         return out
     if n == 0 or inner == 0:
-        out.fill(0)
+        if not out_is_zero:
+            out.fill(0)
         return out
     cdef cnp.ndarray start_arr = np.empty(num_rows + 1, dtype=np.int64)
     cdef cnp.ndarray order_arr = np.empty(n, dtype=np.int64)
@@ -383,7 +393,7 @@ def scatter_add_rows(cnp.ndarray dy, cnp.ndarray idx, intp_t num_rows, cnp.ndarr
             _group_by_index(<const int32_t*> pidx, n, num_rows, start, order)
         else:
             _group_by_index(<const int64_t*> pidx, n, num_rows, start, order)
-    _segment_sum_dispatch(dy, inner, start, order, num_rows, out, n_threads)
+    _segment_sum_dispatch(dy, inner, start, order, num_rows, out, out_is_zero, n_threads)
     return out
 
 
