@@ -15,20 +15,28 @@ Design:
      element 0, replace on strictly greater; so the first index wins ties,
      a NaN at index 0 wins (``(0, nan)``) and any other NaN is never chosen.
      It runs in two steps over a row that is hot in L1 after the first:
-     a branch-free max over 16 independent float32 lanes (SSE2 ``MAXPS``,
-     whose semantics are exactly ``v > m ? v : m``; each lane is a separate
-     running max, so nothing is reassociated), then a search for the first
-     element equal to that max, 16 at a time.  GCC -O3 does not vectorise the
-     same loop written in Cython (``a > b ? a : b`` on floats is not a
-     MAX_EXPR without -ffinite-math-only), hence the intrinsics, with a
-     scalar fallback on other architectures.
+     a branch-free max over independent lanes (4 registers of MAXPS, whose
+     semantics are exactly ``v > m ? v : m``: a NaN ``v`` keeps ``m``, and
+     each lane is its own running max, so nothing is reassociated), then a
+     search for the first element equal to that max, a block at a time.
+     GCC -O3 does not vectorise the same loop written in Cython (``a > b ?
+     a : b`` on floats is no MAX_EXPR without -ffinite-math-only), hence
+     intrinsics: SSE2 everywhere on x86-64, AVX2 / AVX-512 bodies compiled
+     with target attributes and picked at import (``isa()``), a scalar
+     fallback elsewhere.  The max loop prefetches 4 KiB ahead: perf showed it
+     stalled on loads at ~7 GB/s per thread because the hardware prefetcher
+     loses the stream at every row's data-dependent end (13 GB/s with it).
   2. Collapse (``_collapse_one``): per sequence, in time order, sum ``-max``
      into an accumulator of the input dtype (TF's order and type, so
      ``neg_sum_logits`` is bitwise TF's) and emit the argmax when it is not
      blank and not (``merge_repeated`` and equal to the previous frame's
-     argmax; blank frames update "previous" too).  Parallel over sequences.
-  3. Pack: prefix sum of the per-sequence counts, then a parallel copy into
-     TF's sparse layout (``indices [N, 2]``, ``values [N]`` int64).
+     argmax; blank frames update "previous" too).
+  3. Pack: prefix sum of the per-sequence counts, then a copy into TF's
+     sparse layout (``indices [N, 2]``, ``values [N]`` int64).
+
+  Steps 2 and 3 are serial: they touch ~12 bytes per frame (1/V of step 1)
+  and every extra OpenMP region costs a fork/join, which on a loaded machine
+  waits for a descheduled thread (measured: worse than the work itself).
 
   Memory traffic: the logits once (``T * B * V`` elements, less for padding
   frames, which are never read), plus ~12 bytes per frame.
