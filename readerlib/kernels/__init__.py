@@ -52,9 +52,20 @@ def _default_threads():
         return os.cpu_count() or 1
 
 
-def _threads(num_threads):
+#: Below this many bytes of work per thread, a default call uses fewer threads:
+#: an OpenMP fork/join costs microseconds when idle and a scheduler slice when
+#: the machine is busy, more than a small kernel itself.
+MIN_BYTES_PER_THREAD = 1 << 20
+
+
+def _threads(num_threads, work_bytes=None):
+    """Threads for a kernel: ``num_threads`` exactly when given, else the
+    default capped so each thread gets at least MIN_BYTES_PER_THREAD."""
     if num_threads is None:
-        return _default_threads()
+        n = _default_threads()
+        if work_bytes is not None:
+            n = max(1, min(n, int(work_bytes) // MIN_BYTES_PER_THREAD))
+        return n
     if not isinstance(num_threads, numbers.Integral) or isinstance(num_threads, bool) \
             or num_threads < 1:
         raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
@@ -129,8 +140,8 @@ def batch_reindex(x, idx, *, out=None, num_threads=None):
         kernel's page zeroing of a fresh allocation, which costs as much as
         the copy for large outputs.
     num_threads : int, optional
-        Threads for the CPU kernel (default: ``OMP_NUM_THREADS`` or all CPUs
-        this process may use).
+        Threads for the CPU kernel.  Default: ``OMP_NUM_THREADS``, else the
+        CPUs this process may use, but no more than one per MiB of work.
 
     Returns
     -------
@@ -171,8 +182,8 @@ def batch_reindex(x, idx, *, out=None, num_threads=None):
             raise NotImplementedError("out= is not supported for CuPy arrays")
         from . import _gpu
         return _gpu.batch_reindex(x, idx)
-    n_threads = _threads(num_threads)
     out = _check_out(out, (idx.shape[0],) + x.shape[1:], x.dtype, x)
+    n_threads = _threads(num_threads, 2 * out.nbytes)
     if idx.shape[0] == 0:
         return out
     _reindex.gather_rows(np.ascontiguousarray(x), idx, out, n_threads)
@@ -224,7 +235,8 @@ def _batch_reindex_lod(t, idx, num_threads):
     out = np.empty((total,) + data.shape[1:], dtype=data.dtype)
     if total:
         _reindex.copy_segments(np.ascontiguousarray(data), np.ascontiguousarray(begin),
-                               np.ascontiguousarray(n_rows), dst_row, out, _threads(num_threads))
+                               np.ascontiguousarray(n_rows), dst_row, out,
+                               _threads(num_threads, 2 * out.nbytes))
     return LoDTensor(out, new_lod)
 
 
@@ -252,7 +264,8 @@ def batch_reindex_grad(dy, idx, num_rows, *, out=None, num_threads=None):
         C-contiguous ``[num_rows, *inner]`` array of ``dy``'s dtype to write
         into (every element is overwritten; no need to zero it).
     num_threads : int, optional
-        Threads for the CPU kernel (default: ``OMP_NUM_THREADS`` or all CPUs).
+        Threads for the CPU kernel.  Default: ``OMP_NUM_THREADS``, else the
+        CPUs this process may use, but no more than one per MiB of work.
 
     Returns
     -------
@@ -300,8 +313,8 @@ def batch_reindex_grad(dy, idx, num_rows, *, out=None, num_threads=None):
         out = np.zeros((num_rows,) + dy.shape[1:], dtype=dy.dtype)
     else:
         out = _check_out(out, (num_rows,) + dy.shape[1:], dy.dtype, dy)
-    _reindex.scatter_add_rows(np.ascontiguousarray(dy), idx, num_rows, out, _threads(num_threads),
-                              fresh)
+    _reindex.scatter_add_rows(np.ascontiguousarray(dy), idx, num_rows, out,
+                              _threads(num_threads, dy.nbytes + out.nbytes), fresh)
     return out
 
 
@@ -355,7 +368,8 @@ def ctc_greedy_decoder(inputs, sequence_length=None, merge_repeated=True, blank_
         Class of the blank; default ``num_classes - 1``.  Negative values count
         from ``num_classes`` (``-1`` is the default).
     num_threads : int, optional
-        Threads for the CPU kernel (default: ``OMP_NUM_THREADS`` or all CPUs).
+        Threads for the CPU kernel.  Default: ``OMP_NUM_THREADS``, else the
+        CPUs this process may use, but no more than one per MiB of work.
 
     Returns
     -------
@@ -434,7 +448,8 @@ def ctc_greedy_decoder(inputs, sequence_length=None, merge_repeated=True, blank_
     blank = _check_blank(blank_index, num_classes)
     lengths = np.maximum(lengths, 0).astype(np.int32)  # TF's loop runs 0 times for < 0
     indices, values, shape, neg = _ctc.decode_padded(
-        np.ascontiguousarray(inputs), lengths, blank, bool(merge_repeated), _threads(num_threads))
+        np.ascontiguousarray(inputs), lengths, blank, bool(merge_repeated),
+        _threads(num_threads, inputs.nbytes))
     return [SparseTensor(indices, values, shape)], neg
 
 
@@ -464,5 +479,5 @@ def _ctc_lod(t, sequence_length, merge_repeated, blank_index, num_threads):
         return _gpu.ctc_greedy_decoder_lod(data, offsets, bool(merge_repeated), blank)
     indices, values, shape, neg = _ctc.decode_lod(
         np.ascontiguousarray(data), np.ascontiguousarray(offsets, dtype=np.int64), blank,
-        bool(merge_repeated), _threads(num_threads))
+        bool(merge_repeated), _threads(num_threads, data.nbytes))
     return [SparseTensor(indices, values, shape)], neg
