@@ -368,3 +368,60 @@ def test_out_buffers():
         batch_reindex_grad(x, [0, 1, 2, 3, 4, 5], 6, out=x)
     with pytest.raises(TypeError, match="LoDTensor"):
         batch_reindex(LoDTensor.from_sequences([x]), [0], out=out)
+
+
+# -- GPU dispatch contract (runs without a GPU: a stand-in for CuPy and _gpu) ----------
+
+class FakeCupyArray(np.ndarray):
+    """is_cupy_array() looks at the type's module; this one claims to be CuPy."""
+
+
+FakeCupyArray.__module__ = "cupy._fake"
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    import sys
+    import types
+
+    import readerlib.gpu
+    import readerlib.kernels
+
+    calls = []
+    stub = types.ModuleType("readerlib.kernels._gpu")
+    stub.batch_reindex = lambda *a: calls.append(("batch_reindex",) + a) or "gpu"
+    stub.batch_reindex_grad = lambda *a: calls.append(("batch_reindex_grad",) + a) or "gpu"
+    stub.batch_reindex_lod = lambda *a: calls.append(("batch_reindex_lod",) + a) or (a[0], a[1])
+    monkeypatch.setitem(sys.modules, "readerlib.kernels._gpu", stub)
+    monkeypatch.setattr(readerlib.kernels, "_gpu", stub, raising=False)
+    monkeypatch.setattr(readerlib.gpu, "require_cupy", lambda: np)   # xp = numpy stand-in
+    monkeypatch.setitem(sys.modules, "cupy", np)                      # for LoDTensor
+    return calls
+
+
+def test_cupy_input_goes_to_gpu_module(fake_gpu):
+    x = np.arange(12, dtype=np.float32).reshape(4, 3).view(FakeCupyArray)
+    assert batch_reindex(x, np.array([3, 1], np.int32)) == "gpu"
+    name, gx, gidx = fake_gpu[-1]
+    assert name == "batch_reindex" and gx is x and gidx.dtype == np.int32
+    assert batch_reindex_grad(x, np.array([0, 1, 1, 2], np.uint8), 5) == "gpu"
+    name, gdy, gidx, rows = fake_gpu[-1]
+    assert name == "batch_reindex_grad" and gdy is x and gidx.dtype == np.int64 and rows == 5
+    t = LoDTensor(x, [np.array([0, 1, 4])])
+    got = batch_reindex(t, np.array([1, 0], np.int64))
+    name, gdata, goffs, gidx = fake_gpu[-1]
+    assert name == "batch_reindex_lod" and gdata is x and goffs.tolist() == [0, 1, 4]
+    assert isinstance(got, LoDTensor)
+
+
+def test_cupy_input_shares_argument_validation(fake_gpu):
+    x = np.zeros((4, 3), np.float32).view(FakeCupyArray)
+    with pytest.raises(ValueError, match="1-D"):
+        batch_reindex(x, np.zeros((2, 2), np.int64))
+    with pytest.raises(TypeError, match="integers"):
+        batch_reindex(x, np.array([0.5]))
+    with pytest.raises(TypeError, match="not supported"):
+        batch_reindex(x.astype(np.int16).view(FakeCupyArray), [0])
+    with pytest.raises(ValueError, match="must match"):
+        batch_reindex_grad(x, [0, 1], 4)
+    assert fake_gpu == []     # nothing reached the GPU module

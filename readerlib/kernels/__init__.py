@@ -171,13 +171,14 @@ def batch_reindex(x, idx, *, out=None, num_threads=None):
             raise TypeError("out= is not supported for LoDTensor input")
         return _batch_reindex_lod(x, idx, num_threads)
     xp = _xp(x)
+    on_gpu = is_cupy_array(x)
     if not hasattr(x, "dtype"):
         x = np.asarray(x)
     if x.ndim < 1:
         raise ValueError(f"x must have a batch axis (ndim >= 1), got shape {tuple(x.shape)}")
     _check_reindex_dtype(x, "x")
     idx = _as_index(idx, xp)
-    if xp is not np:
+    if on_gpu:
         if out is not None:
             raise NotImplementedError("out= is not supported for CuPy arrays")
         from . import _gpu
@@ -196,8 +197,9 @@ def _batch_reindex_lod(t, idx, num_threads):
         return LoDTensor(batch_reindex(data, idx, num_threads=num_threads))
     _check_reindex_dtype(data, "x")
     xp = _xp(data)
+    on_gpu = is_cupy_array(data)
     idx = _as_index(idx, xp)
-    if xp is not np:
+    if on_gpu:
         if len(t.lod) != 1:
             raise NotImplementedError("batch_reindex of a multi-level LoDTensor on the GPU; "
                                       "use .to('cpu') or a one-level LoDTensor")
@@ -287,6 +289,7 @@ def batch_reindex_grad(dy, idx, num_rows, *, out=None, num_threads=None):
     [[1.0, 1.0], [0.0, 0.0], [2.0, 2.0]]
     """
     xp = _xp(dy)
+    on_gpu = is_cupy_array(dy)
     if not hasattr(dy, "dtype"):
         dy = np.asarray(dy)
     if dy.ndim < 1:
@@ -301,7 +304,7 @@ def batch_reindex_grad(dy, idx, num_rows, *, out=None, num_threads=None):
     if dy.shape[0] != idx.shape[0]:
         raise ValueError(f"dy has {dy.shape[0]} rows but idx has {idx.shape[0]} entries; "
                          "they must match (dy is the gradient of batch_reindex(x, idx))")
-    if xp is not np:
+    if on_gpu:
         if out is not None:
             raise NotImplementedError("out= is not supported for CuPy arrays")
         from . import _gpu
@@ -410,6 +413,7 @@ def ctc_greedy_decoder(inputs, sequence_length=None, merge_repeated=True, blank_
     if isinstance(inputs, LoDTensor):
         return _ctc_lod(inputs, sequence_length, merge_repeated, blank_index, num_threads)
     xp = _xp(inputs)
+    on_gpu = is_cupy_array(inputs)
     if not hasattr(inputs, "dtype"):
         inputs = np.asarray(inputs, dtype=np.float32)
     _check_ctc_dtype(inputs)
@@ -437,7 +441,7 @@ def ctc_greedy_decoder(inputs, sequence_length=None, merge_repeated=True, blank_
             "len(sequence_length) != batch_size.  len(sequence_length):  "
             f"{sequence_length.shape[0]} batch_size: {batch_size}")
     blank = None
-    if xp is not np:
+    if on_gpu:
         blank = _check_blank(blank_index, num_classes)
         from . import _gpu
         return _gpu.ctc_greedy_decoder(inputs, sequence_length, bool(merge_repeated), blank)
