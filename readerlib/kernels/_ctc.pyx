@@ -298,20 +298,30 @@ cdef inline intp_t _row_argmax(const real_t* row, intp_t n) noexcept nogil:
         return rl_argmax_f64(row, n)
 
 
+cdef inline void _frame(const real_t* x, intp_t r, intp_t num_classes, int32_t* amax,
+                        real_t* mval) noexcept nogil:
+    cdef const real_t* row = x + r * num_classes
+    cdef intp_t a = _row_argmax(row, num_classes)
+    amax[r] = <int32_t> a
+    mval[r] = row[a]
+
+
 cdef void _frames_argmax(const real_t* x, intp_t n_frames, intp_t num_classes,
                          const int32_t* lengths, intp_t batch, int32_t* amax,
                          real_t* mval, int n_threads) noexcept nogil:
-    """Argmax and max of every frame; ``lengths`` NULL means all frames valid,
-    else frame ``r`` is ``(t, b) = divmod(r, batch)`` and valid when ``t < lengths[b]``."""
-    cdef intp_t r, a
-    cdef const real_t* row
-    for r in prange(n_frames, schedule='static', nogil=True, num_threads=n_threads):
-        if lengths != NULL and r // batch >= lengths[r % batch]:
-            continue
-        row = x + r * num_classes
-        a = _row_argmax(row, num_classes)
-        amax[r] = <int32_t> a
-        mval[r] = row[a]
+    """Argmax and max of every frame.  ``lengths`` NULL: all ``n_frames`` rows
+    are frames (LoD).  Else rows are ``(t, b)`` of ``[n_frames // batch, batch]``
+    and valid when ``t < lengths[b]``; the loop runs over ``t`` so that no
+    division is needed per frame and each thread still streams a contiguous block."""
+    cdef intp_t r, t, b
+    if lengths == NULL:
+        for r in prange(n_frames, schedule='static', nogil=True, num_threads=n_threads):
+            _frame(x, r, num_classes, amax, mval)
+        return
+    for t in prange(n_frames // batch, schedule='static', nogil=True, num_threads=n_threads):
+        for b in range(batch):
+            if t < lengths[b]:
+                _frame(x, t * batch + b, num_classes, amax, mval)
 
 
 cdef inline int64_t _collapse_one(const int32_t* amax, const real_t* mval, int64_t first,
