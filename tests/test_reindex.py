@@ -425,3 +425,21 @@ def test_cupy_input_shares_argument_validation(fake_gpu):
     with pytest.raises(ValueError, match="must match"):
         batch_reindex_grad(x, [0, 1], 4)
     assert fake_gpu == []     # nothing reached the GPU module
+
+
+def test_backward_large_fresh_output_lazy_zero_path():
+    # > LAZY_ZERO_BYTES: dx comes from np.zeros and unreferenced rows are skipped
+    from readerlib.kernels import LAZY_ZERO_BYTES
+    inner = 1024
+    num_rows = LAZY_ZERO_BYTES // (4 * inner) + 100
+    rng = np.random.default_rng(9)
+    dy = rng.standard_normal((5, inner)).astype(np.float32)
+    idx = np.array([num_rows - 1, 7, 7, 0, num_rows - 1])
+    for threads in (1, 2):
+        dx = batch_reindex_grad(dy, idx, num_rows, num_threads=threads)
+        assert dx.nbytes > LAZY_ZERO_BYTES
+        np.testing.assert_array_equal(dx[[0, 7, num_rows - 1]],
+                                      np.stack([dy[3], dy[1] + dy[2], dy[0] + dy[4]]))
+        touched = np.zeros(num_rows, bool)
+        touched[idx] = True
+        assert not dx[~touched].any()

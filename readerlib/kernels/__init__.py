@@ -52,6 +52,12 @@ def _default_threads():
         return os.cpu_count() or 1
 
 
+#: Above this size a fresh np.zeros comes straight from mmap (glibc's dynamic
+#: mmap threshold tops out at 32 MiB), so its untouched pages cost nothing;
+#: below it calloc may memset the whole block, and np.empty plus zeroing only
+#: the unreferenced rows is cheaper (perf: memset was 10% at 16 MiB).
+LAZY_ZERO_BYTES = 32 << 20
+
 #: Below this many bytes of work per thread, a default call uses fewer threads:
 #: an OpenMP fork/join costs microseconds when idle and a scheduler slice when
 #: the machine is busy, more than a small kernel itself.
@@ -309,15 +315,16 @@ def batch_reindex_grad(dy, idx, num_rows, *, out=None, num_threads=None):
             raise NotImplementedError("out= is not supported for CuPy arrays")
         from . import _gpu
         return _gpu.batch_reindex_grad(dy, idx, num_rows)
-    fresh = out is None
-    if fresh:
-        # np.zeros of a large array maps untouched zero pages: rows that no
-        # index refers to are then never written (nor faulted in) at all.
+    nbytes = num_rows * dy.itemsize * int(np.prod(dy.shape[1:], dtype=np.int64))
+    lazy_zero = out is None and nbytes > LAZY_ZERO_BYTES
+    if lazy_zero:
+        # A large np.zeros is a fresh mmap of zero pages: rows no index refers
+        # to are then never written (nor faulted in) at all.
         out = np.zeros((num_rows,) + dy.shape[1:], dtype=dy.dtype)
     else:
         out = _check_out(out, (num_rows,) + dy.shape[1:], dy.dtype, dy)
     _reindex.scatter_add_rows(np.ascontiguousarray(dy), idx, num_rows, out,
-                              _threads(num_threads, dy.nbytes + out.nbytes), fresh)
+                              _threads(num_threads, dy.nbytes + out.nbytes), lazy_zero)
     return out
 
 

@@ -102,11 +102,29 @@ cdef extern from *:
         }
         return (uint16_t)(o | (sign >> 16));
     }
+
+    /* Ask for the first lines of a row we will read soon (the backward reads
+       dy rows in group order, i.e. at random; longer rows stream by themselves). */
+    static inline void rl_prefetch_row(const void* p, Py_ssize_t nbytes) {
+    #if defined(__GNUC__)
+        const char* c = (const char*)p;
+        Py_ssize_t o;
+        if (nbytes > 512) nbytes = 512;
+        for (o = 0; o < nbytes; o += 64) __builtin_prefetch(c + o, 0, 3);
+    #else
+        (void)p; (void)nbytes;
+    #endif
+    }
     """
     int RL_OPENMP_ENABLED
+    void rl_prefetch_row(const void* p, intp_t nbytes) noexcept nogil
     float rl_half_to_float(uint16_t h) noexcept nogil
     uint16_t rl_float_to_half(float value) noexcept nogil
 
+
+# The backward prefetches the dy rows of the output row this many rows ahead.
+cdef enum:
+    PREFETCH_GROUPS = 16
 
 # Return codes of the nogil functions (pysam's habit: C codes, Python raises).
 cdef enum:
@@ -277,6 +295,9 @@ cdef void _segment_sum(const sum_t* dy, intp_t inner, const int64_t* start,
     cdef const sum_t* row
     for k in prange(num_rows, schedule='static', nogil=True, num_threads=n_threads):
         out = dx + k * inner
+        if k + PREFETCH_GROUPS < num_rows:
+            for p in range(start[k + PREFETCH_GROUPS], start[k + PREFETCH_GROUPS + 1]):
+                rl_prefetch_row(dy + order[p] * inner, inner * sizeof(sum_t))
         if start[k] == start[k + 1]:
             if not dx_is_zero:
                 memset(out, 0, inner * sizeof(sum_t))
