@@ -1,6 +1,6 @@
 """Side-by-side CPU benchmarks of readerlib's kernels against their peers.
 
-    python benchmarks/bench_kernels_cpu.py [--rounds 7] [--only ctc|fwd|bwd] [--out FILE]
+    python benchmarks/bench_kernels_cpu.py [--rounds 7] [--only ctc|fwd|bwd] [--cpu-time] [--out FILE]
 
 Every case runs all its contenders in interleaved rounds (A B C A B C ...), so
 a burst of load from another process hits them all alike; the table reports
@@ -8,6 +8,12 @@ the best round of each (the least disturbed), the ratio to readerlib, and the
 bandwidth: logits read for CTC; bytes read + written for reindex, to set
 against the machine's copy bandwidth measured in the same run (np.copyto of
 256 MiB: read + write).  Results are checked for equality before timing.
+
+``--cpu-time`` runs every contender on one thread (readerlib num_threads=1,
+torch.set_num_threads(1), TF intra/inter-op pools of 1) and reports CPU
+seconds of the whole process per call instead of wall time: a per-core
+efficiency figure that time slices lost to other processes do not distort
+(memory-bandwidth contention still does).
 """
 from __future__ import annotations
 
@@ -29,16 +35,23 @@ CTC_SHAPES = [(500, 32, 1025), (200, 128, 129), (1000, 16, 5001)]
 REINDEX_SHAPES = [(4096, 8192, 2048), (65536, 65536, 64), (256, 512, 150528)]
 
 
+CLOCK = time.perf_counter
+ONE_THREAD = False
+NT = None          # readerlib's num_threads: its default, or 1 with --cpu-time
+
+
 def interleaved(fns, rounds):
     """Best and median seconds per contender, the contenders alternating each round."""
+    if ONE_THREAD:
+        fns = {k: f for k, f in fns.items() if k != "readerlib 1 thread"}
     times = {k: [] for k in fns}
     for f in fns.values():   # warm up: page faults, lazy imports, thread pools
         f()
     for _ in range(rounds):
         for k, f in fns.items():
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             f()
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(CLOCK() - t0)
     return {k: (min(v), float(np.median(v))) for k, v in times.items()}
 
 
@@ -73,7 +86,7 @@ def bench_ctc(rounds, tf):
         lengths[::3] = T * 3 // 4             # some padding, as in real batches
         gb = float(np.sum(lengths)) * V * 4 / 1e9
         fns = {
-            "readerlib": lambda: ctc_greedy_decoder(x, lengths),
+            "readerlib": lambda: ctc_greedy_decoder(x, lengths, num_threads=NT),
             "readerlib 1 thread": lambda: ctc_greedy_decoder(x, lengths, num_threads=1),
             "numpy (vectorised)": lambda: ctc_greedy_decoder_vectorized(x, lengths),
         }
@@ -105,7 +118,7 @@ def bench_reindex_fwd(rounds, torch):
         gb = 2 * N * inner * 4 / 1e9
         buf = np.empty((N, inner), np.float32)
         fns = {
-            "readerlib": lambda: batch_reindex(x, idx),
+            "readerlib": lambda: batch_reindex(x, idx, num_threads=NT),
             "readerlib 1 thread": lambda: batch_reindex(x, idx, num_threads=1),
             "np.take": lambda: np.take(x, idx, axis=0),
         }
@@ -115,7 +128,7 @@ def bench_reindex_fwd(rounds, torch):
             tbuf = torch.from_numpy(buf)
             assert np.array_equal(torch.index_select(xt, 0, it).numpy(), x[idx])
             fns["torch.index_select"] = lambda: torch.index_select(xt, 0, it)
-        fns["readerlib out="] = lambda: batch_reindex(x, idx, out=buf)
+        fns["readerlib out="] = lambda: batch_reindex(x, idx, out=buf, num_threads=NT)
         fns["np.take out="] = lambda: np.take(x, idx, axis=0, out=buf)
         if torch is not None:
             fns["torch.index_select out="] = lambda: torch.index_select(xt, 0, it, out=tbuf)
@@ -144,7 +157,7 @@ def bench_reindex_bwd(rounds, torch):
             return dx
 
         fns = {
-            "readerlib": lambda: batch_reindex_grad(dy, idx, M),
+            "readerlib": lambda: batch_reindex_grad(dy, idx, M, num_threads=NT),
             "readerlib 1 thread": lambda: batch_reindex_grad(dy, idx, M, num_threads=1),
             "np.add.at": add_at,
         }
@@ -164,7 +177,7 @@ def bench_reindex_bwd(rounds, torch):
             buf.fill(0)
             np.add.at(buf, idx, dy)
 
-        fns["readerlib out="] = lambda: batch_reindex_grad(dy, idx, M, out=buf)
+        fns["readerlib out="] = lambda: batch_reindex_grad(dy, idx, M, out=buf, num_threads=NT)
         fns["np.add.at out= (zeroed)"] = add_at_out
         if torch is not None:
             tbuf = torch.from_numpy(buf)
@@ -185,11 +198,21 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--only", choices=["ctc", "fwd", "bwd"], action="append")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="one thread everywhere; report process CPU seconds per call")
     p.add_argument("--out", help="also write the markdown here")
     args = p.parse_args(argv)
+    global CLOCK, ONE_THREAD, NT
     only = set(args.only or ["ctc", "fwd", "bwd"])
     tf = try_import("tensorflow") if "ctc" in only else None
     torch = try_import("torch") if only & {"fwd", "bwd"} else None
+    if args.cpu_time:
+        CLOCK, ONE_THREAD, NT = time.process_time, True, 1
+        if torch is not None:
+            torch.set_num_threads(1)
+        if tf is not None:
+            tf.config.threading.set_intra_op_parallelism_threads(1)
+            tf.config.threading.set_inter_op_parallelism_threads(1)
     parts = []
     load0 = os.getloadavg()
     bw = copy_bandwidth(args.rounds)
@@ -199,7 +222,10 @@ def main(argv=None):
             f"- numpy {np.__version__}" + (f", tensorflow {tf.__version__}" if tf else "")
             + (f", torch {torch.__version__} ({torch.get_num_threads()} threads)" if torch else ""),
             f"- copy bandwidth in this run (np.copyto 256 MiB, read + write): {bw:.1f} GB/s",
-            f"- load average at start: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}"]
+            f"- load average at start: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}",
+            "- timing: " + ("process CPU seconds per call, every contender on ONE thread "
+                            "(ms columns are CPU ms; GB/s is per CPU-second)"
+                            if args.cpu_time else "wall clock, default threads")]
     if "ctc" in only:
         parts.append(bench_ctc(args.rounds, tf))
     if "fwd" in only:
