@@ -323,6 +323,13 @@ def test_tf_error_messages(shape, lengths, kwargs, exc, msg):
     assert isinstance(info.value, ValueError)
 
 
+def test_num_classes_beyond_int32():
+    # a zero-stride view: 2**31 classes without the memory (checked before any copy)
+    x = np.broadcast_to(np.zeros((1, 1, 1), np.float32), (1, 1, 2**31))
+    with pytest.raises(InvalidArgumentError, match="^num_classes cannot exceed max int$"):
+        ctc_greedy_decoder(x, [1])
+
+
 def test_type_errors():
     x = np.zeros((3, 2, 4), np.float32)
     with pytest.raises(TypeError, match="float32 or float64"):

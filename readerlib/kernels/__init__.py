@@ -330,6 +330,11 @@ def batch_reindex_grad(dy, idx, num_rows, *, out=None, num_threads=None):
 
 # -- ctc_greedy_decoder -----------------------------------------------------------
 
+def _check_num_classes(num_classes):
+    if num_classes > np.iinfo(np.int32).max:   # class ids are int32 in the kernels, as in TF
+        raise InvalidArgumentError("num_classes cannot exceed max int")
+
+
 def _check_blank(blank_index, num_classes):
     if blank_index is None:
         return num_classes - 1
@@ -447,8 +452,8 @@ def ctc_greedy_decoder(inputs, sequence_length=None, merge_repeated=True, blank_
         raise FailedPreconditionError(
             "len(sequence_length) != batch_size.  len(sequence_length):  "
             f"{sequence_length.shape[0]} batch_size: {batch_size}")
-    blank = None
     if on_gpu:
+        _check_num_classes(num_classes)
         blank = _check_blank(blank_index, num_classes)
         from . import _gpu
         return _gpu.ctc_greedy_decoder(inputs, sequence_length, bool(merge_repeated), blank)
@@ -456,6 +461,7 @@ def ctc_greedy_decoder(inputs, sequence_length=None, merge_repeated=True, blank_
     too_long = np.flatnonzero(lengths > max_time)
     if too_long.size:
         raise FailedPreconditionError(f"sequence_length({int(too_long[0])}) <= {max_time}")
+    _check_num_classes(num_classes)
     blank = _check_blank(blank_index, num_classes)
     lengths = np.maximum(lengths, 0).astype(np.int32)  # TF's loop runs 0 times for < 0
     indices, values, shape, neg = _ctc.decode_padded(
@@ -484,6 +490,7 @@ def _ctc_lod(t, sequence_length, merge_repeated, blank_index, num_threads):
         raise InvalidArgumentError("inputs must not be empty")
     if data.shape[0] == 0:
         raise InvalidArgumentError("max_time is 0")
+    _check_num_classes(num_classes)
     blank = _check_blank(blank_index, num_classes)
     if is_cupy_array(data):
         from . import _gpu
