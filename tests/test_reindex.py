@@ -342,10 +342,6 @@ def test_half_conversions_match_numpy():
     assert np.isnan(nan16.view(np.float16)).all()
 
 
-def test_openmp_flag_is_bool():
-    assert _reindex.openmp_enabled() in (True, False)
-
-
 def test_out_buffers():
     rng = np.random.default_rng(8)
     x = rng.standard_normal((6, 5)).astype(np.float32)
