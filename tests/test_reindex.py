@@ -227,6 +227,14 @@ def test_caffe_index_errors(bad, msg):
             batch_reindex(x, np.array(bad, np.int32))
 
 
+def test_index_errors_with_non_contiguous_inputs():
+    x = np.zeros((5, 4), np.float32)[:, ::2]
+    with pytest.raises(IndexError, match=re.escape(NEG)):
+        batch_reindex(x, [1, -1])
+    with pytest.raises(IndexError, match=re.escape(BIG)):
+        batch_reindex_grad(x, [0, 1, 2, 3, 9], 6)
+
+
 def test_index_error_on_empty_batch_and_uint64():
     with pytest.raises(IndexError, match=re.escape(BIG)):
         batch_reindex(np.zeros((0, 3)), [0])

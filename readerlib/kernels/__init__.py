@@ -104,6 +104,15 @@ def _as_index(idx, xp):
     return xp.ascontiguousarray(idx)
 
 
+def _check_bounds(idx, limit):
+    """Caffe's index checks in NumPy (the kernels repeat them in C)."""
+    if idx.shape[0]:
+        if int(idx.min()) < 0:
+            raise IndexError(_reindex.MSG_NEGATIVE)
+        if int(idx.max()) >= limit:
+            raise IndexError(_reindex.MSG_TOO_LARGE)
+
+
 def _xp(a):
     if is_cupy_array(a):
         from ..gpu import require_cupy
@@ -193,6 +202,8 @@ def batch_reindex(x, idx, *, out=None, num_threads=None):
     n_threads = _threads(num_threads, 2 * out.nbytes)
     if idx.shape[0] == 0:
         return out
+    if not x.flags.c_contiguous:
+        _check_bounds(idx, x.shape[0])   # before paying for the contiguous copy
     _reindex.gather_rows(np.ascontiguousarray(x), idx, out, n_threads)
     return out
 
@@ -213,12 +224,7 @@ def _batch_reindex_lod(t, idx, num_threads):
         new_data, new_offsets = _gpu.batch_reindex_lod(data, t.lod[0], idx)
         return LoDTensor(new_data, [new_offsets])
     n_seq = t.lod[0].shape[0] - 1
-    if idx.shape[0]:
-        lo, hi = int(idx.min()), int(idx.max())
-        if lo < 0:
-            raise IndexError(_reindex.MSG_NEGATIVE)
-        if hi >= n_seq:
-            raise IndexError(_reindex.MSG_TOO_LARGE)
+    _check_bounds(idx, n_seq)
     sel = idx.astype(np.int64)
     # Walk down the levels: the selected entries of each level are contiguous
     # runs [begin, end) per top-level entry; rebuild each level's offsets
@@ -323,6 +329,8 @@ def batch_reindex_grad(dy, idx, num_rows, *, out=None, num_threads=None):
         out = np.zeros((num_rows,) + dy.shape[1:], dtype=dy.dtype)
     else:
         out = _check_out(out, (num_rows,) + dy.shape[1:], dy.dtype, dy)
+    if not dy.flags.c_contiguous:
+        _check_bounds(idx, num_rows)     # before paying for the contiguous copy
     _reindex.scatter_add_rows(np.ascontiguousarray(dy), idx, num_rows, out,
                               _threads(num_threads, dy.nbytes + out.nbytes), lazy_zero)
     return out
