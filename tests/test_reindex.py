@@ -123,9 +123,10 @@ def test_backward_matches_reference(case, threads, extra_rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("inner", [(), (1,), (3,), (2, 2), (1000,)])
+@pytest.mark.parametrize("inner", [(), (1,), (3,), (2, 2), (8,), (64,), (4, 64), (264,), (1000,)])
 def test_row_sizes(dtype, inner):
-    # every copy path: 1/2/4/8-byte words and memcpy rows
+    # every copy path: 1/2/4/8-byte words, short rows of 32-byte chunks
+    # (e.g. 8 or 64 float32, 4x64 float32 = 1024 bytes), memcpy rows
     rng = np.random.default_rng(1)
     x = random_array(rng, (7,) + inner, dtype)
     idx = rng.integers(0, 7, size=40)
