@@ -143,6 +143,11 @@ def _index_name(idx):
     return name
 
 
+def _device(cp, a, dtype=None):
+    """A C-contiguous CuPy array (a host array is copied over, as CuPy's asarray does)."""
+    return cp.ascontiguousarray(cp.asarray(a, dtype=dtype))
+
+
 def _pinned(cp, count, dtype):
     """A NumPy array in page-locked memory (so a device->host copy can be async)."""
     dtype = np.dtype(dtype)
@@ -222,8 +227,8 @@ def batch_reindex(x, idx):
         ``>= x.shape[0]``.  Checked on the device; the host reads back 16 bytes.
     """
     cp = require_cupy()
-    x = cp.ascontiguousarray(x)
-    idx = cp.ascontiguousarray(idx)
+    x = _device(cp, x)
+    idx = _device(cp, idx)
     _index_name(idx)
     if x.ndim < 1:
         raise ValueError("batch_reindex needs x with at least one dimension (the batch)")
@@ -269,8 +274,8 @@ def batch_reindex_grad(dy, idx, num_rows):
         If ``len(idx) * num_rows >= 2**62`` (the sort key would overflow).
     """
     cp = require_cupy()
-    dy = cp.ascontiguousarray(dy)
-    idx = cp.ascontiguousarray(idx)
+    dy = _device(cp, dy)
+    idx = _device(cp, idx)
     _index_name(idx)
     dtype_name = _GRAD_NAMES.get(np.dtype(dy.dtype))
     if dtype_name is None:
@@ -342,9 +347,9 @@ def batch_reindex_lod(data, offsets, idx):
         Caffe's messages, against the number of sequences.
     """
     cp = require_cupy()
-    data = cp.ascontiguousarray(data)
-    offsets = cp.ascontiguousarray(offsets, dtype=np.int64)
-    idx = cp.ascontiguousarray(idx)
+    data = _device(cp, data)
+    offsets = _device(cp, offsets, np.int64)
+    idx = _device(cp, idx)
     index_name = _index_name(idx)
     n_seq = offsets.shape[0] - 1
     n = idx.shape[0]
@@ -467,15 +472,19 @@ def ctc_greedy_decoder(inputs, sequence_length, merge_repeated=True, blank_index
         ``max_time`` (found on the device, reported at the one sync).
     """
     cp = require_cupy()
-    inputs = cp.ascontiguousarray(inputs)
+    inputs = _device(cp, inputs)
     if inputs.ndim != 3:
         raise ValueError("inputs is not a 3-Tensor")
     max_time, batch, num_classes = (int(d) for d in inputs.shape)
     blank_index = _blank(num_classes, blank_index)
-    seq_len = cp.ascontiguousarray(sequence_length, dtype=np.int32)
-    if seq_len.shape != (batch,):
+    seq_len = _device(cp, sequence_length, np.int32)
+    if max_time == 0:
+        raise ValueError("max_time is 0")
+    if seq_len.ndim != 1:
+        raise ValueError("sequence_length is not a vector")
+    if seq_len.shape[0] != batch:
         raise ValueError(f"len(sequence_length) != batch_size.  len(sequence_length):  "
-                         f"{seq_len.shape[0] if seq_len.ndim else seq_len.shape} batch_size: {batch}")
+                         f"{seq_len.shape[0]} batch_size: {batch}")
     return _ctc_decode(cp, inputs, num_classes, batch, max_time, seq_len, None,
                        merge_repeated, blank_index)
 
@@ -499,12 +508,12 @@ def ctc_greedy_decoder_lod(data, offsets, merge_repeated=True, blank_index=None)
         same utterances.
     """
     cp = require_cupy()
-    data = cp.ascontiguousarray(data)
+    data = _device(cp, data)
     if data.ndim != 2:
         raise ValueError(f"LoD logits must be [total_frames, num_classes], got shape {data.shape}")
     num_classes = int(data.shape[1])
     blank_index = _blank(num_classes, blank_index)
-    offsets = cp.ascontiguousarray(offsets, dtype=np.int64)
+    offsets = _device(cp, offsets, np.int64)
     if offsets.ndim != 1 or offsets.shape[0] < 1:
         raise ValueError(f"offsets must be a 1-D LoD level [batch + 1], got shape {offsets.shape}")
     batch = int(offsets.shape[0]) - 1
