@@ -18,6 +18,7 @@ What this does NOT test: the CUDA code itself.  That needs a GPU
 """
 from __future__ import annotations
 
+import ctypes
 import re
 import shutil
 import subprocess
@@ -96,9 +97,16 @@ class _Event:
 
 
 class _Runtime:
+    memcpyDeviceToHost = 2
+
     @staticmethod
     def getDevice():
         return 0
+
+    @staticmethod
+    def memcpyAsync(dst, src, size, kind, stream):
+        assert kind == _Runtime.memcpyDeviceToHost and isinstance(stream, int)
+        ctypes.memmove(dst, src, size)   # both are host addresses here
 
     @staticmethod
     def getDeviceProperties(dev):
@@ -116,7 +124,8 @@ def make_module():
     cp.asarray, cp.ascontiguousarray = asarray, ascontiguousarray
     cp.empty, cp.zeros, cp.cumsum = empty, zeros, cumsum
     cp.cuda = types.SimpleNamespace(runtime=_Runtime, Event=_Event,
-                                    alloc_pinned_memory=_alloc_pinned_memory)
+                                    alloc_pinned_memory=_alloc_pinned_memory,
+                                    get_current_stream=lambda: types.SimpleNamespace(ptr=0))
     return cp
 
 

@@ -148,20 +148,36 @@ def _device(cp, a, dtype=None):
     return cp.ascontiguousarray(cp.asarray(a, dtype=dtype))
 
 
-def _pinned(cp, count, dtype):
-    """A NumPy array in page-locked memory (so a device->host copy can be async)."""
-    dtype = np.dtype(dtype)
-    mem = cp.cuda.alloc_pinned_memory(max(count, 1) * dtype.itemsize)
-    return np.frombuffer(mem, dtype, count)
+_local = threading.local()
 
 
 def _fetch_async(cp, dev_array):
-    """Queue a copy of a small device array to pinned host memory; returns (host, event)."""
-    host = _pinned(cp, dev_array.size, dev_array.dtype)
-    dev_array.get(out=host, blocking=False)
-    done = cp.cuda.Event(block=False, disable_timing=True)
-    done.record()
-    return host, done
+    """Queue a copy of a small device array to page-locked host memory.
+
+    Returns ``(host, done)``: ``host`` is valid once the event ``done`` has
+    completed.  The buffer and the event are reused per thread and device (so a
+    call costs no allocation); the caller must read ``host`` before its thread
+    makes the next call.  Copy and event go on the *current* stream, where the
+    kernels that wrote ``dev_array`` ran.
+    """
+    dev = cp.cuda.runtime.getDevice()
+    slots = getattr(_local, "slots", None)
+    if slots is None:
+        slots = _local.slots = {}
+    nbytes = dev_array.nbytes
+    slot = slots.get(dev)
+    if slot is None or slot[0].nbytes < nbytes:
+        size = max(nbytes, 64)
+        # np.frombuffer keeps the PinnedMemoryPointer alive through .base
+        slot = slots[dev] = (np.frombuffer(cp.cuda.alloc_pinned_memory(size), np.uint8, size),
+                             cp.cuda.Event(block=False, disable_timing=True))
+    buffer, done = slot
+    done.synchronize()   # an earlier copy into this buffer (left by an exception) has landed
+    stream = cp.cuda.get_current_stream()
+    cp.cuda.runtime.memcpyAsync(buffer.ctypes.data, dev_array.data.ptr, nbytes,
+                                cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+    done.record(stream)
+    return buffer[:nbytes].view(dev_array.dtype), done
 
 
 def _raise_index_error(n, neg, big):
