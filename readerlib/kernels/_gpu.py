@@ -145,6 +145,9 @@ def _index_name(idx):
 
 def _device(cp, a, dtype=None):
     """A C-contiguous CuPy array (a host array is copied over, as CuPy's asarray does)."""
+    if (isinstance(a, cp.ndarray) and a.flags.c_contiguous
+            and (dtype is None or a.dtype == dtype)):
+        return a                                   # the common case, without two calls
     return cp.ascontiguousarray(cp.asarray(a, dtype=dtype))
 
 
@@ -424,15 +427,19 @@ def _ctc_decode(cp, logits, num_classes, batch, max_time, seq_len, offsets,
     acc = np.dtype(np.float64 if dtype_name == "float64" else np.float32)
     n_rows = logits.shape[0] if lod else max_time * batch
     cap = n_rows                                    # every frame emitted, at most
-    ws = cp.zeros(6 + 2 * batch, dtype=np.int64)    # status[4], dense_shape[2], counts, row starts
+    # One int64 allocation (a single memset zeroes the status words) holds
+    # status[4] | dense_shape[2] | counts[batch] | row_start[batch] | indices[cap, 2] | values[cap];
+    # the outputs are views of it (sized for every frame emitted: the sizes are
+    # known only at the end, and allocating then would cost a second round trip).
+    ws = cp.zeros(6 + 2 * batch + 3 * cap, dtype=np.int64)
     status, dense_shape = ws[0:4], ws[4:6]
-    counts, row_start = ws[6:6 + batch], ws[6 + batch:]
-    frames = cp.empty(2 * cap, dtype=np.int32)
+    counts, row_start = ws[6:6 + batch], ws[6 + batch:6 + 2 * batch]
+    indices = ws[6 + 2 * batch:6 + 2 * batch + 2 * cap].reshape(cap, 2)
+    values = ws[6 + 2 * batch + 2 * cap:]
+    frames = cp.empty(2 * cap, dtype=np.int32)      # argmax | emitted position (-1: none)
     best_idx, pos = frames[:cap], frames[cap:]
     best_val = cp.empty(cap, dtype=acc)
     neg_sum = cp.empty((batch, 1), dtype=acc)
-    out = cp.empty(3 * cap, dtype=np.int64)
-    indices, values = out[:2 * cap].reshape(cap, 2), out[2 * cap:]
     if batch:
         if n_rows:
             grid = max(1, min(_cdiv(n_rows, _BLOCK // 32), _max_blocks(cp)))
