@@ -23,8 +23,15 @@ repeated calls after warm-up; inputs rotate over several buffers when one set
 would fit in L2.  "ours" is the public GPU path including its index check (one
 small device-to-host copy); "ours kernel" is the copy kernel alone.
 
-Exit status: 1 if the build, a GPU test, an equality check or a benchmark
-failed; 0 otherwise (missed performance targets are reported, not fatal).
+Two lighter modes:
+
+    python benchmarks/gpu_check.py --smoke      # the equality table only
+    python benchmarks/gpu_check.py --sanitize   # --smoke under compute-sanitizer
+                                                # memcheck and racecheck (~2 min)
+
+Exit status: 1 if the build, a GPU test, an equality check, a benchmark or a
+sanitizer pass failed; 0 otherwise (missed performance targets are reported,
+not fatal).
 With ``--out DIR`` the full results are also written to DIR/gpu_check.json and
 DIR/gpu_check.md.
 """
@@ -479,6 +486,42 @@ def bench_ctc(b, gpu, budget):
         cp.get_default_memory_pool().free_all_blocks()
 
 
+# ---- compute-sanitizer ------------------------------------------------------------
+
+def sanitize(timeout_each=150):
+    """Run --smoke under compute-sanitizer memcheck and racecheck (out-of-bounds, races)."""
+    import shutil
+    tool = shutil.which("compute-sanitizer")
+    if tool is None:
+        for guess in glob.glob("/usr/local/cuda*/bin/compute-sanitizer") + \
+                glob.glob("/opt/nvidia/*/compute-sanitizer"):
+            tool = guess
+            break
+    if tool is None:
+        fail("sanitize", "(compute-sanitizer not found)")
+        return
+    for check in ("memcheck", "racecheck"):
+        log(f"\nsanitize: {check} on --smoke (timeout {timeout_each} s)")
+        t = time.monotonic()
+        try:
+            r = subprocess.run([tool, "--tool", check, "--error-exitcode", "99",
+                                "--print-limit", "20", sys.executable, os.path.abspath(__file__),
+                                "--smoke"], cwd=ROOT, capture_output=True, text=True,
+                               timeout=timeout_each)
+        except subprocess.TimeoutExpired:
+            fail(f"sanitize {check}", f"(timed out after {timeout_each} s)")
+            continue
+        out = (r.stdout + r.stderr).strip().splitlines()
+        errors = [line for line in out if "=========" in line and "ERROR SUMMARY" not in line]
+        summary = [line for line in out if "ERROR SUMMARY" in line]
+        log("\n".join(errors[:40] + summary))
+        RESULTS.setdefault("sanitize", {})[check] = {"returncode": r.returncode,
+                                                    "summary": summary[-1] if summary else "",
+                                                    "seconds": round(time.monotonic() - t, 1)}
+        if r.returncode:
+            fail(f"sanitize {check}", f"(exit {r.returncode})")
+
+
 # ---- main --------------------------------------------------------------------------
 
 def write_outputs(out):
@@ -508,9 +551,17 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json/.md")
     ap.add_argument("--skip-tests", action="store_true", help="do not run pytest -m gpu")
     ap.add_argument("--budget", type=float, default=0.6, help="seconds of timing per measurement")
+    ap.add_argument("--smoke", action="store_true", help="equality table only")
+    ap.add_argument("--sanitize", action="store_true",
+                    help="run --smoke under compute-sanitizer memcheck and racecheck, nothing else")
     args = ap.parse_args()
 
     log(f"readerlib gpu_check: python {platform.python_version()}, numpy {np.__version__}, cwd {ROOT}")
+    if args.sanitize:
+        sanitize()
+        log(f"\nsummary ({elapsed():.0f} s): {len(FAILURES)} failure(s)")
+        write_outputs(args.out)
+        return 1 if FAILURES else 0
     try:
         build()
     except Exception as e:
@@ -530,13 +581,16 @@ def main():
         write_outputs(args.out)
         return 1
 
-    if not args.skip_tests:
+    if not (args.skip_tests or args.smoke):
         run_gpu_tests(timeout=max(60.0, 170.0 - elapsed()))
     try:
         equality_table(cp, gpu, ref, public)
     except Exception as e:
         fail("equality table", f"{type(e).__name__}: {e}")
         traceback.print_exc()
+    if args.smoke:
+        log(f"\nsmoke ({elapsed():.0f} s): {len(FAILURES)} failure(s)")
+        return 1 if FAILURES else 0
 
     try:
         copy_tbs = measure_copy(cp)
