@@ -11,6 +11,7 @@ prints is meaningless, and passing says nothing about the CUDA code.
 import os
 import sys
 import tempfile
+import threading
 import time
 import types
 
@@ -31,6 +32,7 @@ def install_fake_cupy():
     fc.FakeArray.__module__ = "cupy._fake"
     sigs = {n: fc.kernel_signatures(_cuda_loader.read_source(n)) for n in _cuda_loader.cuda_sources()}
     _gpu.get_kernel = fc.make_get_kernel(sigs, [])
+    _gpu._local = threading.local()
     rl_gpu._cupy = cp
     array_module = tensor._array_module
     tensor._array_module = lambda a: cp if isinstance(a, fc.FakeArray) else array_module(a)

@@ -8,6 +8,7 @@ launcher shows up before any device time is spent.  Passing here says nothing
 about the CUDA kernels themselves.
 """
 import contextlib
+import threading
 
 import numpy as np
 import pytest
@@ -37,6 +38,7 @@ def xp_gpu(monkeypatch):
     monkeypatch.setattr(_rl_gpu, "_cupy", mod)
     monkeypatch.setattr(_gpu, "get_kernel", fc.make_get_kernel(_signatures, mod.launches))
     monkeypatch.setattr(_gpu, "_sm_counts", {})
+    monkeypatch.setattr(_gpu, "_local", threading.local())
     monkeypatch.setattr(_tensor, "_array_module",
                         lambda a: mod if isinstance(a, fc.FakeArray) else _array_module(a))
     return mod

@@ -7,6 +7,8 @@ This pins the Python half of the GPU path -- word-size choice, views into
 workspaces, status words, error messages, output sizes -- against the NumPy
 reference.  The CUDA code itself is tested by tests/test_gpu_kernels.py on a GPU.
 """
+import threading
+
 import numpy as np
 import pytest
 
@@ -33,6 +35,7 @@ def cp(monkeypatch, signatures):
     monkeypatch.setattr(rl_gpu, "_cupy", mod)
     monkeypatch.setattr(_gpu, "get_kernel", fc.make_get_kernel(signatures, mod.launches))
     monkeypatch.setattr(_gpu, "_sm_counts", {})
+    monkeypatch.setattr(_gpu, "_local", threading.local())   # no real pinned buffers/events
     return mod
 
 
