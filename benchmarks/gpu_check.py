@@ -441,6 +441,14 @@ def bench_backward(b, gpu, budget):
             b.row("backward", shape, "ours (deterministic)", ours, nbytes, atomic, "index_add_",
                   ">=0.8x atomic, >=1x deterministic", met,
                   note=f"{det / ours:.2f}x deterministic" if det else "")
+            if n <= gpu._SMALL_SORT_MAX:   # the same with the library sort, for comparison
+                os.environ["READERLIB_GPU_SMALL_SORT"] = "0"
+                try:
+                    lib, _ = time_call(cp, lambda i: gpu.batch_reindex_grad(dys[i % k], idxs[i % k], m),
+                                       budget)
+                finally:
+                    del os.environ["READERLIB_GPU_SMALL_SORT"]
+                b.row("backward", shape, "ours, keys by cupy.sort", lib, nbytes, atomic, "index_add_")
             dys = idxs = first = again = None
         except Exception as e:
             fail(f"backward benchmark {shape}", f"{type(e).__name__}: {e}")

@@ -234,6 +234,12 @@ def emu_check(idx, n, limit, status, keys=None, shift=None):
         keys[:n] = (k << int(shift)) | i
 
 
+def emu_sort_small(idx, n, limit, status, keys, shift, p):
+    assert p & (p - 1) == 0 and p >= n and p * 8 <= 48 * 1024, (n, p)
+    emu_check(idx, n, limit, status, keys, shift)
+    keys[:n] = np.sort(keys[:n])
+
+
 def emu_lod_lengths(offsets, n_seq, idx, n, lengths, status):
     neg, big = _first_bad(idx, int(n), int(n_seq))
     _atomic_max(status, 0, neg)
@@ -375,6 +381,8 @@ def emulator(name):
         return emu_check
     if re.fullmatch(r"reindex_check_keys_int(32|64)", name):
         return emu_check
+    if re.fullmatch(r"reindex_sort_small_int(32|64)", name):
+        return emu_sort_small
     if re.fullmatch(r"reindex_lod_lengths_int(32|64)", name):
         return emu_lod_lengths
     if name == "reindex_segments":
@@ -404,6 +412,9 @@ class FakeKernel:
 
     def __call__(self, grid, block, args, shared_mem=0):
         check_args(self.name, self.params, tuple(grid), tuple(block), tuple(args))
+        assert 0 <= shared_mem <= 48 * 1024, (self.name, shared_mem)
+        if self.name.startswith("reindex_sort_small_"):   # extern __shared__ i64[p]
+            assert grid == (1,) and shared_mem == 8 * int(args[-1]), (grid, shared_mem)
         self.log.append((self.name, tuple(grid), tuple(block)))
         self.run(*args)
 

@@ -218,3 +218,39 @@ def test_sort_keys_are_unique_and_decode(n, m):
     order = np.sort(keys)
     np.testing.assert_array_equal(order >> shift, np.sort(idx, kind="stable"))
     np.testing.assert_array_equal(order & ((1 << shift) - 1), np.argsort(idx, kind="stable"))
+
+
+# ---- reindex_sort_small_impl (bitonic sort in shared memory) -------------------------
+
+def bitonic_sort(keys, threads=1024):
+    """reindex.cu's network: for each (size, stride) stage, thread i of `threads` takes
+    pairs i, i + threads, ... < p/2 -- modelled pair by pair, checking they are disjoint."""
+    s = list(keys)
+    p = len(s)
+    size = 2
+    while size <= p:
+        stride = size >> 1
+        while stride > 0:
+            touched = set()
+            for i in range(p >> 1):
+                lo = 2 * stride * (i // stride) + (i & (stride - 1))
+                hi = lo + stride
+                assert lo not in touched and hi not in touched and hi < p
+                touched.update((lo, hi))
+                ascending = (lo & size) == 0
+                a, b = s[lo], s[hi]
+                if (a > b) == ascending:
+                    s[lo], s[hi] = b, a
+            stride >>= 1
+        size <<= 1
+    return s
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 64, 100, 1000, 4095, 4096])
+def test_small_sort_network(n):
+    rng = np.random.default_rng(n)
+    p = 1 << (n - 1).bit_length()
+    assert p >= n and p * 8 <= 32 * 1024
+    keys = [int(k) for k in rng.integers(0, 1 << 40, size=n)] + [2 ** 63 - 1] * (p - n)
+    out = bitonic_sort(keys)
+    assert out == sorted(keys) and out[:n] == sorted(keys[:n])

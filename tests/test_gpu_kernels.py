@@ -180,6 +180,20 @@ def test_batch_reindex_grad(cp, dtype, inner, index_dtype):
     assert_bitwise(got, cpu_grad(dy, idx, 45))
 
 
+@pytest.mark.parametrize("n", [1, 2, 4096, 4097])
+@pytest.mark.parametrize("switch", ["1", "0"])   # READERLIB_GPU_SMALL_SORT: one-block sort or cupy.sort
+def test_batch_reindex_grad_both_sort_paths(cp, monkeypatch, n, switch):
+    monkeypatch.setenv("READERLIB_GPU_SMALL_SORT", switch)
+    rng = np.random.default_rng(n)
+    dy = rng.standard_normal((n, 5)).astype(np.float32)
+    idx = rng.integers(0, 300, size=n).astype(np.int32)
+    assert_bitwise(_gpu.batch_reindex_grad(cp.asarray(dy), cp.asarray(idx), 300),
+                   cpu_grad(dy, idx, 300))
+    idx[n // 2] = 300
+    with pytest.raises(IndexError, match="greater than batch size"):
+        _gpu.batch_reindex_grad(cp.asarray(dy), cp.asarray(idx), 300)
+
+
 def test_batch_reindex_grad_one_hot_row(cp):
     """Every n lands on row 3: one long ascending sum, order visible in the rounding."""
     rng = np.random.default_rng(8)

@@ -164,6 +164,20 @@ def test_batch_reindex_grad_key_packing(cp, n):
                    ref.batch_reindex_grad(dy, idx, 5))
 
 
+@pytest.mark.parametrize("n,small", [(1, True), (4096, True), (4097, False)])
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_batch_reindex_grad_sort_paths(cp, monkeypatch, n, small, switch):
+    monkeypatch.setenv("READERLIB_GPU_SMALL_SORT", switch)
+    rng = np.random.default_rng(n)
+    dy = rng.standard_normal((n, 2)).astype(np.float32)
+    idx = rng.integers(0, 50, size=n)
+    assert_bitwise(_gpu.batch_reindex_grad(cp.asarray(dy), cp.asarray(idx), 50),
+                   ref.batch_reindex_grad(dy, idx, 50))
+    used = {name for name, _, _ in cp.launches}
+    assert ("reindex_sort_small_int64" in used) == (small and switch == "1")
+    assert ("reindex_check_keys_int64" in used) == (not small or switch == "0")
+
+
 def test_batch_reindex_grad_vector_path_needs_alignment(cp):
     rng = np.random.default_rng(3)
     dy = misaligned(rng.standard_normal((10, 8)).astype(np.float32), 4)

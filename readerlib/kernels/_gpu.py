@@ -17,6 +17,7 @@ learn the size of their outputs.
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -41,6 +42,8 @@ _BLOCK = 256            # threads per block, every launch
 _UNROLL = 4             # kUnroll in reindex.cu: words per thread per column tile
 _MAX_GRID_Y = 65535
 _WORD_BYTES = (16, 8, 4, 2, 1)
+_SMALL_SORT_MAX = 4096  # backward keys sorted in one block's shared memory (32 KiB)
+_SMALL_SORT_THREADS = 1024
 _INDEX_NAMES = {np.dtype(np.int32): "int32", np.dtype(np.int64): "int64"}
 _GRAD_NAMES = {np.dtype(t): np.dtype(t).name for t in
                (np.float16, np.float32, np.float64, np.int32, np.int64, np.uint8)}
@@ -74,7 +77,7 @@ def kernel_names():
     reindex = ["reindex_segments"]
     for index_name in ("int32", "int64"):
         reindex += [f"reindex_check_{index_name}", f"reindex_check_keys_{index_name}",
-                    f"reindex_lod_lengths_{index_name}"]
+                    f"reindex_sort_small_{index_name}", f"reindex_lod_lengths_{index_name}"]
         for w in _WORD_BYTES:
             reindex += [_reindex_copy_name(w, index_name), _reindex_copy_name(w, index_name, True)]
     for dtype_name in _GRAD_NAMES.values():
@@ -291,6 +294,11 @@ def batch_reindex_grad(dy, idx, num_rows):
         As :func:`batch_reindex`, against ``num_rows``.
     ValueError
         If ``len(idx) * num_rows >= 2**62`` (the sort key would overflow).
+
+    Notes
+    -----
+    Up to 4096 indices are sorted by one block in shared memory (one launch);
+    more go through ``cupy.sort``.  ``READERLIB_GPU_SMALL_SORT=0`` forces the latter.
     """
     cp = require_cupy()
     dy = _device(cp, dy)
@@ -314,10 +322,20 @@ def batch_reindex_grad(dy, idx, num_rows):
     dx = cp.empty((m,) + dy.shape[1:], dtype=dy.dtype)
     status = cp.zeros(2, dtype=np.uint64)
     keys = cp.empty(n, dtype=np.int64)
-    _launch_check(cp, idx, m, status, keys, shift)
-    host, checked = _fetch_async(cp, status)
+    # Unique keys (idx << shift | n): sorting them orders by (idx, n).
+    if n <= _SMALL_SORT_MAX and os.environ.get("READERLIB_GPU_SMALL_SORT", "1") != "0":
+        p = 1 << (n - 1).bit_length()
+        get_kernel(_REINDEX_CU, f"reindex_sort_small_{_index_name(idx)}")(
+            (1,), (_SMALL_SORT_THREADS,),
+            (idx, np.int64(n), np.int64(m), status, keys, np.int32(shift), np.int32(p)),
+            shared_mem=p * 8)
+        host, checked = _fetch_async(cp, status)
+    else:
+        _launch_check(cp, idx, m, status, keys, shift)
+        host, checked = _fetch_async(cp, status)
+        if m:
+            keys.sort()
     if m:
-        keys.sort()                            # unique keys: (idx, n) order
         seg = cp.zeros(2 * m, dtype=np.int64)  # absent rows: empty range [0, 0)
         grid = max(1, min(_cdiv(n, _BLOCK), _max_blocks(cp)))
         get_kernel(_REINDEX_CU, "reindex_segments")(

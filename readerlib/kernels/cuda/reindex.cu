@@ -27,7 +27,9 @@
 //     1. reindex_check_keys_* writes key[n] = (idx[n] << shift) | n, where
 //        2^shift > n for every n: the keys are unique, so any sort orders them by
 //        (idx, n) -- stable by construction; bad indices get idx := num_rows.
-//     2. the keys are sorted (cupy.sort, CUB radix sort underneath).
+//     2. the keys are sorted (cupy.sort, CUB radix sort underneath); for
+//        len(idx) <= 4096, steps 1 and 2 are one single-block launch instead
+//        (reindex_sort_small_*: bitonic sort in shared memory).
 //     3. reindex_segments writes, for each k present, seg_begin[k] / seg_end[k] (the
 //        range of sorted keys with that idx); absent rows keep the memset 0..0.
 //     4. batch_reindex_grad_<dtype>[_v16] gives each output row k one block-row:
@@ -154,6 +156,55 @@ __device__ void reindex_lod_lengths_impl(const i64* __restrict__ offsets, i64 n_
     }
 }
 
+// For small len(idx) (<= 4096 in _gpu.py: 32 KiB of keys, within the default 48 KiB
+// of dynamic shared memory): reindex_check_keys and the library sort in one launch of
+// one block -- the keys are built, checked and bitonic-sorted in shared memory (p =
+// next power of two >= n, padded with INT64_MAX, which sorts last).  A library radix
+// sort is several launches of fixed cost; at a few thousand keys those launches, not
+// the data, are the time.
+
+template <typename I>
+__device__ void reindex_sort_small_impl(const I* __restrict__ idx, i64 n, i64 limit,
+                                        u64* __restrict__ status, i64* __restrict__ keys,
+                                        int shift, int p) {
+    extern __shared__ i64 s_keys[];  // p entries
+    u64 neg = 0, big = 0;
+    for (int i = threadIdx.x; i < p; i += blockDim.x) {
+        i64 key = 0x7fffffffffffffffLL;
+        if (i < n) {
+            const i64 k = static_cast<i64>(idx[i]);
+            const bool is_neg = k < 0, is_big = k >= limit;
+            if (is_neg && neg == 0) neg = static_cast<u64>(n - i);
+            if (is_big && big == 0) big = static_cast<u64>(n - i);
+            key = ((is_neg || is_big ? limit : k) << shift) | i;
+        }
+        s_keys[i] = key;
+    }
+    neg = warp_max_u64(neg);
+    big = warp_max_u64(big);
+    if ((threadIdx.x & 31) == 0) {
+        if (neg) atomicMax(&status[0], neg);
+        if (big) atomicMax(&status[1], big);
+    }
+    __syncthreads();
+    for (int size = 2; size <= p; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int i = threadIdx.x; i < (p >> 1); i += blockDim.x) {
+                const int lo = 2 * stride * (i / stride) + (i & (stride - 1));
+                const int hi = lo + stride;
+                const bool ascending = (lo & size) == 0;
+                const i64 a = s_keys[lo], b = s_keys[hi];
+                if ((a > b) == ascending) {
+                    s_keys[lo] = b;
+                    s_keys[hi] = a;
+                }
+            }
+            __syncthreads();
+        }
+    }
+    for (int i = threadIdx.x; i < n; i += blockDim.x) keys[i] = s_keys[i];
+}
+
 // seg[k] / seg[m + k] = first / one-past-last position of row k's keys.
 __device__ void reindex_segments_impl(const i64* __restrict__ keys, i64 n, int shift, i64 m,
                                       i64* __restrict__ seg) {
@@ -244,6 +295,11 @@ __device__ void batch_reindex_grad_impl(const T* __restrict__ dy, const i64* __r
         const I* __restrict__ idx, i64 n, i64 limit, u64* __restrict__ status,              \
         i64* __restrict__ keys, int shift) {                                                \
         rl::reindex_check_impl<I, true>(idx, n, limit, status, keys, shift);                \
+    }                                                                                       \
+    extern "C" __global__ void reindex_sort_small_##INAME(                                 \
+        const I* __restrict__ idx, i64 n, i64 limit, u64* __restrict__ status,              \
+        i64* __restrict__ keys, int shift, int p) {                                         \
+        rl::reindex_sort_small_impl<I>(idx, n, limit, status, keys, shift, p);              \
     }                                                                                       \
     extern "C" __global__ void reindex_lod_lengths_##INAME(                                 \
         const i64* __restrict__ offsets, i64 n_seq, const I* __restrict__ idx, i64 n,       \
