@@ -96,9 +96,10 @@ def build():
         return
     log(f"build: {len(stale)} extension(s) missing or stale -> setup.py build_ext --inplace")
     t = time.monotonic()
-    r = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace", "-j",
-                        str(min(16, os.cpu_count() or 1))], cwd=ROOT, capture_output=True,
-                       text=True, timeout=240)
+    jobs = str(min(16, os.cpu_count() or 1))
+    env = dict(os.environ, READERLIB_BUILD_JOBS=jobs)   # parallel cythonize too
+    r = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace", "-j", jobs],
+                       cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
     if r.returncode:
         log(r.stdout[-3000:] + r.stderr[-3000:])
         fail("build", f"(setup.py exited {r.returncode})")
@@ -558,6 +559,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json/.md")
     ap.add_argument("--skip-tests", action="store_true", help="do not run pytest -m gpu")
+    ap.add_argument("--no-build", action="store_true",
+                    help="do not build the Cython extensions (the CPU reference is then NumPy)")
     ap.add_argument("--budget", type=float, default=0.6, help="seconds of timing per measurement")
     ap.add_argument("--smoke", action="store_true", help="equality table only")
     ap.add_argument("--sanitize", action="store_true",
@@ -571,7 +574,8 @@ def main():
         write_outputs(args.out)
         return 1 if FAILURES else 0
     try:
-        build()
+        if not args.no_build:
+            build()
     except Exception as e:
         fail("build", f"{type(e).__name__}: {e}")
     try:

@@ -47,7 +47,10 @@ def cpu_grad(dy, idx, num_rows):
 
 def cpu_reindex_lod(data, offsets, idx):
     if HAVE_CPU:
-        out = _public.batch_reindex(LoDTensor(data, [offsets]), idx)
+        try:
+            out = _public.batch_reindex(LoDTensor(data, [offsets]), idx)
+        except TypeError:          # the CPU side takes no LoDTensor: use the NumPy reference
+            out = None
         if isinstance(out, LoDTensor):
             return out.data, out.lod[0]
     return ref.batch_reindex_lod(data, offsets, idx)
