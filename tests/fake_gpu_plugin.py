@@ -34,6 +34,8 @@ def xp_gpu(monkeypatch):
     mod.arange = lambda *a, **k: fc._fake(np.arange(*a, **k))
     mod.ones = lambda *a, **k: fc._fake(np.ones(*a, **k))
     mod.float32 = np.float32
+    mod.diff = lambda a: fc._fake(np.diff(np.asarray(a)))
+    mod.nonzero = lambda a: tuple(fc._fake(i) for i in np.nonzero(np.asarray(a)))
     mod.cuda.Stream = lambda non_blocking=False: contextlib.nullcontext()
     monkeypatch.setattr(_rl_gpu, "_cupy", mod)
     monkeypatch.setattr(_gpu, "get_kernel", fc.make_get_kernel(_signatures, mod.launches))

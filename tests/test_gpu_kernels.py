@@ -359,6 +359,21 @@ def test_ctc_on_a_side_stream(cp):
     assert y.tolist() == [[9, 10, 11], [3, 4, 5]]
 
 
+# ---- device data ----------------------------------------------------------------------
+
+def test_lod_tensor_to_device_and_back_and_dlpack(cp):
+    t = LoDTensor.from_sequences([np.arange(6, dtype=np.float32).reshape(2, 3),
+                                  np.full((1, 3), 7, np.float32)])
+    g = t.to("cuda")
+    assert g.device == "cuda" and type(g.lod[0]).__module__.startswith("cupy")
+    back = g.to("cpu")
+    np.testing.assert_array_equal(back.data, t.data)
+    np.testing.assert_array_equal(back.lod[0], t.lod[0])
+    torch = pytest.importorskip("torch")
+    tt = torch.from_dlpack(g)                     # no copy: same device memory
+    assert tt.data_ptr() == g.data.data.ptr and tuple(tt.shape) == (3, 3)
+
+
 # ---- dispatch through the public functions ------------------------------------------
 
 @pytest.mark.skipif(not HAVE_CPU, reason="readerlib.kernels public functions not built")
