@@ -359,6 +359,38 @@ def test_ctc_on_a_side_stream(cp):
     assert y.tolist() == [[9, 10, 11], [3, 4, 5]]
 
 
+# ---- property tests --------------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+_property = settings(max_examples=40, deadline=None,
+                     suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@_property
+@given(seed=st.integers(0, 2 ** 32 - 1), t=st.integers(1, 30), b=st.integers(1, 20),
+       v=st.integers(1, 70), merge=st.booleans(), dtype=st.sampled_from(["float32", "float64"]))
+def test_ctc_property(cp, seed, t, b, v, merge, dtype):
+    rng = np.random.default_rng(seed)
+    inputs = rng.integers(-2, 2, size=(t, b, v)).astype(dtype)
+    lengths = rng.integers(0, t + 1, size=b).astype(np.int32)
+    blank = int(rng.integers(0, v))
+    assert_decoded(gpu_ctc(cp, inputs, lengths, merge, blank),
+                   cpu_ctc(inputs, lengths, merge, blank), np.dtype(dtype))
+
+
+@_property
+@given(seed=st.integers(0, 2 ** 32 - 1), n=st.integers(0, 6000), m=st.integers(1, 300),
+       inner=st.sampled_from([(), (1,), (3,), (8,), (2, 4), (33,)]),
+       dtype=st.sampled_from(["float16", "float32", "float64", "int32", "int64", "uint8"]))
+def test_grad_property(cp, seed, n, m, inner, dtype):
+    rng = np.random.default_rng(seed)
+    dy = random_array(rng, (n,) + inner, dtype)
+    idx = rng.integers(0, m, size=n)
+    assert_bitwise(_gpu.batch_reindex_grad(cp.asarray(dy), cp.asarray(idx), m),
+                   cpu_grad(dy, idx, m))
+
+
 # ---- device data ----------------------------------------------------------------------
 
 def test_lod_tensor_to_device_and_back_and_dlpack(cp):

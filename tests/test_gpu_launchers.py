@@ -330,3 +330,36 @@ def test_ctc_nothing_emitted(cp):
     got = decode(cp, inputs, np.array([3, 2], np.int32))
     assert got[0].shape == (0, 2) and got[1].shape == (0,) and got[2].tolist() == [2, 0]
     np.testing.assert_array_equal(got[3], [[-3.0], [-2.0]])
+
+
+# ---- property tests over shapes -----------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+# The stand-in patched in by the `cp` fixture is stateless between examples.
+_property = settings(max_examples=60, deadline=None,
+                     suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@_property
+@given(seed=st.integers(0, 2 ** 32 - 1), t=st.integers(1, 9), b=st.integers(1, 6),
+       v=st.integers(1, 11), merge=st.booleans(), blank_draw=st.integers(0, 10 ** 6))
+def test_ctc_property(cp, seed, t, b, v, merge, blank_draw):
+    rng = np.random.default_rng(seed)
+    inputs = rng.integers(-2, 2, size=(t, b, v)).astype(np.float32)   # ties and repeats
+    lengths = rng.integers(0, t + 1, size=b).astype(np.int32)
+    blank = blank_draw % (2 * v) - v                                   # in [-v, v)
+    got = decode(cp, inputs, lengths, merge, blank)
+    assert_decoded(got, ref.ctc_greedy_decoder(inputs, lengths, merge, blank))
+
+
+@_property
+@given(seed=st.integers(0, 2 ** 32 - 1), n=st.integers(0, 40), m=st.integers(1, 12),
+       inner=st.sampled_from([(), (1,), (3,), (8,), (2, 4)]),
+       dtype=st.sampled_from(["float16", "float32", "int32", "uint8"]))
+def test_grad_property(cp, seed, n, m, inner, dtype):
+    rng = np.random.default_rng(seed)
+    dy = random_array(rng, (n,) + inner, dtype)
+    idx = rng.integers(0, m, size=n)
+    assert_bitwise(_gpu.batch_reindex_grad(cp.asarray(dy), cp.asarray(idx), m),
+                   ref.batch_reindex_grad(dy, idx, m))
