@@ -3,7 +3,7 @@
 #
 #   bash tools/check_cuda.sh            # from anywhere; CI calls it
 #
-# For each readerlib/kernels/cuda/*.cu: nvcc -arch=$CUDA_ARCH (default sm_90) -c with
+# For each readerlib/{kernels,rnnt}/cuda/*.cu: nvcc -arch=$CUDA_ARCH (default sm_90) -c with
 # warnings as errors, then --ptx with -ftz=true (what CuPy's RawModule passes) and
 # a check that no .ftz instruction was emitted (see cuda/common.cuh for why).
 # Without nvcc on PATH it prints a note and exits 0, or 1 when CHECK_CUDA_REQUIRED=1.
@@ -24,7 +24,7 @@ echo "check_cuda: $(nvcc --version | tail -1), -arch=$arch"
 
 status=0
 shopt -s nullglob
-sources=("$root"/readerlib/kernels/cuda/*.cu)
+sources=("$root"/readerlib/kernels/cuda/*.cu "$root"/readerlib/rnnt/cuda/*.cu)
 if [[ ${#sources[@]} -eq 0 ]]; then
     echo "check_cuda: no .cu files under readerlib/kernels/cuda"
     exit 1
@@ -42,7 +42,9 @@ for src in "${sources[@]}"; do
         status=1
         continue
     fi
-    if grep -n '\.ftz' "$tmp/$name.ptx" | head -5; then
+    # The reindex/CTC kernels must match the CPU bitwise, so no flush-to-zero;
+    # the RNN-T kernels compare within 1e-5 and may flush denormals.
+    if [[ "$rel" == readerlib/kernels/* ]] && grep -n '\.ftz' "$tmp/$name.ptx" | head -5; then
         echo "FAIL $rel: flush-to-zero instructions in the PTX (use the helpers in common.cuh)"
         status=1
         continue
