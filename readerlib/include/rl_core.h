@@ -118,17 +118,23 @@ static inline rl_block *rl_block_new(int64_t size) {
 
 static void rl_block_release_static(rl_block *b) { free(b); }
 
-/* A block over memory owned elsewhere (kept alive by a Python object). */
-static inline rl_block *rl_block_new_static(char *data, int64_t size) {
+/* A block over memory owned elsewhere, released by `release` (refcnt 1). */
+static inline rl_block *rl_block_wrap(char *data, int64_t size, void (*release)(rl_block *),
+                                      void *ctx, int64_t aux) {
     rl_block *b = (rl_block *)malloc(sizeof(rl_block));
     if (!b) return NULL;
     b->refcnt = 1;
-    b->release = rl_block_release_static;
+    b->release = release;
     b->data = data;
     b->size = size;
-    b->ctx = NULL;
-    b->aux = 0;
+    b->ctx = ctx;
+    b->aux = aux;
     return b;
+}
+
+/* A block over memory kept alive by a Python object. */
+static inline rl_block *rl_block_new_static(char *data, int64_t size) {
+    return rl_block_wrap(data, size, rl_block_release_static, NULL, 0);
 }
 
 typedef struct {
@@ -287,45 +293,43 @@ static uint32_t rl_crc32c_sw_raw(uint32_t crc, const unsigned char *next, size_t
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <nmmintrin.h>
+/* Three interleaved crc32 streams over blocks of `block` bytes, combined by
+ * shifting with the precomputed zeros operator for `block` bytes. */
+__attribute__((target("sse4.2")))
+static inline uint64_t rl_crc32c_hw_streams(uint64_t crc0, const unsigned char **pnext, size_t *plen,
+                                            size_t block, uint32_t zeros[][256]) {
+    const unsigned char *next = *pnext;
+    size_t len = *plen;
+    while (len >= block * 3) {
+        const unsigned char *end = next + block;
+        uint64_t crc1 = 0, crc2 = 0;
+        do {
+            uint64_t a, b, c;
+            memcpy(&a, next, 8); memcpy(&b, next + block, 8); memcpy(&c, next + 2 * block, 8);
+            crc0 = _mm_crc32_u64(crc0, a);
+            crc1 = _mm_crc32_u64(crc1, b);
+            crc2 = _mm_crc32_u64(crc2, c);
+            next += 8;
+        } while (next < end);
+        crc0 = rl_crc32c_shift(zeros, (uint32_t)crc0) ^ crc1;
+        crc0 = rl_crc32c_shift(zeros, (uint32_t)crc0) ^ crc2;
+        next += block * 2;
+        len -= block * 3;
+    }
+    *pnext = next;
+    *plen = len;
+    return crc0;
+}
+
 __attribute__((target("sse4.2")))
 static uint32_t rl_crc32c_hw_raw(uint32_t crc, const unsigned char *next, size_t len) {
-    uint64_t crc0 = crc, crc1, crc2;
+    uint64_t crc0 = crc;
     while (len && ((uintptr_t)next & 7) != 0) {
         crc0 = _mm_crc32_u8((uint32_t)crc0, *next++);
         len--;
     }
-    while (len >= RL_CRC_LONG * 3) {
-        const unsigned char *end = next + RL_CRC_LONG;
-        crc1 = 0; crc2 = 0;
-        do {
-            uint64_t a, b, c;
-            memcpy(&a, next, 8); memcpy(&b, next + RL_CRC_LONG, 8); memcpy(&c, next + 2 * RL_CRC_LONG, 8);
-            crc0 = _mm_crc32_u64(crc0, a);
-            crc1 = _mm_crc32_u64(crc1, b);
-            crc2 = _mm_crc32_u64(crc2, c);
-            next += 8;
-        } while (next < end);
-        crc0 = rl_crc32c_shift(rl_crc32c_long, (uint32_t)crc0) ^ crc1;
-        crc0 = rl_crc32c_shift(rl_crc32c_long, (uint32_t)crc0) ^ crc2;
-        next += RL_CRC_LONG * 2;
-        len -= RL_CRC_LONG * 3;
-    }
-    while (len >= RL_CRC_SHORT * 3) {
-        const unsigned char *end = next + RL_CRC_SHORT;
-        crc1 = 0; crc2 = 0;
-        do {
-            uint64_t a, b, c;
-            memcpy(&a, next, 8); memcpy(&b, next + RL_CRC_SHORT, 8); memcpy(&c, next + 2 * RL_CRC_SHORT, 8);
-            crc0 = _mm_crc32_u64(crc0, a);
-            crc1 = _mm_crc32_u64(crc1, b);
-            crc2 = _mm_crc32_u64(crc2, c);
-            next += 8;
-        } while (next < end);
-        crc0 = rl_crc32c_shift(rl_crc32c_short, (uint32_t)crc0) ^ crc1;
-        crc0 = rl_crc32c_shift(rl_crc32c_short, (uint32_t)crc0) ^ crc2;
-        next += RL_CRC_SHORT * 2;
-        len -= RL_CRC_SHORT * 3;
-    }
+    crc0 = rl_crc32c_hw_streams(crc0, &next, &len, RL_CRC_LONG, rl_crc32c_long);
+    crc0 = rl_crc32c_hw_streams(crc0, &next, &len, RL_CRC_SHORT, rl_crc32c_short);
     while (len >= 8) {
         uint64_t a;
         memcpy(&a, next, 8);

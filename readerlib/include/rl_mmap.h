@@ -16,15 +16,7 @@ static void rl_mapping_release(rl_block *b) {
 }
 
 static inline rl_block *rl_mapping_new(char *data, int64_t size) {
-    rl_block *b = (rl_block *)malloc(sizeof(rl_block));
-    if (!b) return NULL;
-    b->refcnt = 1;
-    b->release = rl_mapping_release;
-    b->data = data;
-    b->size = size;
-    b->ctx = NULL;
-    b->aux = 0;
-    return b;
+    return rl_block_wrap(data, size, rl_mapping_release, NULL, 0);
 }
 
 static void rl_chunkview_release(rl_block *b) {
@@ -40,15 +32,8 @@ static void rl_chunkview_release(rl_block *b) {
 }
 
 static inline rl_block *rl_chunkview_new(rl_block *mapping, char *data, int64_t size, int drop_pages) {
-    rl_block *b = (rl_block *)malloc(sizeof(rl_block));
-    if (!b) return NULL;
-    rl_block_incref(mapping);
-    b->refcnt = 1;
-    b->release = rl_chunkview_release;
-    b->data = data;
-    b->size = size;
-    b->ctx = mapping;
-    b->aux = drop_pages;
+    rl_block *b = rl_block_wrap(data, size, rl_chunkview_release, mapping, drop_pages);
+    if (b) rl_block_incref(mapping);
     return b;
 }
 #endif

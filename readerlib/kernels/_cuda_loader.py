@@ -70,14 +70,16 @@ def read_source(name):
     Parameters
     ----------
     name : str
-        A file name from :func:`cuda_sources`, e.g. ``"reindex.cu"``.
+        A file name from :func:`cuda_sources`, e.g. ``"reindex.cu"``, or the
+        absolute path of a ``.cu`` file shipped elsewhere in readerlib.
 
     Raises
     ------
     FileNotFoundError
         If the file (or a file it includes) is not in the package.
     """
-    path = os.path.join(CUDA_DIR, name)
+    # an absolute path loads a source shipped elsewhere in the package (rnnt/cuda)
+    path = name if os.path.isabs(name) else os.path.join(CUDA_DIR, name)
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"CUDA source {name!r} is not in {CUDA_DIR}; shipped sources: {cuda_sources()}")

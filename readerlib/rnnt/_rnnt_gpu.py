@@ -17,40 +17,27 @@ Design:
 from __future__ import annotations
 
 import os
-import threading
 
 import numpy as np
 
 from ..gpu import require_cupy
+from ..kernels import _cuda_loader
 
 __all__ = ["GpuKernels", "get_kernel", "source"]
 
 _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "rnnt.cu")
 _THREADS = 256  # RNNT_THREADS in rnnt.cu
 _MAX_BLOCKS = 65535
-_lock = threading.Lock()
-_modules = {}
-_kernels = {}
 
 
 def source():
     """The CUDA source as compiled (with its ``#line`` marker)."""
-    with open(_SRC, encoding="utf-8") as f:
-        return '#line 1 "%s"\n' % _SRC.replace("\\", "/") + f.read()
+    return _cuda_loader.read_source(_SRC)
 
 
 def get_kernel(name):
     """Kernel ``name`` (an ``extern "C"`` symbol of rnnt.cu) on the current device."""
-    cp = require_cupy()
-    dev = cp.cuda.runtime.getDevice()
-    fn = _kernels.get((dev, name))
-    if fn is None:
-        with _lock:
-            mod = _modules.get(dev)
-            if mod is None:
-                mod = _modules[dev] = cp.RawModule(code=source())
-            fn = _kernels.setdefault((dev, name), mod.get_function(name))
-    return fn
+    return _cuda_loader.get_kernel(_SRC, name)
 
 
 _SUFFIX = {np.dtype(np.float32): "float32", np.dtype(np.float64): "float64", np.dtype(np.int64): "int64"}
