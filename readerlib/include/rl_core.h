@@ -44,18 +44,75 @@ static void rl_block_free_malloced(rl_block *b) {
     free(b);
 }
 
-/* A block owning `size` bytes of fresh heap memory (64-byte aligned), refcnt 1. */
+/* Large blocks (batches of big records, inflated chunks) are recycled through
+ * a small pool instead of going back to the allocator: a fresh multi-MB
+ * allocation is mmap'ed and zero-filled page by page, which costs about as
+ * much as the copy that fills it.  The pool is bounded (slots and bytes). */
+#define RL_POOL_SLOTS 4
+#define RL_POOL_MIN_BYTES (1 << 20)
+#define RL_POOL_MAX_BYTES ((int64_t)64 << 20)
+static rl_block *rl_pool[RL_POOL_SLOTS];
+static int rl_pool_n = 0;
+static int64_t rl_pool_bytes = 0;
+static int rl_pool_lock_word = 0;
+
+static inline void rl_pool_lock(void) {
+    while (__atomic_exchange_n(&rl_pool_lock_word, 1, __ATOMIC_ACQUIRE)) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    }
+}
+static inline void rl_pool_unlock(void) { __atomic_store_n(&rl_pool_lock_word, 0, __ATOMIC_RELEASE); }
+
+static void rl_block_release_pooled(rl_block *b) {
+    int64_t cap = b->aux;
+    rl_pool_lock();
+    if (rl_pool_n < RL_POOL_SLOTS && rl_pool_bytes + cap <= RL_POOL_MAX_BYTES) {
+        rl_pool[rl_pool_n++] = b;
+        rl_pool_bytes += cap;
+        rl_pool_unlock();
+        return;
+    }
+    rl_pool_unlock();
+    free(b->data);
+    free(b);
+}
+
+static inline rl_block *rl_pool_take(int64_t size) {
+    rl_block *b = NULL;
+    rl_pool_lock();
+    for (int i = 0; i < rl_pool_n; i++) {
+        int64_t cap = rl_pool[i]->aux;
+        if (cap >= size && cap - size <= size / 2) {
+            b = rl_pool[i];
+            rl_pool[i] = rl_pool[--rl_pool_n];
+            rl_pool_bytes -= cap;
+            break;
+        }
+    }
+    rl_pool_unlock();
+    return b;
+}
+
+/* A block owning `size` bytes of heap memory (64-byte aligned), refcnt 1. */
 static inline rl_block *rl_block_new(int64_t size) {
-    rl_block *b = (rl_block *)malloc(sizeof(rl_block));
+    rl_block *b;
+    if (size >= RL_POOL_MIN_BYTES && (b = rl_pool_take(size)) != NULL) {
+        b->refcnt = 1;
+        b->size = size;
+        return b;
+    }
+    b = (rl_block *)malloc(sizeof(rl_block));
     if (!b) return NULL;
     void *p = NULL;
     if (posix_memalign(&p, 64, size > 0 ? (size_t)size : 64) != 0) { free(b); return NULL; }
     b->refcnt = 1;
-    b->release = rl_block_free_malloced;
+    b->release = size >= RL_POOL_MIN_BYTES ? rl_block_release_pooled : rl_block_free_malloced;
     b->data = (char *)p;
     b->size = size;
     b->ctx = NULL;
-    b->aux = 0;
+    b->aux = size;          /* capacity */
     return b;
 }
 
