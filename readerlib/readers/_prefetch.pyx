@@ -28,8 +28,10 @@ Design:
     only the run (`_Pump`) and the chain below, never the PrefetchReader, so
     dropping the last reference to a PrefetchReader stops its thread (from
     `__dealloc__`, through a C pointer that survives GC's tp_clear).
-    `reset()` stops and joins the thread, releases the ring, resets the chain
-    below and starts a new run.  `close()` joins for at most a few seconds;
+    `reset()` stops and joins the thread, releases the ring and resets the
+    chain below; the next run starts with the next read (so `set_state()`
+    can adjust the chain below in between).  The first run starts at
+    construction, so the first batches are ready when the loop begins.  `close()` joins for at most a few seconds;
     a thread stuck inside a user function is left to exit on its own and
     closes the chain below itself when it does.
 
@@ -412,7 +414,6 @@ cdef class PrefetchReader(DecoratedReader):
     cdef readonly int64_t capacity
     cdef readonly object timeout
     cdef readonly object device
-    cdef readonly int64_t position          # items handed out in this epoch
     cdef int64_t timeout_ns
     cdef _Pump pump
     cdef pf_state *st                       # the current run's state (survives tp_clear)
@@ -497,7 +498,7 @@ cdef class PrefetchReader(DecoratedReader):
             self.handed = NULL
         if self.st == NULL or self.reset_pending:
             with gil:
-                self._raise_not_running()
+                self._ensure_running()
         if self.timeout_ns >= 0:
             deadline = _now_ns() + self.timeout_ns
         if PyGILState_Check():           # called with the GIL held: never wait holding it
@@ -516,7 +517,6 @@ cdef class PrefetchReader(DecoratedReader):
             return -1                           # KeyboardInterrupt (or another signal's exception)
         if code == POP_ITEM:
             self.handed = out.block
-            self.position += 1
             return 1
         if code == POP_END:
             return 0
@@ -527,11 +527,13 @@ cdef class PrefetchReader(DecoratedReader):
             self._raise(code)
         return -1
 
-    def _raise_not_running(self):
+    def _ensure_running(self):
         if self._closed:
             raise ValueError("I/O operation on closed reader (PrefetchReader)")
-        raise RuntimeError("PrefetchReader has no running reader thread (a reset() timed out); "
-                           "call reset() again")
+        if self.reset_pending:
+            raise RuntimeError("PrefetchReader: a reset() did not finish (its reader thread was stuck "
+                               "in the chain, or the chain's reset raised); call reset() again")
+        self._start_run()
 
     def _raise(self, int code):
         cdef _Pump pump = self.pump
@@ -554,11 +556,12 @@ cdef class PrefetchReader(DecoratedReader):
             raise TimeoutError(
                 f"PrefetchReader.reset(): the reader thread did not stop within {join_timeout:g} s; "
                 f"it is stuck inside the chain {self.reader!r}.  Call reset() again later")
-        self.position = 0
         if self._stager is not None:
             self._stager.clear()
         self.reader.c_reset()
-        self._start_run()
+        # The next run starts on the next c_next, not here: between a reset
+        # and the first read the chain below is the caller's to adjust
+        # (set_state() restores each reader's epoch state after c_reset()).
         self.reset_pending = False
         return 0
 
@@ -596,6 +599,9 @@ cdef class PrefetchReader(DecoratedReader):
 
     def _read_next_device(self):
         st = self._stager
+        # get_state() counts batches handed out, not batches staged: every
+        # host read below bumps _position, so put it back afterwards.
+        handed = self._position if (self._started or self._resuming) else 0
         # Keep up to `capacity` batches in flight on the GPU: take every host
         # batch already waiting, and block only when nothing is in flight.
         while len(st.inflight) < self.capacity and not st.host_end and st.pending is None:
@@ -613,11 +619,15 @@ cdef class PrefetchReader(DecoratedReader):
                 break
             st.stage(hb)
         if not st.inflight:
+            self._position = handed
             if st.pending is not None:
                 e = st.pending
+                st.pending = None            # the host ring raises it again on the next call
                 raise e
             return None
-        return st.hand_out()
+        batch = st.hand_out()
+        self._position = handed + 1
+        return batch
 
     @property
     def qsize(self):
