@@ -16,7 +16,6 @@ from readerlib.readers._stride import StrideReader
 torch = pytest.importorskip("torch")
 from readerlib.integrations.torch import IterableDataset, TensorWithLoD, to_torch  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 257
 
 
@@ -144,19 +143,26 @@ def test_torchrun_like_processes_see_every_instance_once(tmp_path):
     script = textwrap.dedent(f"""
         import json, sys
         import numpy as np, torch
-        sys.path.insert(0, {REPO!r})
-        from tests.test_integrations import make_chain
+        import readerlib as rl
         from readerlib.integrations.torch import IterableDataset
+        N = {N}
+
+        def make_chain():
+            seqs = [np.full((i % 4, 2), i, np.float32) for i in range(N)]
+            return rl.ArrayReader({{"id": np.arange(N, dtype=np.int64), "seq": seqs}}).shuffle(
+                31, seed=7).batch(6)
+
         ds = IterableDataset(make_chain)
         loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
         print(json.dumps([int(v) for b in loader for v in b[0]]))
     """)
     procs = []
     for rank in range(2):
+        where = os.path.dirname(os.path.dirname(os.path.abspath(rl.__file__)))
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2",
-                   PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        procs.append(subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, env=env, cwd=REPO))
+                   PYTHONPATH=where + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        procs.append(subprocess.Popen([sys.executable, "-P", "-c", script], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=env, cwd=str(tmp_path)))
     ids = []
     for p in procs:
         out, err = p.communicate(timeout=120)

@@ -7,6 +7,7 @@ import gc
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -18,7 +19,6 @@ import pytest
 import readerlib as rl
 from readerlib.readers._prefetch import PrefetchReader
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 X = rl.Schema([rl.Field("x", "int64")])
 
 
@@ -59,12 +59,22 @@ def _epoch(reader):
     return [_snapshot(item) for item in reader]
 
 
-def _run_script(code, timeout=60):
+def _child_env():
+    """The environment for a child interpreter that imports the readerlib under test.
+
+    The tests may run against an installed package (`python -P -m pytest`), so
+    the child gets the directory this process imported readerlib from, not
+    the source tree.
+    """
+    where = os.path.dirname(os.path.dirname(os.path.abspath(rl.__file__)))
+    return dict(os.environ, PYTHONPATH=where + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def _run_script(code, timeout=60, cwd=None):
     """Run `code` in a fresh interpreter; return (returncode, stdout, stderr, seconds)."""
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                       text=True, timeout=timeout, env=env, cwd=REPO)
+    p = subprocess.run([sys.executable, "-P", "-c", textwrap.dedent(code)], capture_output=True,
+                       text=True, timeout=timeout, env=_child_env(), cwd=cwd or tempfile.gettempdir())
     return p.returncode, p.stdout, p.stderr, time.monotonic() - t0
 
 
