@@ -98,12 +98,12 @@ def reader_time_per_batch(path, batch, shuffle, seed, epochs):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--records", type=int, default=2048)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--shuffle", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--shuffle", type=int, default=256)
     ap.add_argument("--step-ms", type=float, default=2.0)
     ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--trials", type=int, default=3, help="median over this many runs per row")
-    ap.add_argument("--capacities", default="2,4")
+    ap.add_argument("--trials", type=int, default=5, help="median over this many runs per row")
+    ap.add_argument("--capacities", default="1,2,4,8")
     ap.add_argument("--modes", default="sleep,spin")
     ap.add_argument("--skip", type=int, default=1,
                     help="leading steps left out of the steady-state figures (the cold start)")
@@ -120,6 +120,7 @@ def main(argv=None):
           f"reader alone: {t_read * 1e3:.3f} ms/batch "
           f"({nbytes / nbatches / t_read / 1e9:.2f} GB/s), step {args.step_ms} ms", flush=True)
 
+    load_before = os.getloadavg()
     rows = []
     caps = [int(c) for c in args.capacities.split(",") if c]
     for mode in args.modes.split(","):
@@ -152,7 +153,9 @@ def main(argv=None):
         f"Command: `{cmd.strip()}`",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs (shared), Python {platform.python_version()}, "
-        f"NumPy {np.__version__}.  Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
+        f"NumPy {np.__version__}.  Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.  "
+        f"Load average (1 min) before / after: {load_before[0]:.1f} / {os.getloadavg()[0]:.1f} "
+        f"(other jobs share the cores; the prefetch thread competes with them).",
         "",
         f"Chain: RecordIO ({args.records} variable-length float32 sequences 50-500 x 80, "
         f"{nbytes / 1e6:.0f} MB, page cache) -> shuffle({args.shuffle}, seed=0) -> batch({args.batch}); "

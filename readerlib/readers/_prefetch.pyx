@@ -10,7 +10,8 @@ Design:
         ->  rl_block_incref(rec.block)  ->  push  ->  signal `not_empty`
 
     so the ring holds *references* to the records the chain produced (no
-    copy) and at most `capacity` of them: the thread asks for the next item
+    copy) and at most `capacity` of them (a full ring sleeps until it has
+    drained to capacity // 2, then refills in a burst: fewer wake-ups): the thread asks for the next item
     only when there is room, so memory is bounded by capacity + the item the
     consumer holds.  The consumer's `c_next` pops the oldest record and keeps
     its reference until its next call (the LoDTensors returned by
@@ -106,6 +107,8 @@ cdef struct pf_state:
     pthread_cond_t not_full         # producer waits: room in the ring or stop
     rl_record *ring
     int64_t cap
+    int64_t low_water               # a full ring wakes the producer when it drains to this
+    int producer_waiting
     int64_t head                    # oldest item
     int64_t count
     int64_t produced                # items pushed in this run
@@ -140,6 +143,7 @@ cdef pf_state *_pf_new(int64_t cap) except NULL:
         free(st)
         raise MemoryError(f"prefetch ring of {cap} items")
     st.cap = cap
+    st.low_water = cap // 2
     st.refcnt = 1
     _pf_init_sync(st)
     return st
@@ -225,7 +229,8 @@ cdef int _pf_pop(pf_state *st, rl_record *out, int64_t deadline_ns, bint blockin
         st.ring[st.head].block = NULL
         st.head = (st.head + 1) % st.cap
         st.count -= 1
-        pthread_cond_signal(&st.not_full)
+        if st.producer_waiting and st.count <= st.low_water:
+            pthread_cond_signal(&st.not_full)
         code = POP_ITEM
     elif st.done:
         code = POP_ERROR if st.failed else POP_END
@@ -271,8 +276,13 @@ cdef class _Pump:
         cdef int r
         while True:
             pthread_mutex_lock(&st.mu)
-            while st.count == st.cap and not st.stop:
-                pthread_cond_wait(&st.not_full, &st.mu)
+            if st.count == st.cap:
+                # Full: sleep until the consumer has taken half, then refill in
+                # a burst (one wake-up per cap/2 items instead of per item).
+                st.producer_waiting = 1
+                while st.count > st.low_water and not st.stop:
+                    pthread_cond_wait(&st.not_full, &st.mu)
+                st.producer_waiting = 0
             if st.stop:
                 pthread_mutex_unlock(&st.mu)
                 return 0
