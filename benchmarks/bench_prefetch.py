@@ -63,7 +63,39 @@ def compute(step_s, mode):
             pass
 
 
-def training_loop(chain, epochs, step_s, mode, skip):
+def _schedstat(native_id):
+    """(cpu ns, run-queue wait ns) of one thread of this process, or None."""
+    try:
+        with open(f"/proc/self/task/{native_id}/schedstat") as f:
+            cpu, wait, _ = f.read().split()
+        return int(cpu), int(wait)
+    except (OSError, ValueError):
+        return None
+
+
+class ThreadStats:
+    """Sum of schedstat deltas over the prefetch threads (a new one per epoch)."""
+
+    def __init__(self, chain):
+        self.chain = chain
+        self.seen = {}
+
+    def sample(self):
+        t = self.chain.thread
+        if t is None or t.native_id is None:
+            return
+        now = _schedstat(t.native_id)
+        if now is not None:
+            first = self.seen.get(t.native_id, (now, now))[0]
+            self.seen[t.native_id] = (first, now)
+
+    def totals(self):
+        cpu = sum(last[0] - first[0] for first, last in self.seen.values())
+        rq = sum(last[1] - first[1] for first, last in self.seen.values())
+        return cpu, rq
+
+
+def training_loop(chain, epochs, step_s, mode, skip, stats=None):
     """Returns (waits, steps): per-step seconds blocked in next(), seconds computing."""
     waits, steps = [], []
     for _ in range(epochs):
@@ -78,6 +110,8 @@ def training_loop(chain, epochs, step_s, mode, skip):
             compute(step_s, mode)
             steps.append(time.perf_counter() - t1)
             del batch
+            if stats is not None:
+                stats.sample()          # outside both timed regions
     return waits[skip:], steps[skip:], waits[:skip]
 
 
@@ -131,19 +165,31 @@ def main(argv=None):
                 if cap:
                     chain = PrefetchReader(chain, capacity=cap)
                     time.sleep(0.05)       # the time a real loop spends building its model
-                waits, steps, cold = training_loop(chain, args.epochs, step_s, mode, args.skip)
+                stats = ThreadStats(chain) if cap else None
+                if stats:
+                    stats.sample()
+                waits, steps, cold = training_loop(chain, args.epochs, step_s, mode, args.skip, stats)
                 chain.close()
+                # The prefetch thread's CPU time and time spent runnable but not running
+                # (waiting for a core), per step: is a wait the reader or the machine?
+                if stats and stats.seen:
+                    nst = len(waits) + len(cold)
+                    cpu, rq = stats.totals()
+                    thr = (cpu / nst / 1e6, rq / nst / 1e6)
+                else:
+                    thr = (float("nan"), float("nan"))
                 trials.append((sum(waits) / sum(steps), float(np.mean(waits)), float(np.percentile(waits, 99)),
-                               float(np.max(waits)), sum(cold) / max(len(cold), 1), len(waits)))
+                               float(np.max(waits)), sum(cold) / max(len(cold), 1), len(waits), thr))
             trials.sort(key=lambda t: t[0])
             med = trials[len(trials) // 2]
             row = dict(mode=mode, prefetch="none" if cap == 0 else f"capacity={cap}",
                        frac=med[0], mean_ms=med[1] * 1e3, p99_ms=med[2] * 1e3, max_ms=med[3] * 1e3,
-                       cold_ms=med[4] * 1e3, steps=med[5],
+                       cold_ms=med[4] * 1e3, steps=med[5], thr_cpu=med[6][0], thr_rq=med[6][1],
                        fracs=", ".join(f"{t[0] * 100:.2f}" for t in trials))
             rows.append(row)
             print(f"{mode:5s} {row['prefetch']:12s} wait/step {row['frac'] * 100:6.2f}%  "
                   f"mean {row['mean_ms']:.3f} ms  p99 {row['p99_ms']:.3f} ms  max {row['max_ms']:.3f} ms  "
+                  f"thread cpu {row['thr_cpu']:.3f} ms, runqueue {row['thr_rq']:.3f} ms /step "
                   f"(trials: {row['fracs']} %)", flush=True)
 
     cmd = "PYTHONPATH=. python benchmarks/bench_prefetch.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -168,13 +214,21 @@ def main(argv=None):
         f"(all runs listed).  sleep = step releases the GIL (framework kernels); spin = step holds the GIL "
         f"(pure Python).",
         "",
-        "| step | prefetch | wait / step time | mean wait | p99 wait | max wait | first step's wait | runs (wait %) |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
+        "Prefetch thread: its CPU time per step, and its run-queue time per step (runnable, waiting for a "
+        "core: /proc/self/task/TID/schedstat).  A run-queue time near the loop's wait means the waits "
+        "come from CPU contention on the machine, not from the reader.",
+        "",
+        "| step | prefetch | wait / step time | mean wait | p99 wait | max wait | first step's wait "
+        "| thread CPU / step | thread run-queue / step | runs (wait %) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         lines.append(f"| {r['mode']} {args.step_ms:g} ms | {r['prefetch']} | **{r['frac'] * 100:.2f}%** | "
                      f"{r['mean_ms']:.3f} ms | {r['p99_ms']:.3f} ms | {r['max_ms']:.3f} ms | "
-                     f"{r['cold_ms']:.3f} ms | {r['fracs']} |")
+                     f"{r['cold_ms']:.3f} ms | "
+                     + ("- | - |" if r['thr_cpu'] != r['thr_cpu'] else
+                        f"{r['thr_cpu']:.3f} ms | {r['thr_rq']:.3f} ms |")
+                     + f" {r['fracs']} |")
     text = "\n".join(lines) + "\n"
     print()
     print(text)
