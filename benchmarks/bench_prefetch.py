@@ -97,22 +97,27 @@ class ThreadStats:
 
 def training_loop(chain, epochs, step_s, mode, skip, stats=None):
     """Returns (waits, steps): per-step seconds blocked in next(), seconds computing."""
-    waits, steps = [], []
+    waits, steps, cold = [], [], []
     for _ in range(epochs):
         it = iter(chain)
+        k = 0
         while True:
             t0 = time.perf_counter()
             batch = next(it, None)
             t1 = time.perf_counter()
             if batch is None:
                 break
-            waits.append(t1 - t0)
             compute(step_s, mode)
-            steps.append(time.perf_counter() - t1)
+            if k < skip:
+                cold.append(t1 - t0)        # an epoch's first batch: shuffle buffer fill
+            else:
+                waits.append(t1 - t0)
+                steps.append(time.perf_counter() - t1)
+            k += 1
             del batch
             if stats is not None:
                 stats.sample()          # outside both timed regions
-    return waits[skip:], steps[skip:], waits[:skip]
+    return waits, steps, cold
 
 
 def reader_time_per_batch(path, batch, shuffle, seed, epochs):
@@ -140,7 +145,11 @@ def main(argv=None):
     ap.add_argument("--capacities", default="1,2,4,8")
     ap.add_argument("--modes", default="sleep,spin")
     ap.add_argument("--skip", type=int, default=1,
-                    help="leading steps left out of the steady-state figures (the cold start)")
+                    help="leading steps of every epoch left out of the steady-state figures "
+                         "(the cold start: the shuffle buffer fills)")
+    ap.add_argument("--normal-sched", default="2",
+                    help="capacities to run again with the prefetch thread under the normal scheduler "
+                         "policy (READERLIB_PREFETCH_SCHED=normal), for comparison")
     ap.add_argument("--write", help="write the markdown table to this file")
     args = ap.parse_args(argv)
 
@@ -158,7 +167,9 @@ def main(argv=None):
     rows = []
     caps = [int(c) for c in args.capacities.split(",") if c]
     for mode in args.modes.split(","):
-        for cap in [0] + caps:
+        normal = [int(c) for c in args.normal_sched.split(",") if c]
+        for cap, sched in [(0, "batch")] + [(c, "batch") for c in caps] + [(c, "normal") for c in normal]:
+            os.environ["READERLIB_PREFETCH_SCHED"] = sched
             trials = []
             for _ in range(args.trials):
                 chain = make_chain(path, args.batch, args.shuffle, seed)
@@ -182,12 +193,13 @@ def main(argv=None):
                                float(np.max(waits)), sum(cold) / max(len(cold), 1), len(waits), thr))
             trials.sort(key=lambda t: t[0])
             med = trials[len(trials) // 2]
-            row = dict(mode=mode, prefetch="none" if cap == 0 else f"capacity={cap}",
+            label = "none" if cap == 0 else f"capacity={cap}" + (" (thread not SCHED_BATCH)" if sched == "normal" else "")
+            row = dict(mode=mode, prefetch=label,
                        frac=med[0], mean_ms=med[1] * 1e3, p99_ms=med[2] * 1e3, max_ms=med[3] * 1e3,
                        cold_ms=med[4] * 1e3, steps=med[5], thr_cpu=med[6][0], thr_rq=med[6][1],
                        fracs=", ".join(f"{t[0] * 100:.2f}" for t in trials))
             rows.append(row)
-            print(f"{mode:5s} {row['prefetch']:12s} wait/step {row['frac'] * 100:6.2f}%  "
+            print(f"{mode:5s} {row['prefetch']:38s} wait/step {row['frac'] * 100:6.2f}%  "
                   f"mean {row['mean_ms']:.3f} ms  p99 {row['p99_ms']:.3f} ms  max {row['max_ms']:.3f} ms  "
                   f"thread cpu {row['thr_cpu']:.3f} ms, runqueue {row['thr_rq']:.3f} ms /step "
                   f"(trials: {row['fracs']} %)", flush=True)
@@ -210,9 +222,11 @@ def main(argv=None):
         f"i.e. {step_s / t_read:.1f}x faster than the {args.step_ms:g} ms step.",
         "",
         f"Wait = time inside `next()`, per step; steady state leaves out the first {args.skip} step(s) "
-        f"(cold start: the first batch is read either way).  Median of {args.trials} runs "
+        f"of every epoch (cold start: the shuffle buffer fills before the first batch, with or without "
+        f"prefetch), shown apart as \"first step's wait\" (mean over epochs).  Median of {args.trials} runs "
         f"(all runs listed).  sleep = step releases the GIL (framework kernels); spin = step holds the GIL "
-        f"(pure Python).",
+        f"(pure Python).  The prefetch thread runs under SCHED_BATCH (no wake-up preemption of the step); "
+        f"rows marked \"not SCHED_BATCH\" run it under the normal policy for comparison.",
         "",
         "Prefetch thread: its CPU time per step, and its run-queue time per step (runnable, waiting for a "
         "core: /proc/self/task/TID/schedstat).  A run-queue time near the loop's wait means the waits "
