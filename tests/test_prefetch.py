@@ -124,6 +124,15 @@ def test_recordio_chain_and_fluent_decorators_above(tmp_path):
     assert [len(b[0].data) for b in mp] == [100] * 15
 
 
+def test_nested_prefetchers_and_a_shuffle_of_prefetched_batches():
+    want = rl.ArrayReader(_arrays()).batch(5).shuffle(7, seed=3)
+    got = PrefetchReader(PrefetchReader(rl.ArrayReader(_arrays()).batch(5), capacity=2),
+                         capacity=3).shuffle(7, seed=3)
+    for _ in range(2):
+        _assert_same(_epoch(got), _epoch(want))
+    got.close()
+
+
 def test_batches_stay_valid_after_the_reader_moves_on():
     p = PrefetchReader(rl.ArrayReader(_arrays()).batch(9), capacity=2)
     kept = list(p)                           # every batch kept while later ones are produced
