@@ -22,6 +22,7 @@ from .readers._base import (
     ShuffleReader,
     crc32c,
 )
+from .rnnt import Hypothesis, Joint, LSTMPredictor, RNNTModel, StatelessPredictor, rnnt_greedy_decode
 from .tensor import Field, LoDTensor, Schema, SparseTensor
 
 __version__ = "0.1.0"
@@ -34,4 +35,5 @@ __all__ = [
     "RecordIOReader", "RecordIOWriter",
     "DataLossError", "RecordIOError", "RecordIOWarning", "TFRecordError",
     "crc32c",
+    "rnnt_greedy_decode", "Hypothesis", "RNNTModel", "LSTMPredictor", "StatelessPredictor", "Joint",
 ]
