@@ -1,0 +1,793 @@
+# cython: freethreading_compatible=False
+"""PrefetchReader: run the chain below in a background thread (Paddle's double buffer).
+
+Design:
+    One *run* = one background thread + one `_pf_state` (a bounded ring of
+    `capacity` records, a pthread mutex and two condition variables).  The
+    thread (a daemon `threading.Thread`) loops, with the GIL released:
+
+        wait until the ring has room (or stop)  ->  upstream.c_next(&rec)
+        ->  rl_block_incref(rec.block)  ->  push  ->  signal `not_empty`
+
+    so the ring holds *references* to the records the chain produced (no
+    copy) and at most `capacity` of them (a full ring sleeps until it has
+    drained to capacity // 2, then refills in a burst: fewer wake-ups): the thread asks for the next item
+    only when there is room, so memory is bounded by capacity + the item the
+    consumer holds.  The consumer's `c_next` pops the oldest record and keeps
+    its reference until its next call (the LoDTensors returned by
+    `read_next` take their own reference on the block, so they stay valid).
+
+    Waits happen on the pthread condition variables with the GIL released:
+    neither side holds the GIL while blocked, and the thread never asks for
+    the GIL while it holds the ring mutex (so no lock-order deadlock, and a
+    thread killed by interpreter finalisation never dies holding the mutex).
+    The consumer waits in 100 ms slices and checks for signals between them,
+    so Ctrl-C interrupts a consumer waiting on a stalled chain.
+
+    Ending a run: `stop` (under the mutex) + broadcast; the thread sees it
+    between items (or while waiting for room) and exits.  The thread holds
+    only the run (`_Pump`) and the chain below, never the PrefetchReader, so
+    dropping the last reference to a PrefetchReader stops its thread (from
+    `__dealloc__`, through a C pointer that survives GC's tp_clear).
+    `reset()` stops and joins the thread, releases the ring and resets the
+    chain below; the next run starts with the next read (so `set_state()`
+    can adjust the chain below in between).  The first run starts at
+    construction, so the first batches are ready when the loop begins.  `close()` joins for at most a few seconds;
+    a thread stuck inside a user function is left to exit on its own and
+    closes the chain below itself when it does.
+
+    Errors: an exception raised by the chain in the thread ends the run; it
+    is kept (with its traceback) and raised in the consumer, after the items
+    produced before it, by the next `read_next()` (and again by every later
+    one, until `reset()`).  It is the same exception object, so its type,
+    message (file, offset, instance index) and original frames are intact.
+
+    The thread runs under SCHED_BATCH on Linux (no wake-up preemption of
+    the training step; see `_deprioritise_wakeups`).
+
+    Runs are per thread: a thread that could not be stopped keeps its own
+    ring, so a new run never shares memory with it.  After `fork()` the
+    child has no thread; a run that was live is marked and must be `reset()`.
+"""
+import atexit
+import os
+import threading
+import weakref
+from collections import deque
+
+import numpy as np
+
+from libc.stdlib cimport malloc, calloc, free
+from libc.string cimport memset
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
+from posix.types cimport clockid_t
+
+from readerlib._typedefs cimport int64_t
+from readerlib.readers._base cimport (
+    ReaderBase, DecoratedReader, rl_block, rl_record, rl_block_incref, rl_block_decref,
+    ITEM_BATCH, ITEM_INSTANCE)
+from readerlib.readers._base import _check_positive_int, _check_reader
+from readerlib.tensor import LoDTensor
+
+__all__ = ["PrefetchReader"]
+
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef struct pthread_mutex_t:
+        pass
+    ctypedef struct pthread_cond_t:
+        pass
+    ctypedef struct pthread_condattr_t:
+        pass
+    int pthread_mutex_init(pthread_mutex_t *m, const void *attr)
+    int pthread_mutex_destroy(pthread_mutex_t *m)
+    int pthread_mutex_lock(pthread_mutex_t *m)
+    int pthread_mutex_unlock(pthread_mutex_t *m)
+    int pthread_condattr_init(pthread_condattr_t *a)
+    int pthread_condattr_setclock(pthread_condattr_t *a, clockid_t clock)
+    int pthread_condattr_destroy(pthread_condattr_t *a)
+    int pthread_cond_init(pthread_cond_t *c, const pthread_condattr_t *a)
+    int pthread_cond_destroy(pthread_cond_t *c)
+    int pthread_cond_wait(pthread_cond_t *c, pthread_mutex_t *m)
+    int pthread_cond_timedwait(pthread_cond_t *c, pthread_mutex_t *m, const timespec *t)
+    int pthread_cond_signal(pthread_cond_t *c)
+    int pthread_cond_broadcast(pthread_cond_t *c)
+
+
+cdef extern from "Python.h":
+    ctypedef struct PyThreadState:
+        pass
+    int PyGILState_Check() nogil
+    int PyErr_CheckSignals()            # no `except`: the caller restores its thread state first
+    PyThreadState *PyEval_SaveThread() nogil
+    void PyEval_RestoreThread(PyThreadState *) nogil
+
+
+# ------------------------------------------------------------- run state
+cdef struct pf_state:
+    pthread_mutex_t mu
+    pthread_cond_t not_empty        # consumer waits: an item arrived or the run ended
+    pthread_cond_t not_full         # producer waits: room in the ring or stop
+    rl_record *ring
+    int64_t cap
+    int64_t low_water               # a full ring wakes the producer when it drains to this
+    int producer_waiting
+    int64_t head                    # oldest item
+    int64_t count
+    int64_t produced                # items pushed in this run
+    int64_t refcnt                  # owners: the PrefetchReader (current run) and the _Pump
+    int stop                        # consumer -> producer: exit between items
+    int done                        # producer -> consumer: no more items (end, error or stop)
+    int failed                      # the run ended with an exception (kept on the _Pump)
+    int finished                    # the thread has left the chain for good
+    int close_upstream              # close() gave up joining: the thread closes the chain
+    int forked                      # this process forked while the run was live
+
+
+# Return codes of _pf_pop.
+cdef enum:
+    POP_ITEM = 1
+    POP_END = 0
+    POP_ERROR = -2
+    POP_TIMEOUT = -3
+    POP_FORKED = -4
+    POP_EMPTY = -5                  # non-blocking pop found nothing yet
+    POP_SLICE = -6                  # a wait slice elapsed (check signals, go on)
+
+cdef int64_t SLICE_NS = 100000000   # 100 ms: how often a waiting consumer checks for Ctrl-C
+
+
+cdef pf_state *_pf_new(int64_t cap) except NULL:
+    cdef pf_state *st = <pf_state *>calloc(1, sizeof(pf_state))
+    if st == NULL:
+        raise MemoryError()
+    st.ring = <rl_record *>calloc(cap, sizeof(rl_record))
+    if st.ring == NULL:
+        free(st)
+        raise MemoryError(f"prefetch ring of {cap} items")
+    st.cap = cap
+    st.low_water = cap // 2
+    st.refcnt = 1
+    _pf_init_sync(st)
+    return st
+
+
+cdef void _pf_init_sync(pf_state *st) noexcept nogil:
+    cdef pthread_condattr_t attr
+    pthread_mutex_init(&st.mu, NULL)
+    pthread_condattr_init(&attr)
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC)   # deadlines immune to wall-clock jumps
+    pthread_cond_init(&st.not_empty, &attr)
+    pthread_cond_init(&st.not_full, &attr)
+    pthread_condattr_destroy(&attr)
+
+
+cdef void _pf_drain(pf_state *st) noexcept nogil:
+    """Drop the ring's references (caller holds the mutex or owns the state alone)."""
+    cdef int64_t i
+    for i in range(st.count):
+        rl_block_decref(st.ring[(st.head + i) % st.cap].block)
+    st.head = 0
+    st.count = 0
+
+
+cdef void _pf_incref(pf_state *st) noexcept nogil:
+    __atomic_add_fetch(&st.refcnt, 1, __ATOMIC_RELAXED)
+
+
+cdef void _pf_decref(pf_state *st) noexcept nogil:
+    if st != NULL and __atomic_sub_fetch(&st.refcnt, 1, __ATOMIC_ACQ_REL) == 0:
+        _pf_drain(st)
+        pthread_cond_destroy(&st.not_empty)
+        pthread_cond_destroy(&st.not_full)
+        pthread_mutex_destroy(&st.mu)
+        free(st.ring)
+        free(st)
+
+
+cdef extern from *:
+    int64_t __atomic_add_fetch(int64_t *p, int64_t v, int order) nogil
+    int64_t __atomic_sub_fetch(int64_t *p, int64_t v, int order) nogil
+    int __ATOMIC_RELAXED
+    int __ATOMIC_ACQ_REL
+
+
+cdef void _pf_request_stop(pf_state *st) noexcept nogil:
+    pthread_mutex_lock(&st.mu)
+    st.stop = 1
+    pthread_cond_broadcast(&st.not_full)
+    pthread_cond_broadcast(&st.not_empty)
+    pthread_mutex_unlock(&st.mu)
+
+
+cdef inline int64_t _now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
+
+
+cdef int _pf_pop(pf_state *st, rl_record *out, int64_t deadline_ns, bint blocking) noexcept nogil:
+    """Pop the oldest item into `out` (the ring's reference moves to the caller).
+
+    Waits at most one slice, and never past `deadline_ns` (-1: none).
+    """
+    cdef timespec ts
+    cdef int64_t now, until
+    cdef int code
+    pthread_mutex_lock(&st.mu)
+    if st.count == 0 and not st.done and not st.forked and blocking:
+        now = _now_ns()
+        until = now + SLICE_NS
+        if deadline_ns >= 0 and deadline_ns < until:
+            until = deadline_ns
+        ts.tv_sec = until // 1000000000
+        ts.tv_nsec = until % 1000000000
+        while st.count == 0 and not st.done and not st.forked:
+            if pthread_cond_timedwait(&st.not_empty, &st.mu, &ts) != 0 and _now_ns() >= until:
+                break
+    if st.forked:
+        code = POP_FORKED
+    elif st.count > 0:
+        out[0] = st.ring[st.head]
+        st.ring[st.head].block = NULL
+        st.head = (st.head + 1) % st.cap
+        st.count -= 1
+        if st.producer_waiting and st.count <= st.low_water:
+            pthread_cond_signal(&st.not_full)
+        code = POP_ITEM
+    elif st.done:
+        code = POP_ERROR if st.failed else POP_END
+    elif not blocking:
+        code = POP_EMPTY
+    elif deadline_ns >= 0 and _now_ns() >= deadline_ns:
+        code = POP_TIMEOUT
+    else:
+        code = POP_SLICE
+    pthread_mutex_unlock(&st.mu)
+    return code
+
+
+# ------------------------------------------------------------------- a run
+_live_pumps = weakref.WeakSet()
+
+
+cdef class _Pump:
+    """One background run: the thread, its ring, and what it ended with."""
+    cdef pf_state *st
+    cdef ReaderBase upstream
+    cdef readonly object thread
+    cdef readonly object error
+    cdef object error_tb
+    cdef object __weakref__
+
+    def __cinit__(self, ReaderBase upstream, int64_t cap):
+        self.st = _pf_new(cap)
+        self.upstream = upstream
+
+    def __dealloc__(self):
+        _pf_decref(self.st)
+        self.st = NULL
+
+    def start(self, name):
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        _live_pumps.add(self)
+        self.thread.start()
+
+    cdef int _loop(self) except -1 nogil:
+        cdef pf_state *st = self.st
+        cdef rl_record rec
+        cdef int r
+        while True:
+            pthread_mutex_lock(&st.mu)
+            if st.count == st.cap:
+                # Full: sleep until the consumer has taken half, then refill in
+                # a burst (one wake-up per cap/2 items instead of per item).
+                st.producer_waiting = 1
+                while st.count > st.low_water and not st.stop:
+                    pthread_cond_wait(&st.not_full, &st.mu)
+                st.producer_waiting = 0
+            if st.stop:
+                pthread_mutex_unlock(&st.mu)
+                return 0
+            pthread_mutex_unlock(&st.mu)
+            r = self.upstream.c_next(&rec)      # may take the GIL (Python sources, chunk loads)
+            if r == 0:
+                return 0
+            rl_block_incref(rec.block)
+            pthread_mutex_lock(&st.mu)
+            if st.stop:
+                pthread_mutex_unlock(&st.mu)
+                rl_block_decref(rec.block)
+                return 0
+            st.ring[(st.head + st.count) % st.cap] = rec
+            st.count += 1
+            st.produced += 1
+            pthread_cond_signal(&st.not_empty)
+            pthread_mutex_unlock(&st.mu)
+
+    def _run(self):
+        cdef pf_state *st = self.st
+        cdef int failed = 0, close_upstream
+        _deprioritise_wakeups()
+        try:
+            with nogil:
+                self._loop()
+        except BaseException as e:       # re-raised in the consumer, never lost here
+            self.error = e
+            self.error_tb = e.__traceback__
+            failed = 1
+        with nogil:
+            pthread_mutex_lock(&st.mu)
+            st.done = 1
+            st.failed = failed
+            st.finished = 1
+            close_upstream = st.close_upstream
+            pthread_cond_broadcast(&st.not_empty)
+            pthread_mutex_unlock(&st.mu)
+        if close_upstream:
+            self.upstream.close()
+
+    cdef bint stop_and_join(self, timeout):
+        """Ask the thread to stop and wait for it; False if it is still running."""
+        _pf_request_stop(self.st)
+        if self.st.forked or self.thread is None:
+            return True
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+    cdef bint hand_over_close(self):
+        """close() could not join: let the thread close the chain when it leaves it.
+
+        Returns True if the thread already left (the caller closes the chain).
+        """
+        cdef bint left
+        with nogil:
+            pthread_mutex_lock(&self.st.mu)
+            left = self.st.finished or self.st.forked
+            if not left:
+                self.st.close_upstream = 1
+            pthread_mutex_unlock(&self.st.mu)
+        return left
+
+    def _after_fork_in_child(self):
+        # The thread does not exist in the child and may have held the mutex.
+        _pf_init_sync(self.st)
+        self.st.forked = 1
+        self.st.done = 1
+        self.thread = None
+
+
+def _deprioritise_wakeups():
+    """Put the calling (prefetch) thread under SCHED_BATCH, where Linux supports it.
+
+    Measured on a 2-core machine: when the ring drains to low water the
+    consumer wakes this thread, and the scheduler tends to run the woken
+    thread on the waker's core *right away*, preempting the training step in
+    the middle of `read_next()` (waits of ~0.5-1 ms per step with a CPU-bound
+    step).  SCHED_BATCH keeps the thread's fair share of CPU but gives up
+    wake-up preemption, so it runs on idle time or another core instead.
+    READERLIB_PREFETCH_SCHED=normal turns this off.
+    """
+    if os.environ.get("READERLIB_PREFETCH_SCHED", "batch") != "batch":
+        return
+    if hasattr(os, "SCHED_BATCH") and hasattr(os, "sched_setscheduler"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))   # 0: this thread
+        except OSError:
+            pass
+
+
+def _stop_all_at_exit():
+    """Stop every live thread before finalisation, so none is cut off mid-item."""
+    pumps = list(_live_pumps)
+    for p in pumps:
+        _pf_request_stop((<_Pump>p).st)
+    for p in pumps:
+        t = (<_Pump>p).thread
+        if t is not None and t.is_alive():
+            t.join(0.5)
+
+
+def _reinit_after_fork():
+    for p in list(_live_pumps):
+        p._after_fork_in_child()
+
+
+atexit.register(_stop_all_at_exit)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reinit_after_fork)
+
+
+cdef double _CLOSE_JOIN_S = 1.0     # close() waits this long for a thread inside a slow user function
+_NOT_READY = object()
+
+
+# ------------------------------------------------------------ the reader
+cdef class PrefetchReader(DecoratedReader):
+    """Read the chain below in a background thread, `capacity` items ahead.
+
+    The thread runs the compiled chain with the GIL released and keeps up to
+    `capacity` items (usually batches) ready as references to the chain's
+    blocks (no copy), so a training step overlaps reading the next batches.
+    Items come out exactly as the chain below yields them, in the same order.
+
+    Parameters
+    ----------
+    reader : ReaderBase
+        The chain to run in the background.  While the prefetcher runs, it
+        owns the chain: do not read or reset `reader` directly.
+    capacity : int, default 2
+        Items kept ready (2 is Paddle's double buffer).  Memory: `capacity`
+        items plus the one the consumer holds.
+    device : {None, "cpu", "cuda", "cuda:N"}
+        "cuda": batches are staged through reused pinned host buffers and
+        copied on a side CUDA stream (CuPy); `read_next` returns LoDTensors
+        on the GPU, `capacity` copies ahead, and the current stream waits
+        on each copy's event (the host never blocks on it).  Needs batches.
+    timeout : float, optional
+        Seconds `read_next` may wait for an item before raising
+        `TimeoutError` (naming the chain) instead of hanging on a stalled
+        reader.  None (default): wait as long as it takes.
+
+    Raises
+    ------
+    Exception
+        Whatever the chain raised in the background thread (a corrupt
+        chunk, a user function), with its message and original traceback,
+        on the next `read_next()` after the items read before it, and on
+        every later call until `reset()`.
+    TimeoutError
+        No item within `timeout` seconds.
+
+    Examples
+    --------
+    >>> r = PrefetchReader(ArrayReader(np.arange(10)).batch(4), capacity=2)
+    >>> [len(b[0].data) for b in r]
+    [4, 4, 2]
+    """
+    cdef readonly int64_t capacity
+    cdef readonly object timeout
+    cdef readonly object device
+    cdef int64_t timeout_ns
+    cdef _Pump pump
+    cdef pf_state *st                       # the current run's state (survives tp_clear)
+    cdef rl_block *handed                   # the item the consumer holds
+    cdef bint nonblocking                   # device staging: pop only what is ready
+    cdef bint would_block
+    cdef bint reset_pending                 # a reset() could not stop the thread
+    cdef object _stager
+
+    def __init__(self, reader, capacity=2, device=None, timeout=None):
+        _check_reader(reader, "PrefetchReader")
+        cap = _check_positive_int(capacity, "capacity")
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)):
+                raise TypeError(f"timeout must be a number of seconds or None, got {type(timeout).__name__}")
+            if not timeout > 0:
+                raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+            timeout = float(timeout)
+        dev = _parse_device(device)
+        if dev is not None and reader.item_kind != ITEM_BATCH:
+            raise TypeError("PrefetchReader(device='cuda') stages batches; call .batch() before "
+                            ".prefetch(device='cuda')")
+        DecoratedReader.__init__(self, reader)
+        self.capacity = cap
+        self.timeout = timeout
+        self.timeout_ns = -1 if timeout is None else <int64_t>(timeout * 1e9)
+        self.device = device if dev is not None else None
+        if dev is not None:
+            self._stager = _CudaStager(dev, cap)
+        self._start_run()
+
+    def __dealloc__(self):
+        if self.handed != NULL:
+            rl_block_decref(self.handed)
+            self.handed = NULL
+        if self.st != NULL:
+            _pf_request_stop(self.st)       # the thread exits on its own; nothing here waits
+            _pf_decref(self.st)
+            self.st = NULL
+
+    # -- runs ---------------------------------------------------------------
+    cdef int _start_run(self) except -1:
+        pump = _Pump(self.reader, self.capacity)
+        _pf_incref(pump.st)
+        if self.st != NULL:
+            _pf_decref(self.st)
+        self.st = pump.st
+        self.pump = pump
+        pump.start(f"readerlib-prefetch-{id(self):x}")
+        return 0
+
+    cdef int _end_run(self, join_timeout, bint for_close) except -1:
+        """Stop the current run.  Returns 1 if its thread stopped, else 0."""
+        cdef _Pump pump = self.pump
+        if self.handed != NULL:
+            rl_block_decref(self.handed)
+            self.handed = NULL
+        if pump is None:
+            return 1
+        if not pump.stop_and_join(join_timeout):
+            if for_close and pump.hand_over_close():
+                pass                        # it left the chain after all: fall through
+            else:
+                return 0
+        self.pump = None
+        if self.st != NULL:
+            with nogil:
+                pthread_mutex_lock(&self.st.mu)
+                _pf_drain(self.st)
+                pthread_mutex_unlock(&self.st.mu)
+            _pf_decref(self.st)
+            self.st = NULL
+        return 1
+
+    # -- the C-level reader API --------------------------------------------
+    cdef int c_next(self, rl_record *out) except -1 nogil:
+        cdef int code
+        cdef PyThreadState *saved = NULL
+        cdef int64_t deadline = -1
+        if self.handed != NULL:
+            rl_block_decref(self.handed)
+            self.handed = NULL
+        if self.st == NULL or self.reset_pending:
+            with gil:
+                self._ensure_running()
+        if self.timeout_ns >= 0:
+            deadline = _now_ns() + self.timeout_ns
+        if PyGILState_Check():           # called with the GIL held: never wait holding it
+            saved = PyEval_SaveThread()
+        while True:
+            code = _pf_pop(self.st, out, deadline, not self.nonblocking)
+            if code != POP_SLICE:
+                break
+            with gil:
+                code = PyErr_CheckSignals()     # Ctrl-C while waiting on a slow chain
+            if code < 0:
+                break
+        if saved != NULL:
+            PyEval_RestoreThread(saved)
+        if code == -1:
+            return -1                           # KeyboardInterrupt (or another signal's exception)
+        if code == POP_ITEM:
+            self.handed = out.block
+            return 1
+        if code == POP_END:
+            return 0
+        if code == POP_EMPTY:
+            self.would_block = True
+            return 0
+        with gil:
+            self._raise(code)
+        return -1
+
+    def _ensure_running(self):
+        if self._closed:
+            raise ValueError("I/O operation on closed reader (PrefetchReader)")
+        if self.reset_pending:
+            raise RuntimeError("PrefetchReader: a reset() did not finish (its reader thread was stuck "
+                               "in the chain, or the chain's reset raised); call reset() again")
+        self._start_run()
+
+    def _raise(self, int code):
+        cdef _Pump pump = self.pump
+        if code == POP_ERROR:
+            err = pump.error
+            raise err.with_traceback(pump.error_tb)
+        if code == POP_TIMEOUT:
+            raise TimeoutError(
+                f"PrefetchReader: no item from the reader chain {self.reader!r} within "
+                f"{self.timeout:g} s (timeout={self.timeout:g}); the reader thread is still running "
+                f"and may be stalled.  read_next() again to keep waiting, reset() to restart the "
+                f"chain, or pass a larger timeout=")
+        raise RuntimeError("this process forked while the PrefetchReader's thread was running; "
+                           "the thread does not exist here: call reset() to start a new one")
+
+    cdef int c_reset(self) except -1:
+        join_timeout = None if self.timeout is None else max(self.timeout, _CLOSE_JOIN_S)
+        self.reset_pending = True
+        if not self._end_run(join_timeout, False):
+            raise TimeoutError(
+                f"PrefetchReader.reset(): the reader thread did not stop within {join_timeout:g} s; "
+                f"it is stuck inside the chain {self.reader!r}.  Call reset() again later")
+        if self._stager is not None:
+            self._stager.clear()
+        self.reader.c_reset()
+        # The next run starts on the next c_next, not here: between a reset
+        # and the first read the chain below is the caller's to adjust
+        # (set_state() restores each reader's epoch state after c_reset()).
+        self.reset_pending = False
+        return 0
+
+    cdef int c_close(self) except -1:
+        stopped = self._end_run(_CLOSE_JOIN_S, True)
+        if self._stager is not None:
+            self._stager.clear()
+        if stopped:
+            self.reader.close()
+        # else: the thread closes the chain when it leaves it (hand_over_close)
+        return 0
+
+    # -- Python API -----------------------------------------------------------
+    def read_next(self):
+        """The next item (instance or batch), or None at the end of the epoch.
+
+        Raises the background thread's exception, or TimeoutError (see the
+        class docstring).
+        """
+        if self._stager is None:
+            return ReaderBase.read_next(self)
+        return self._read_next_device()
+
+    def _read_host(self, bint blocking):
+        """Host batch, None at the end, or _NOT_READY (non-blocking, nothing ready)."""
+        self.nonblocking = not blocking
+        self.would_block = False
+        try:
+            item = ReaderBase.read_next(self)
+        finally:
+            self.nonblocking = False
+        if item is None and self.would_block:
+            return _NOT_READY
+        return item
+
+    def _read_next_device(self):
+        st = self._stager
+        # get_state() counts batches handed out, not batches staged: every
+        # host read below bumps _position, so put it back afterwards.
+        handed = self._position if (self._started or self._resuming) else 0
+        # Keep up to `capacity` batches in flight on the GPU: take every host
+        # batch already waiting, and block only when nothing is in flight.
+        while len(st.inflight) < self.capacity and not st.host_end and st.pending is None:
+            try:
+                hb = self._read_host(not st.inflight)
+            except BaseException as e:
+                if not st.inflight:
+                    raise
+                st.pending = e               # hand out the batches read before it first
+                break
+            if hb is _NOT_READY:
+                break
+            if hb is None:
+                st.host_end = True
+                break
+            st.stage(hb)
+        if not st.inflight:
+            self._position = handed
+            if st.pending is not None:
+                e = st.pending
+                st.pending = None            # the host ring raises it again on the next call
+                raise e
+            return None
+        batch = st.hand_out()
+        self._position = handed + 1
+        return batch
+
+    @property
+    def qsize(self):
+        """Items ready in the queue now (for monitoring; changes as you look)."""
+        cdef int64_t n
+        if self.st == NULL:
+            return 0
+        with nogil:
+            pthread_mutex_lock(&self.st.mu)
+            n = self.st.count
+            pthread_mutex_unlock(&self.st.mu)
+        return n
+
+    @property
+    def thread(self):
+        """The current background thread (None after close())."""
+        return None if self.pump is None else self.pump.thread
+
+    def __repr__(self):
+        extra = ""
+        if self.device is not None:
+            extra += f", device={self.device!r}"
+        if self.timeout is not None:
+            extra += f", timeout={self.timeout:g}"
+        return f"PrefetchReader({self.reader!r}, capacity={self.capacity}{extra})"
+
+
+def _parse_device(device):
+    """None for the host, else the CUDA device ordinal."""
+    if device is None or device == "cpu":
+        return None
+    if isinstance(device, str) and (device == "cuda" or device.startswith("cuda:")):
+        if device == "cuda":
+            return -1                         # the current device
+        try:
+            return int(device.split(":", 1)[1])
+        except ValueError:
+            pass
+    raise ValueError(f"device must be None, 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+
+
+# ------------------------------------------------------------ GPU staging
+def _align(n, a=256):
+    return (n + a - 1) // a * a
+
+
+class _CudaStager:
+    """Host batch -> device batch through reused pinned buffers on a side stream.
+
+    UNTESTED on hardware in this repository's CI (no GPU); tests are marked `gpu`.
+
+    Per batch: pack every array (data and offsets of every field) into one
+    pinned buffer (a plain memcpy on the host), wait on the GPU for the work
+    the consumer queued so far (the device memory may be a block it just
+    freed), then one async H2D copy on the side stream and an event.  The
+    consumer's current stream waits on that event when the batch is handed
+    out, so kernels see finished data while the host never blocks.  A pinned
+    buffer is reused only after its previous copy's event completed.
+    """
+
+    def __init__(self, device_id, depth):
+        from readerlib.gpu import require_cupy
+        cp = require_cupy()
+        self.cp = cp
+        self.device = cp.cuda.Device(device_id) if device_id >= 0 else cp.cuda.Device()
+        with self.device:
+            self.stream = cp.cuda.Stream(non_blocking=True)
+        self.buffers = deque([[None, 0, None] for _ in range(depth + 1)])   # [mem, size, event]
+        self.inflight = deque()
+        self.host_end = False
+        self.pending = None
+
+    def clear(self):
+        self.inflight.clear()
+        self.host_end = False
+        self.pending = None
+
+    def stage(self, host_batch):
+        cp = self.cp
+        arrays = []
+        for t in host_batch:
+            arrays.append(t.data)
+            arrays.extend(t.lod)
+        offsets = []
+        total = 0
+        for a in arrays:
+            offsets.append(total)
+            total += _align(a.nbytes)
+        total = max(total, 256)
+        buf = self.buffers.popleft()
+        self.buffers.append(buf)
+        if buf[2] is not None:
+            buf[2].synchronize()              # its previous copy has left the buffer
+        if buf[1] < total:
+            buf[0] = cp.cuda.alloc_pinned_memory(total)
+            buf[1] = total
+        host = np.frombuffer(buf[0], dtype=np.uint8, count=total)
+        for a, off in zip(arrays, offsets):
+            if a.nbytes:
+                host[off:off + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
+        with self.device:
+            consumer_ready = cp.cuda.Event(disable_timing=True)
+            consumer_ready.record(cp.cuda.get_current_stream())
+            self.stream.wait_event(consumer_ready)
+            with self.stream:
+                dev = cp.empty(total, dtype=cp.uint8)
+                dev.set(host[:total], stream=self.stream)
+                done = cp.cuda.Event(disable_timing=True)
+                done.record(self.stream)
+        buf[2] = done
+        out = []
+        k = 0
+        for t in host_batch:
+            views = []
+            for a in [t.data] + list(t.lod):
+                off = offsets[k]
+                k += 1
+                views.append(dev[off:off + a.nbytes].view(a.dtype).reshape(a.shape))
+            lt = LoDTensor.__new__(LoDTensor)
+            lt.data = views[0]
+            lt.lod = views[1:]
+            out.append(lt)
+        self.inflight.append((tuple(out), done))
+
+    def hand_out(self):
+        batch, done = self.inflight.popleft()
+        with self.device:
+            self.cp.cuda.get_current_stream().wait_event(done)
+        return batch
