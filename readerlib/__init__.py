@@ -9,6 +9,8 @@ Build a chain in Python, iterate batches::
 """
 from .errors import DataLossError, RecordIOError, RecordIOWarning, TFRecordError
 from .formats._recordio import RecordIOReader, RecordIOWriter
+from .readers._prefetch import PrefetchReader
+from .readers._stride import StrideReader
 from .readers._base import (
     ArrayReader,
     BatchReader,
@@ -38,7 +40,7 @@ __all__ = [
     "Field", "Schema", "LoDTensor", "SparseTensor",
     "ReaderBase", "FileReader", "DecoratedReader", "ReaderHolder",
     "ArrayReader", "RandomDataGenerator", "PythonReader",
-    "ShuffleReader", "BatchReader", "MultiPassReader",
+    "ShuffleReader", "BatchReader", "MultiPassReader", "PrefetchReader", "StrideReader",
     "RecordIOReader", "RecordIOWriter",
     "DataLossError", "RecordIOError", "RecordIOWarning", "TFRecordError",
     "crc32c",

@@ -468,8 +468,19 @@ cdef class ReaderBase:
         self._position = position
         self._resuming = True
 
+    def _interrupt(self):
+        """Wake a read_next() blocked in this reader (close() from another thread)."""
+        pass
+
     def close(self):
-        """Release files and buffers of the whole chain.  Idempotent."""
+        """Release files and buffers of the whole chain.  Idempotent.
+
+        May be called from another thread while a read_next() is waiting on a
+        prefetcher: that read returns None and the chain is then closed.
+        """
+        if not self._closed:
+            for r in self._walk():
+                r._interrupt()
         with self._lock:
             if not self._closed:
                 self._closed = True
@@ -514,6 +525,12 @@ cdef class ReaderBase:
     def multi_pass(self, num_passes):
         """`MultiPassReader(self, num_passes)`."""
         return MultiPassReader(self, num_passes)
+
+    def prefetch(self, capacity=2, device=None, timeout=None):
+        """`PrefetchReader(self, capacity, device, timeout)`: a background thread keeps
+        up to `capacity` items ready (on the GPU with device="cuda")."""
+        from readerlib.readers._prefetch import PrefetchReader
+        return PrefetchReader(self, capacity, device=device, timeout=timeout)
 
 
 cdef class FileReader(ReaderBase):

@@ -541,6 +541,9 @@ cdef class PrefetchReader(DecoratedReader):
             code = _pf_pop(self.st, out, deadline, not self.nonblocking)
             if code != POP_SLICE:
                 break
+            if self.st.stop:                    # close() from another thread: stop waiting
+                code = POP_END
+                break
             with gil:
                 code = PyErr_CheckSignals()     # Ctrl-C while waiting on a slow chain
             if code < 0:
@@ -607,6 +610,12 @@ cdef class PrefetchReader(DecoratedReader):
             self.reader.close()
         # else: the thread closes the chain when it leaves it (hand_over_close)
         return 0
+
+    def _interrupt(self):
+        # close() from another thread while a read_next() waits here: ask the
+        # thread to stop, and the waiting read returns None within one slice.
+        if self.st != NULL:
+            _pf_request_stop(self.st)
 
     # -- Python API -----------------------------------------------------------
     def read_next(self):
