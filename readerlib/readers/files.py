@@ -168,7 +168,8 @@ class FilePlan:
     """Which units (file chunks, or whole files) a rank reads, in which order.
 
     Units are listed canonically (files in the given order, chunks in file
-    order); rank r of w owns units r, r + w, ...  Each epoch the files (not
+    order) and dealt to the ranks balanced by record count (`_assign`); a
+    rank reads its units in canonical order.  Each epoch the files (not
     the chunks inside them) are permuted by (seed, epoch) when
     shuffle_files is set.  Every rank computes the same table, so the ranks
     read disjoint units and together all of them.
@@ -204,7 +205,25 @@ class FilePlan:
         self.schema = first[1]
         self.units = units
         rank, world = shard or (0, 1)
-        self.mine = [u for k, u in enumerate(units) if k % world == rank]
+        self.owner = self._assign(units, world)
+        self.mine = [u for u, o in zip(units, self.owner) if o == rank]
+
+    @staticmethod
+    def _assign(units, world):
+        """Rank of each unit: balanced by record count when every count is known
+        (largest first, to the least-loaded rank, ties to the lowest rank: LPT);
+        round-robin otherwise.  Deterministic, so every rank computes the same."""
+        if world == 1:
+            return [0] * len(units)
+        if any(u[2] is None for u in units):
+            return [k % world for k in range(len(units))]
+        load = [0] * world
+        owner = [0] * len(units)
+        for k in sorted(range(len(units)), key=lambda k: -units[k][2]):
+            r = min(range(world), key=lambda j: (load[j], j))
+            owner[k] = r
+            load[r] += units[k][2]
+        return owner
 
     def count(self, unit):
         i, chunks, n = unit
@@ -223,8 +242,8 @@ class FilePlan:
         """Records each rank would read in an epoch."""
         rank, world = self.shard or (0, 1)
         counts = [0] * world
-        for k, u in enumerate(self.units):
-            counts[k % world] += self.count(u)
+        for u, o in zip(self.units, self.owner):
+            counts[o] += self.count(u)
         return counts
 
     def open(self, path):
