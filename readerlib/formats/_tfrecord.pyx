@@ -61,6 +61,9 @@ cdef extern from "zlib.h" nogil:
     int inflateReset(z_stream *strm)
     int inflateEnd(z_stream *strm)
 
+cdef extern from *:
+    int64_t __atomic_load_n(int64_t *p, int order) nogil
+
 cdef extern from "rl_mmap.h":
     rl_block *rl_mapping_new(char *data, int64_t size) nogil
     rl_block *rl_chunkview_new(rl_block *mapping, char *data, int64_t size, int drop_pages) nogil
@@ -192,6 +195,8 @@ cdef class TFRecordReader(FileReader):
     cdef int64_t *cur_off
     cdef int64_t *cur_len
     cdef int64_t cur_n, cur_i, cur_chunk
+    cdef bint cur_is_heap
+    cdef rl_block *spare
     cdef int64_t scan_n, scan_bytes
     # compressed stream
     cdef z_stream zs
@@ -246,6 +251,9 @@ cdef class TFRecordReader(FileReader):
 
     def __dealloc__(self):
         self._release_cur()
+        if self.spare != NULL:
+            rl_block_decref(self.spare)
+            self.spare = NULL
         if self.mapping != NULL:
             rl_block_decref(self.mapping)
             self.mapping = NULL
@@ -262,6 +270,24 @@ cdef class TFRecordReader(FileReader):
         if self.cur != NULL:
             rl_block_decref(self.cur)
             self.cur = NULL
+
+    cdef void _retire_cur(self) noexcept nogil:
+        # A heap chunk nobody else references is kept for the next chunk: its
+        # pages are already faulted in (a fresh 1 MiB block costs 256 page faults).
+        if self.cur != NULL and self.cur_is_heap and __atomic_load_n(&self.cur.refcnt, 0) == 1:
+            if self.spare != NULL:
+                rl_block_decref(self.spare)
+            self.spare = self.cur
+            self.cur = NULL
+        self._release_cur()
+
+    cdef rl_block *_take_spare(self, int64_t size) noexcept nogil:
+        cdef rl_block *b = self.spare
+        if b == NULL or b.aux < size:
+            return NULL
+        self.spare = NULL
+        b.size = size
+        return b
 
     cdef int _grow_table(self, int64_t need) except -1:
         if need <= self.ck_cap:
@@ -551,10 +577,13 @@ cdef class TFRecordReader(FileReader):
                 total += self.cur_len[k]
             if self.lod_mode:
                 total += 8 * i
-            blk = rl_block_new(total)
+            blk = self._take_spare(total)
             if blk == NULL:
-                self.err_code = E_NOMEM
-                return -1
+                blk = rl_block_new(total)
+                if blk == NULL:
+                    self.err_code = E_NOMEM
+                    return -1
+                blk.aux = total             # capacity (this reader owns the block's aux)
             dst = blk.data
             for k in range(i):
                 length = self.cur_len[k]
@@ -569,8 +598,9 @@ cdef class TFRecordReader(FileReader):
             if z:
                 self.dlo += rel
                 self.spos += rel
-        self._release_cur()
+        self._retire_cur()
         self.cur = blk
+        self.cur_is_heap = z or self.lod_mode
         self.cur_n = i
         self.cur_i = 0
         return 0
@@ -677,6 +707,9 @@ cdef class TFRecordReader(FileReader):
 
     cdef int c_close(self) except -1:
         self._release_cur()
+        if self.spare != NULL:
+            rl_block_decref(self.spare)
+            self.spare = NULL
         if self.mapping != NULL:
             rl_block_decref(self.mapping)     # chunk views still held keep it mapped
             self.mapping = NULL
