@@ -194,7 +194,9 @@ class FilePlan:
                 elif r.schema != first[1]:
                     raise ValueError(f"open_files: {p!r} has schema {r.schema}, but {first[0]!r} has "
                                      f"{first[1]}; files of one stream share a schema (pass schema=)")
-                chunked = hasattr(r, "chunk_table") and hasattr(r, "select_chunks")
+                # a compressed stream cannot be entered mid-way: whole-file units
+                chunked = (hasattr(r, "chunk_table") and hasattr(r, "select_chunks")
+                           and not getattr(r, "compression", None))
                 if chunked and (by_chunks or getattr(r, "has_index", False)):
                     _, counts = r.chunk_table()
                     units.extend((i, [c], int(n)) for c, n in enumerate(counts))
