@@ -11,7 +11,9 @@ Design:
     copy, one atomic per block run).  The last packet of a unit is flagged.
     The consumer pops unit 0's packets from queue 0, unit 1's from queue 1,
     ... so the output is the units' records concatenated in unit order,
-    whatever T is; threads work ahead by up to QUEUE_PACKETS packets each.
+    whatever T is; threads work ahead by up to QUEUE_BYTES of records
+    (QUEUE_PACKETS packets) each, enough to hold whole units of small files
+    so that T threads really overlap.
 
     Workers are Python threads that drop the GIL around the compiled
     readers' c_next (a PythonReader re-acquires it per record).  An exception
@@ -21,8 +23,8 @@ Design:
     file) after every record that came before it.  The consumer waits in
     100 ms slices, so Ctrl-C and `timeout=` work while it waits.
 
-    Memory: at most T * QUEUE_PACKETS packets in flight, each pinning the
-    blocks (chunks) its records live in.
+    Memory: at most T * QUEUE_BYTES of records in flight (plus the rest of
+    the chunks they live in, which they pin).
 """
 import threading
 import time
@@ -57,11 +59,13 @@ cdef extern from "<pthread.h>" nogil:
 
 DEF PACKET_RECORDS = 1024
 DEF PACKET_BYTES = 4194304
-DEF QUEUE_PACKETS = 16
+DEF QUEUE_PACKETS = 256
+DEF QUEUE_BYTES = 33554432        # record bytes a thread may queue ahead (32 MiB)
 
 
 cdef struct _packet:
     int64_t n
+    int64_t nbytes
     int64_t nblocks
     int64_t unit
     int last                      # last packet of its unit
@@ -76,12 +80,14 @@ cdef struct _queue:
     _packet *ring[QUEUE_PACKETS]
     int64_t head
     int64_t count
+    int64_t nbytes
 
 
 cdef _packet *_packet_new(int64_t unit) noexcept nogil:
     cdef _packet *p = <_packet *>malloc(sizeof(_packet))
     if p != NULL:
         p.n = 0
+        p.nbytes = 0
         p.nblocks = 0
         p.unit = unit
         p.last = 0
@@ -146,6 +152,7 @@ cdef class MultiFileReader(FileReader):
             pthread_cond_init(&self.queues[t].cv, NULL)
             self.queues[t].head = 0
             self.queues[t].count = 0
+            self.queues[t].nbytes = 0
             self.partial[t] = NULL
         self._threads = []
         self._errors = [None] * n
@@ -177,13 +184,14 @@ cdef class MultiFileReader(FileReader):
         """0 when queued; -1 when the reader is stopping (the caller frees p)."""
         cdef _queue *q = &self.queues[t]
         pthread_mutex_lock(&q.mu)
-        while q.count == QUEUE_PACKETS and not self.stop:
+        while (q.count == QUEUE_PACKETS or (q.count > 0 and q.nbytes >= QUEUE_BYTES)) and not self.stop:
             pthread_cond_wait(&q.cv, &q.mu)
         if self.stop:
             pthread_mutex_unlock(&q.mu)
             return -1
         q.ring[(q.head + q.count) % QUEUE_PACKETS] = p
         q.count += 1
+        q.nbytes += p.nbytes
         pthread_cond_broadcast(&q.cv)
         pthread_mutex_unlock(&q.mu)
         return 0
@@ -211,6 +219,7 @@ cdef class MultiFileReader(FileReader):
         out[0] = q.ring[q.head]
         q.head = (q.head + 1) % QUEUE_PACKETS
         q.count -= 1
+        q.nbytes -= out[0].nbytes
         pthread_cond_broadcast(&q.cv)
         pthread_mutex_unlock(&q.mu)
         return 0
@@ -244,6 +253,7 @@ cdef class MultiFileReader(FileReader):
             p.recs[p.n] = rec
             p.n += 1
             nbytes += rec.size
+            p.nbytes = nbytes
             if p.n == PACKET_RECORDS or nbytes >= PACKET_BYTES:
                 self.partial[t] = NULL
                 if self._push(t, p) != 0:
@@ -358,6 +368,7 @@ cdef class MultiFileReader(FileReader):
                 q.head = (q.head + 1) % QUEUE_PACKETS
                 q.count -= 1
             q.head = 0
+            q.nbytes = 0
         _packet_free(self.hold)
         self.hold = NULL
         self.hold_i = 0

@@ -201,7 +201,13 @@ class FilePlan:
                     _, counts = r.chunk_table()
                     units.extend((i, [c], int(n)) for c, n in enumerate(counts))
                 else:
-                    units.append((i, None, None))
+                    n = None
+                    if by_chunks:            # sharding: counts balance the ranks
+                        try:
+                            n = len(r)
+                        except TypeError:
+                            pass
+                    units.append((i, None, n))
             finally:
                 r.close()
         self.schema = first[1]
