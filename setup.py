@@ -18,6 +18,16 @@ import tempfile
 import numpy as np
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext as _build_ext
+
+
+class build_ext(_build_ext):
+    """Compile extensions in parallel by default (READERLIB_BUILD_JOBS to override)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = int(os.environ.get("READERLIB_BUILD_JOBS", "0")) or os.cpu_count() or 1
 
 
 def _flag(name):
@@ -86,5 +96,6 @@ setup(
         annotate=_flag("READERLIB_ANNOTATE"),
         nthreads=int(os.environ.get("READERLIB_BUILD_JOBS", "0")) or None,
     ),
+    cmdclass={"build_ext": build_ext},
     zip_safe=False,
 )

@@ -44,18 +44,75 @@ static void rl_block_free_malloced(rl_block *b) {
     free(b);
 }
 
-/* A block owning `size` bytes of fresh heap memory (64-byte aligned), refcnt 1. */
+/* Large blocks (batches of big records, inflated chunks) are recycled through
+ * a small pool instead of going back to the allocator: a fresh multi-MB
+ * allocation is mmap'ed and zero-filled page by page, which costs about as
+ * much as the copy that fills it.  The pool is bounded (slots and bytes). */
+#define RL_POOL_SLOTS 4
+#define RL_POOL_MIN_BYTES (1 << 20)
+#define RL_POOL_MAX_BYTES ((int64_t)64 << 20)
+static rl_block *rl_pool[RL_POOL_SLOTS];
+static int rl_pool_n = 0;
+static int64_t rl_pool_bytes = 0;
+static int rl_pool_lock_word = 0;
+
+static inline void rl_pool_lock(void) {
+    while (__atomic_exchange_n(&rl_pool_lock_word, 1, __ATOMIC_ACQUIRE)) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    }
+}
+static inline void rl_pool_unlock(void) { __atomic_store_n(&rl_pool_lock_word, 0, __ATOMIC_RELEASE); }
+
+static void rl_block_release_pooled(rl_block *b) {
+    int64_t cap = b->aux;
+    rl_pool_lock();
+    if (rl_pool_n < RL_POOL_SLOTS && rl_pool_bytes + cap <= RL_POOL_MAX_BYTES) {
+        rl_pool[rl_pool_n++] = b;
+        rl_pool_bytes += cap;
+        rl_pool_unlock();
+        return;
+    }
+    rl_pool_unlock();
+    free(b->data);
+    free(b);
+}
+
+static inline rl_block *rl_pool_take(int64_t size) {
+    rl_block *b = NULL;
+    rl_pool_lock();
+    for (int i = 0; i < rl_pool_n; i++) {
+        int64_t cap = rl_pool[i]->aux;
+        if (cap >= size && cap - size <= size / 2) {
+            b = rl_pool[i];
+            rl_pool[i] = rl_pool[--rl_pool_n];
+            rl_pool_bytes -= cap;
+            break;
+        }
+    }
+    rl_pool_unlock();
+    return b;
+}
+
+/* A block owning `size` bytes of heap memory (64-byte aligned), refcnt 1. */
 static inline rl_block *rl_block_new(int64_t size) {
-    rl_block *b = (rl_block *)malloc(sizeof(rl_block));
+    rl_block *b;
+    if (size >= RL_POOL_MIN_BYTES && (b = rl_pool_take(size)) != NULL) {
+        b->refcnt = 1;
+        b->size = size;
+        return b;
+    }
+    b = (rl_block *)malloc(sizeof(rl_block));
     if (!b) return NULL;
     void *p = NULL;
     if (posix_memalign(&p, 64, size > 0 ? (size_t)size : 64) != 0) { free(b); return NULL; }
     b->refcnt = 1;
-    b->release = rl_block_free_malloced;
+    b->release = size >= RL_POOL_MIN_BYTES ? rl_block_release_pooled : rl_block_free_malloced;
     b->data = (char *)p;
     b->size = size;
     b->ctx = NULL;
-    b->aux = 0;
+    b->aux = size;          /* capacity */
     return b;
 }
 
@@ -87,6 +144,38 @@ static inline int64_t rl_load_i64(const char *p) { int64_t v; memcpy(&v, p, 8); 
 static inline void rl_store_u32(char *p, uint32_t v) { memcpy(p, &v, 4); }
 static inline void rl_store_u64(char *p, uint64_t v) { memcpy(p, &v, 8); }
 static inline void rl_store_i64(char *p, int64_t v) { memcpy(p, &v, 8); }
+
+/* --------------------------------------------------------------- copying */
+/* Copies into a batch that will not be read again before it leaves the chain
+ * skip the cache: streaming stores avoid reading the destination lines in
+ * (read-for-ownership), so a DRAM-bound copy moves 2 bytes per byte instead
+ * of 3.  Call rl_copy_fence() before the batch is handed out. */
+#define RL_STREAM_MIN 16384
+#if defined(__x86_64__)
+#include <emmintrin.h>
+static inline void rl_copy_big(char *dst, const char *src, size_t n) {
+    if (n < RL_STREAM_MIN) { memcpy(dst, src, n); return; }
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    memcpy(dst, src, head);
+    dst += head; src += head; n -= head;
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+    memcpy(dst + i, src + i, n - i);
+}
+static inline void rl_copy_fence(void) { _mm_sfence(); }
+#else
+static inline void rl_copy_big(char *dst, const char *src, size_t n) { memcpy(dst, src, n); }
+static inline void rl_copy_fence(void) {}
+#endif
 
 /* ------------------------------------------------------------------ CRC32C */
 #define RL_CRC32C_POLY 0x82f63b78u

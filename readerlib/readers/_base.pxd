@@ -32,6 +32,8 @@ cdef extern from "rl_core.h":
     void rl_block_decref(rl_block *b) nogil
     rl_block *rl_block_new(int64_t size) nogil
     rl_block *rl_block_new_static(char *data, int64_t size) nogil
+    void rl_copy_big(char *dst, const char *src, size_t n) nogil
+    void rl_copy_fence() nogil
     void rl_crc32c_init()
     uint32_t rl_crc32c(uint32_t crc, const void *buf, size_t length) nogil
     uint32_t rl_crc32c_mask(uint32_t crc) nogil
@@ -87,6 +89,9 @@ cdef class ReaderBase:
     cdef rl_layout layout
     cdef bint _closed
     cdef bint _started
+    cdef bint _resuming             # set_state() positioned the chain mid-epoch
+    cdef readonly int64_t _position  # items read_next() returned this epoch
+    cdef object _epoch_snapshot     # per-reader epoch state at the epoch's start
     # 1: *out holds the next item; 0: end of the epoch; -1: exception set.
     cdef int c_next(self, rl_record *out) except -1 nogil
     # Restart the whole chain below (next epoch).

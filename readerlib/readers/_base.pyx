@@ -343,11 +343,17 @@ cdef class ReaderBase:
         if self._closed:
             self._check_open()
         if not self._started:
+            if self._resuming:
+                self._resuming = False
+            else:
+                self._epoch_snapshot = self._chain_epoch_state()
+                self._position = 0
             self._mark_started(True)
         with nogil:
             r = self.c_next(&rec)
         if r == 0:
             return None
+        self._position += 1
         if self.item_kind == ITEM_BATCH:
             return _wrap_batch(self, &rec)
         return _decode_instance(self, &rec)
@@ -356,14 +362,90 @@ cdef class ReaderBase:
         """Restart the whole chain; shuffles draw a new order (next epoch)."""
         self._check_open()
         self.c_reset()
+        self._resuming = False
+        self._position = 0
         self._mark_started(False)
 
     def _mark_started(self, bint started):
         """Flag every reader of the chain as mid-epoch (or fresh after reset)."""
-        r = self
-        while isinstance(r, ReaderBase):
+        for r in self._walk():
             (<ReaderBase>r)._started = started
-            r = getattr(r, "reader", None)
+
+    # -- checkpoint / resume -------------------------------------------------
+    def _upstream(self):
+        """The readers this one reads from (to walk a chain)."""
+        r = getattr(self, "reader", None)
+        return [r] if isinstance(r, ReaderBase) else []
+
+    def _walk(self):
+        """This reader and everything upstream, breadth first."""
+        out = [self]
+        i = 0
+        while i < len(out):
+            out.extend(out[i]._upstream())
+            i += 1
+        return out
+
+    def _epoch_state(self):
+        """What this reader needs, besides the position, to replay an epoch."""
+        return {}
+
+    def _set_epoch_state(self, state):
+        pass
+
+    def _chain_epoch_state(self):
+        return [dict(type=type(r).__name__, **r._epoch_state()) for r in self._walk()]
+
+    def get_state(self):
+        """The chain's position as a small JSON-serialisable dict.
+
+        `set_state(state)` on an identically built chain (in this or another
+        process) makes it yield exactly what this one yields next.  Nothing
+        large is stored: shuffle buffers are recomputed from (seed, epoch,
+        position) by replaying the epoch up to the position.
+        """
+        if self._epoch_snapshot is None or not self._started:
+            if not self._resuming:
+                self._epoch_snapshot = self._chain_epoch_state()
+                self._position = 0
+        return {"version": 1, "position": int(self._position),
+                "readers": [dict(d) for d in self._epoch_snapshot]}
+
+    def set_state(self, state):
+        """Restore a position from `get_state()` (see there)."""
+        self._check_open()
+        if not isinstance(state, dict) or state.get("version") != 1:
+            raise ValueError("set_state takes a dict made by get_state() (version 1)")
+        readers = self._walk()
+        saved = state.get("readers")
+        if not isinstance(saved, list) or len(saved) != len(readers) or any(
+                not isinstance(d, dict) or d.get("type") != type(r).__name__ for r, d in zip(readers, saved)):
+            raise ValueError(
+                "state does not fit this chain: saved "
+                f"{[d.get('type') for d in saved] if isinstance(saved, list) else saved!r}, "
+                f"chain {[type(r).__name__ for r in readers]}")
+        position = state.get("position")
+        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+            raise ValueError(f"state position must be an int >= 0, got {position!r}")
+        self.c_reset()
+        for r, d in zip(readers, saved):
+            r._set_epoch_state({key: v for key, v in d.items() if key != "type"})
+        cdef rl_record rec
+        cdef int64_t i, n_skip = position
+        cdef int got = 1
+        with nogil:
+            i = 0
+            while i < n_skip:
+                got = self.c_next(&rec)
+                if got != 1:
+                    break
+                i += 1
+        if got != 1:
+            raise ValueError(f"state position {position} is past the end of the epoch ({i} items)")
+        self._mark_started(False)
+        self._epoch_snapshot = [dict(d) for d in saved]
+        self._position = position
+        self._resuming = True
 
     def close(self):
         """Release files and buffers of the whole chain.  Idempotent."""
@@ -471,6 +553,9 @@ cdef class ReaderHolder(ReaderBase):
     @property
     def reader(self):
         return self._held
+
+    def _upstream(self):
+        return [self._held]
 
     cdef int c_next(self, rl_record *out) except -1 nogil:
         return self._held.c_next(out)
@@ -684,6 +769,14 @@ cdef class ShuffleReader(DecoratedReader):
     def buffer_size(self):
         return self.cap
 
+    def _epoch_state(self):
+        return {"seed": int(self.seed), "epoch": int(self.epoch)}
+
+    def _set_epoch_state(self, state):
+        self.seed = <uint64_t>int(state["seed"])
+        self.epoch = int(state["epoch"])
+        self._restart()
+
     def __repr__(self):
         return f"ShuffleReader({self.reader!r}, buffer_size={self.cap}, seed={self.seed})"
 
@@ -798,12 +891,13 @@ cdef class BatchReader(DecoratedReader):
                         f"BatchReader: instance {n} of the batch has {rec.size} bytes, "
                         f"the schema needs {L.fixed_size}")
             if nf == 1:
-                memcpy(base + doff[0] + n * rb, rec.data, rb)
+                rl_copy_big(base + doff[0] + n * rb, rec.data, rb)
             else:
                 for f in range(nf):
-                    memcpy(base + doff[f] + n * L.row_bytes[f], rec.data + L.fixed_offset[f],
-                           L.row_bytes[f])
+                    rl_copy_big(base + doff[f] + n * L.row_bytes[f], rec.data + L.fixed_offset[f],
+                                L.row_bytes[f])
             n += 1
+        rl_copy_fence()
         if n == 0 or (n < B and self.drop_last):
             rl_block_decref(b)
             return 0
@@ -894,11 +988,12 @@ cdef class BatchReader(DecoratedReader):
                 for f in range(nf):
                     rb = L.row_bytes[f]
                     if L.lod[f]:
-                        memcpy(base + doff[f] + total_rows[f] * rb, ptrs[f], rows[f] * rb)
+                        rl_copy_big(base + doff[f] + total_rows[f] * rb, ptrs[f], rows[f] * rb)
                         total_rows[f] += rows[f]
                         (<int64_t *>(base + loff[f]))[i + 1] = total_rows[f]
                     else:
                         memcpy(base + doff[f] + i * rb, ptrs[f], rb)
+        rl_copy_fence()
         out.block = b
         out.data = b.data
         out.size = size
@@ -989,8 +1084,12 @@ cdef class _ChunkedSource(FileReader):
             self.ncur = count
             self.icur = 0
         out.block = self.cur
-        out.data = self.cur.data + self.rec_off[self.icur]
-        out.size = self.rec_off[self.icur + 1] - self.rec_off[self.icur]
+        if self.layout.n_lod == 0:          # fixed-size records: no offset table needed
+            out.data = self.cur.data + self.icur * self.layout.fixed_size
+            out.size = self.layout.fixed_size
+        else:
+            out.data = self.cur.data + self.rec_off[self.icur]
+            out.size = self.rec_off[self.icur + 1] - self.rec_off[self.icur]
         self.icur += 1
         return 1
 
@@ -1122,15 +1221,12 @@ cdef class ArrayReader(_ChunkedSource):
     cdef int _load(self, int64_t start, int64_t count) except -1:
         cdef int64_t i, size = 0
         cdef const rl_layout *L = &self.layout
-        self._reserve(count)
         if self.zero_copy:
-            self.cur = rl_block_new_static(<char *>self.C.ptr[0], count * L.fixed_size)
+            self.cur = rl_block_new_static(<char *>self.C.ptr[0] + start * L.fixed_size, count * L.fixed_size)
             if self.cur == NULL:
                 raise MemoryError()
-            for i in range(count + 1):
-                self.rec_off[i] = (start + i) * L.fixed_size - start * L.fixed_size
-            self.cur.data = <char *>self.C.ptr[0] + start * L.fixed_size
             return 0
+        self._reserve(count)
         with nogil:
             self.rec_off[0] = 0
             for i in range(count):
