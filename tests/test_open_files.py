@@ -98,6 +98,30 @@ def test_shuffled_file_order_is_deterministic(files):
     assert other != e0
 
 
+def test_resume_mid_epoch_gives_the_same_rest(files):
+    paths, recs = files
+    def chain():
+        return ShardReader(open_files(paths, num_threads=2, shuffle_files=True, seed=5), 2, 1).batch(16)
+    def rest_of(r):
+        out = []
+        while (item := r.read_next()) is not None:
+            out.append(item[0].data.tobytes())
+        return out
+
+    a = chain()
+    list(a)                                     # finish epoch 0: the state is in epoch 1
+    a.reset()
+    for _ in range(7):
+        a.read_next()
+    state = a.get_state()
+    rest = rest_of(a)
+    b = chain()
+    b.set_state(state)
+    assert rest_of(b) == rest and rest
+    a.close()
+    b.close()
+
+
 def test_batches_through_shuffle(files):
     paths, recs = files
     r = open_files(paths, num_threads=2).shuffle(500, seed=0).batch(64)

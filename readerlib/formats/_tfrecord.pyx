@@ -283,7 +283,7 @@ cdef class TFRecordReader(FileReader):
 
     cdef rl_block *_take_spare(self, int64_t size) noexcept nogil:
         cdef rl_block *b = self.spare
-        if b == NULL or b.aux < size:
+        if b == NULL or b.aux < size:          # rl_block_new keeps the capacity in aux
             return NULL
         self.spare = NULL
         b.size = size
@@ -583,7 +583,6 @@ cdef class TFRecordReader(FileReader):
                 if blk == NULL:
                     self.err_code = E_NOMEM
                     return -1
-                blk.aux = total             # capacity (this reader owns the block's aux)
             dst = blk.data
             for k in range(i):
                 length = self.cur_len[k]

@@ -432,6 +432,13 @@ cdef class MultiFileReader(FileReader):
             self._stop_threads()
         return 0
 
+    # checkpoint: the epoch fixes the unit order; the core replays the position
+    def _epoch_state(self):
+        return {"epoch": int(self.epoch)}
+
+    def _set_epoch_state(self, state):
+        self.epoch = int(state.get("epoch", self.epoch))
+
     @property
     def plan(self):
         """The file/chunk plan (paths, units, shard) this reader follows."""
