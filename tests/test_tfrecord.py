@@ -174,6 +174,23 @@ def test_every_flipped_byte_raises_data_loss(tmp_path):
         assert isinstance(ei.value, rl.DataLossError)
 
 
+def test_flipped_bytes_in_zero_copy_records(tmp_path):
+    # fixed-size records are handed out of the memory map, each verified as it goes
+    recs = [bytes([i]) * 8 for i in range(5)]
+    data = open(write(tmp_path / "ok.tfrecord", recs), "rb").read()
+    schema = rl.Schema([rl.Field("x", "uint8", (8,))])
+    for i in range(len(data)):
+        bad = bytearray(data)
+        bad[i] ^= 0x01
+        p = tmp_path / "flip.tfrecord"
+        p.write_bytes(bytes(bad))
+        got = []
+        with pytest.raises(TFRecordError, match=rf"corrupted record at {(i // 24) * 24}\b"):
+            for inst in TFRecordReader(p, schema=schema, index=False):
+                got.append(inst[0].tobytes())
+        assert got == recs[:len(got)] and len(got) <= i // 24     # never different data
+
+
 def test_truncation_at_every_offset(tmp_path):
     recs = _small_records()
     data = open(write(tmp_path / "ok.tfrecord", recs), "rb").read()

@@ -196,6 +196,7 @@ cdef class TFRecordReader(FileReader):
     cdef int64_t *cur_len
     cdef int64_t cur_n, cur_i, cur_chunk
     cdef bint cur_is_heap
+    cdef bint cur_is_view
     cdef rl_block *spare
     cdef int64_t scan_n, scan_bytes
     # compressed stream
@@ -543,11 +544,8 @@ cdef class TFRecordReader(FileReader):
                 return -1
             p = cb + rel
             if build:
-                crc = rl_crc32c_mask(rl_crc32c(0, p + 12, length))
-                if crc != rl_load_u32(p + 12 + length):
-                    self.err_code = E_DATA_CRC
-                    self.err_off = pos + rel
-                    return -1
+                # data CRCs are checked next to the copy that follows (below, or
+                # in c_next for zero-copy records), while the record is in cache
                 if (self.lod_mode and length % self.row_bytes != 0) or (
                         not self.lod_mode and length != self.fixed_size):
                     self.err_code = E_SIZE
@@ -587,6 +585,11 @@ cdef class TFRecordReader(FileReader):
             for k in range(i):
                 length = self.cur_len[k]
                 src = cb + self.cur_off[k]
+                if rl_crc32c_mask(rl_crc32c(0, src, length)) != rl_load_u32(src + length):
+                    rl_block_decref(blk)
+                    self.err_code = E_DATA_CRC
+                    self.err_off = pos + self.cur_off[k] - 12
+                    return -1
                 self.cur_off[k] = dst - blk.data
                 if self.lod_mode:           # the instance encoding: int64 rows, then the rows
                     rl_store_i64(dst, length // self.row_bytes)
@@ -600,6 +603,7 @@ cdef class TFRecordReader(FileReader):
         self._retire_cur()
         self.cur = blk
         self.cur_is_heap = z or self.lod_mode
+        self.cur_is_view = not self.cur_is_heap
         self.cur_n = i
         self.cur_i = 0
         return 0
@@ -694,6 +698,15 @@ cdef class TFRecordReader(FileReader):
         out.block = self.cur
         out.data = self.cur.data + self.cur_off[self.cur_i]
         out.size = self.cur_len[self.cur_i]
+        if self.cur_is_view and rl_crc32c_mask(rl_crc32c(0, out.data, out.size)) != rl_load_u32(
+                out.data + out.size):
+            # zero-copy records are verified as they are handed out: the CRC pass
+            # leaves the record in cache for the consumer's copy
+            self.err_code = E_DATA_CRC
+            self.err_off = self.ck_pos[self.cur_chunk] + self.cur_off[self.cur_i] - 12
+            self.cur_i = self.cur_n            # the rest of this chunk is not handed out
+            with gil:
+                self._raise()
         self.cur_i += 1
         return 1
 
