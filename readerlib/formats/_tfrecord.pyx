@@ -8,10 +8,12 @@ Design:
     verification, seeking and sharding -- the same rule whether the chunk
     table comes from a scan or from the sidecar index, so both agree.
 
-    Uncompressed files are memory-mapped.  A chunk is verified (both CRCs of
-    every record, sizes against the schema) when first touched, without the
-    GIL.  With a one-field fixed schema the records are handed downstream as
-    pointers into the mapping (zero copy, like RecordIO).  Variable-length
+    Uncompressed files are memory-mapped.  A chunk's record headers (length
+    CRCs, sizes against the schema) are verified when it is loaded, without
+    the GIL; each data CRC is computed next to the copy that follows it (so
+    the copy finds the record in cache).  With a one-field fixed schema the
+    records are handed downstream as pointers into the mapping (zero copy,
+    like RecordIO), each verified as it is handed out.  Variable-length
     records (the default: uint8 sequences) are copied once into a block with
     the int64 row-count prefix that the instance encoding needs.  ZLIB/GZIP
     files are inflated (zlib, windowBits 15 / 31; concatenated gzip members
