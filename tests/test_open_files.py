@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -276,6 +277,7 @@ def test_close_mid_epoch_does_not_hang(tmp_path):
     t0 = time.monotonic()
     r.close()
     assert time.monotonic() - t0 < 5 and r.closed
+    assert not [t for t in threading.enumerate() if t.name.startswith("readerlib-open_files")]
 
 
 # ------------------------------------------------------------------ sharding
