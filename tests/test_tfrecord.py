@@ -281,3 +281,11 @@ def test_index_disabled_and_read_only_directory(tmp_path):
     r = TFRecordReader(path, index=str(side))
     list(r)
     assert side.exists() and TFRecordReader(path, index=str(side)).has_index
+
+
+def test_concatenated_gzip_members(tmp_path):
+    a = write(tmp_path / "a.tfrecord.gz", [b"one", b"two"], "GZIP")
+    b = write(tmp_path / "b.tfrecord.gz", [b"three"], "GZIP")
+    both = tmp_path / "ab.tfrecord.gz"
+    both.write_bytes(open(a, "rb").read() + open(b, "rb").read())      # `cat a.gz b.gz`
+    assert read_all(both, compression="GZIP") == [b"one", b"two", b"three"]
