@@ -22,6 +22,14 @@ from .readers._base import (
     ShuffleReader,
     crc32c,
 )
+from .kernels import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    batch_reindex,
+    batch_reindex_grad,
+    ctc_greedy_decoder,
+)
+from .rnnt import Hypothesis, Joint, LSTMPredictor, RNNTModel, StatelessPredictor, rnnt_greedy_decode
 from .tensor import Field, LoDTensor, Schema, SparseTensor
 
 __version__ = "0.1.0"
@@ -34,4 +42,7 @@ __all__ = [
     "RecordIOReader", "RecordIOWriter",
     "DataLossError", "RecordIOError", "RecordIOWarning", "TFRecordError",
     "crc32c",
+    "batch_reindex", "batch_reindex_grad", "ctc_greedy_decoder",
+    "InvalidArgumentError", "FailedPreconditionError",
+    "rnnt_greedy_decode", "Hypothesis", "RNNTModel", "LSTMPredictor", "StatelessPredictor", "Joint",
 ]

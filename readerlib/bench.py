@@ -106,7 +106,7 @@ def _python_records(path):
     with open(path, "rb") as f:
         data = f.read()
     (slen,) = struct.unpack_from("<I", data, 8)
-    pos = 16 + slen
+    pos = 24 + slen
     (ioff,) = struct.unpack_from("<Q", data, len(data) - 16)
     mv = memoryview(data)
     while pos < ioff:

@@ -194,6 +194,8 @@ class Schema:
             return schema
         if schema is None:
             raise TypeError("a schema is required")
+        if isinstance(schema, (str, bytes)) or not hasattr(schema, "__iter__"):
+            raise TypeError(f"schema must be a Schema or a list of Field, got {type(schema).__name__}")
         fields = []
         for f in schema:
             fields.append(f if isinstance(f, Field) else Field(*f))
@@ -251,7 +253,7 @@ class LoDTensor:
             raise ValueError(f"LoDTensor data must have at least one dimension, got shape {data.shape}")
         xp = _array_module(data)
         levels = []
-        for k, level in enumerate(lod or ()):
+        for k, level in enumerate([] if lod is None else lod):
             arr = xp.asarray(level)
             if arr.dtype.kind not in "iu":
                 raise TypeError(f"LoD level {k} must hold integers, got {arr.dtype}")
@@ -327,9 +329,12 @@ class LoDTensor:
         lo, hi = int(self.lod[0][i]), int(self.lod[0][i + 1])
         if len(self.lod) == 1:
             return self.data[lo:hi]
-        sub = [lvl[lo:hi + 1] - lvl[lo] for lvl in self.lod[1:2]]
-        r0, r1 = int(self.lod[1][lo]), int(self.lod[1][hi])
-        return LoDTensor(self.data[r0:r1], sub + [l for l in self.lod[2:]])
+        # walk down the levels: [lo, hi) is a range of entries of the next level
+        sub = []
+        for lvl in self.lod[1:]:
+            sub.append(lvl[lo:hi + 1] - lvl[lo])
+            lo, hi = int(lvl[lo]), int(lvl[hi])
+        return LoDTensor(self.data[lo:hi], sub)
 
     def to_padded(self, pad_value=0):
         """``(array [B, max_len, *inner], lengths [B] int64)`` for one-level LoD."""
@@ -352,6 +357,8 @@ class LoDTensor:
     def __array__(self, dtype=None, copy=None):
         if _array_module(self.data) is not np:
             raise TypeError("this LoDTensor lives on the GPU; call .to('cpu') first")
+        if copy is False and dtype is not None and np.dtype(dtype) != self.data.dtype:
+            raise ValueError(f"converting {self.data.dtype} to {np.dtype(dtype)} needs a copy (copy=False)")
         a = self.data if dtype is None else self.data.astype(dtype, copy=False)
         return np.array(a, copy=True) if copy else a
 

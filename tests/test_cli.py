@@ -58,7 +58,9 @@ def test_inspect_ok_and_corrupt(tmp_path, capsys):
 
 
 def test_console_script_runs(tmp_path):
-    # run outside the source tree so the installed package is what runs
+    # run outside the source tree, importing the readerlib these tests import
+    import os
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(rl.__file__))))
     r = subprocess.run([sys.executable, "-m", "readerlib.cli", "--help"], capture_output=True, text=True,
-                       cwd=tmp_path)
+                       cwd=tmp_path, env=env)
     assert r.returncode == 0 and "bench" in r.stdout

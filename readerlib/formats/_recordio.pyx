@@ -46,7 +46,7 @@ cdef extern from "rl_mmap.h":
 __all__ = ["RecordIOWriter", "RecordIOReader", "FILE_MAGIC"]
 
 FILE_MAGIC = b"RLRECIO1"
-DEF HEADER_FIXED = 16
+DEF HEADER_FIXED = 24
 DEF CHUNK_HEADER = 32
 DEF TRAILER = 16
 cdef uint32_t CHUNK_MAGIC = 0x4B484352      # b"RCHK" little endian
@@ -84,8 +84,10 @@ _CHUNK_ERRORS = {
 }
 
 
-cdef inline uint32_t _chunk_header_crc(const char *h) noexcept nogil:
-    return rl_crc32c(0, h, 28)
+cdef inline uint32_t _chunk_header_crc(uint32_t salt, const char *h) noexcept nogil:
+    # Salted with the file's random id: while resynchronising after damage,
+    # chunk-like bytes from another file (e.g. inside a record) never pass.
+    return rl_crc32c(salt, h, 28)
 
 
 # ------------------------------------------------------------------- writer
@@ -123,6 +125,7 @@ cdef class RecordIOWriter:
     cdef int64_t _pos
     cdef readonly int64_t num_records
     cdef bint _closed
+    cdef uint32_t salt
 
     def __cinit__(self):
         self._closed = True
@@ -142,9 +145,13 @@ cdef class RecordIOWriter:
         self._closed = False
         self._index = []
         schema_bytes = self.schema.to_json().encode()
-        head = bytearray(FILE_MAGIC + len(schema_bytes).to_bytes(4, "little"))
-        crc = rl_crc32c(rl_crc32c(0, <const char *>head, 12), <const char *>schema_bytes, len(schema_bytes))
-        head += crc.to_bytes(4, "little") + schema_bytes
+        file_id = os.urandom(8)
+        head = bytearray(FILE_MAGIC + len(schema_bytes).to_bytes(4, "little") + bytes(4) + file_id)
+        crc = rl_crc32c(rl_crc32c(rl_crc32c(0, <const char *>head, 12), <const char *>file_id, 8),
+                        <const char *>schema_bytes, len(schema_bytes))
+        head[12:16] = crc.to_bytes(4, "little")
+        head += schema_bytes
+        self.salt = rl_crc32c(0, <const char *>file_id, 8)
         self._f.write(head)
         self._pos = len(head)
 
@@ -214,6 +221,9 @@ cdef class RecordIOWriter:
         instance i.  Much faster than `write` per instance.
         """
         self._check_open()
+        if not isinstance(columns, (dict, tuple, list)) or (
+                isinstance(columns, list) and len(self.schema) == 1 and self.schema[0].lod_level):
+            columns = (columns,)          # one field given bare
         cdef ArrayReader src = ArrayReader(
             columns if isinstance(columns, dict) else tuple(columns), schema=self.schema)
         cdef int64_t i, n, s
@@ -256,7 +266,7 @@ cdef class RecordIOWriter:
         rl_store_u32(h + 12, body_crc)
         rl_store_u64(h + 16, <uint64_t>stored)
         rl_store_u32(h + 24, <uint32_t>raw_size)
-        rl_store_u32(h + 28, _chunk_header_crc(h))
+        rl_store_u32(h + 28, _chunk_header_crc(self.salt, h))
         self._f.write(head)
         if self.compressor == 1:
             self._f.write(body_c)
@@ -358,6 +368,7 @@ cdef class RecordIOReader(FileReader):
     cdef readonly bint has_index
     cdef readonly int64_t data_start
     cdef int64_t err_off
+    cdef uint32_t salt
     cdef int err_code
     cdef int64_t err_record
 
@@ -419,7 +430,7 @@ cdef class RecordIOReader(FileReader):
         cdef int64_t slen = rl_load_u32(b + 8)
         if slen > self.fsize - HEADER_FIXED:
             self._fail(f"truncated or corrupt file header (schema of {slen} bytes)", 8)
-        crc = rl_crc32c(rl_crc32c(0, b, 12), b + HEADER_FIXED, slen)
+        crc = rl_crc32c(rl_crc32c(rl_crc32c(0, b, 12), b + 16, 8), b + HEADER_FIXED, slen)
         if crc != rl_load_u32(b + 12):
             self._fail("file header checksum mismatch", 0)
         try:
@@ -427,6 +438,7 @@ cdef class RecordIOReader(FileReader):
         except Exception as e:
             self._fail(f"unreadable schema in the file header ({e})", HEADER_FIXED)
         self._set_schema(schema, ITEM_INSTANCE)
+        self.salt = rl_crc32c(0, b + 16, 8)
         self.data_start = HEADER_FIXED + slen
 
     cdef _alloc_table(self, int64_t n):
@@ -508,7 +520,7 @@ cdef class RecordIOReader(FileReader):
                 break
             elif rl_load_u32(b + pos) != CHUNK_MAGIC:
                 code = CK_MAGIC
-            elif _chunk_header_crc(b + pos) != rl_load_u32(b + pos + 28):
+            elif _chunk_header_crc(self.salt, b + pos) != rl_load_u32(b + pos + 28):
                 code = CK_HEADER_CRC
             else:
                 stored = <int64_t>rl_load_u64(b + pos + 16)
@@ -550,7 +562,7 @@ cdef class RecordIOReader(FileReader):
         cdef const char *b = self.base
         cdef int64_t S = self.fsize
         while pos + CHUNK_HEADER <= S:
-            if rl_load_u32(b + pos) == CHUNK_MAGIC and _chunk_header_crc(b + pos) == rl_load_u32(b + pos + 28):
+            if rl_load_u32(b + pos) == CHUNK_MAGIC and _chunk_header_crc(self.salt, b + pos) == rl_load_u32(b + pos + 28):
                 return pos
             pos += 1
         return S
@@ -574,7 +586,7 @@ cdef class RecordIOReader(FileReader):
             return CK_TRUNC_HEADER
         if rl_load_u32(h) != CHUNK_MAGIC:
             return CK_MAGIC
-        if _chunk_header_crc(h) != rl_load_u32(h + 28):
+        if _chunk_header_crc(self.salt, h) != rl_load_u32(h + 28):
             return CK_HEADER_CRC
         n = rl_load_u32(h + 4)
         comp = rl_load_u32(h + 8)
@@ -646,6 +658,9 @@ cdef class RecordIOReader(FileReader):
             self.cur_i = 0
             if self.iorder >= self.norder:
                 return 0
+            if self.mapping == NULL:
+                with gil:
+                    raise ValueError(f"I/O operation on closed reader (RecordIOReader {self.path!r})")
             code = self._load_chunk(self.order[self.iorder])
             self.iorder += 1
             if code != CK_OK:
@@ -694,8 +709,13 @@ cdef class RecordIOReader(FileReader):
         if sel.size and (sel.min() < 0 or sel.max() >= self.num_chunks):
             raise IndexError(f"chunk indices must be in [0, {self.num_chunks}), got {sel.tolist()[:8]}")
         cdef int64_t i
+        cdef int64_t *order = <int64_t *>malloc(max(sel.shape[0], 1) * sizeof(int64_t))
+        if order == NULL:
+            raise MemoryError()
         for i in range(sel.shape[0]):
-            self.order[i] = sel[i]
+            order[i] = sel[i]
+        free(self.order)
+        self.order = order
         self.norder = sel.shape[0]
         self.c_reset()
         return self

@@ -15,12 +15,13 @@ Design:
     leaves the chain (`read_next`).
 """
 import os
+import threading
 import warnings
 
 import numpy as np
 cimport numpy as cnp
 from cpython.ref cimport PyObject
-from libc.stdlib cimport malloc, free, calloc
+from libc.stdlib cimport malloc, free, calloc, realloc
 from libc.string cimport memcpy, memset
 
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
@@ -136,6 +137,16 @@ cdef int64_t columns_encode(const rl_layout *L, const rl_columns *C, int64_t i, 
     return pos
 
 
+def _check_int_range(arr, field, what):
+    """Integers that do not fit the field's integer dtype are an error, not a wrap-around."""
+    if field.dtype.kind in "iu" and arr.dtype.kind in "iu" and arr.size:
+        info = np.iinfo(field.dtype)
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < info.min or hi > info.max:
+            raise ValueError(f"{what}: field {field.name!r} ({field.dtype}) cannot hold "
+                             f"{lo if lo < info.min else hi}")
+
+
 cdef object _as_field_array(object value, object field, str what):
     """One instance's value for `field` as a C-contiguous array of the right dtype/shape."""
     arr = np.asarray(value)
@@ -145,6 +156,7 @@ cdef object _as_field_array(object value, object field, str what):
         if not np.can_cast(arr.dtype, field.dtype, casting="same_kind") and not (
                 arr.dtype.kind in "iub" and field.dtype.kind in "iuf"):
             raise TypeError(f"{what}: field {field.name!r} has dtype {field.dtype}, got {arr.dtype}")
+        _check_int_range(arr, field, what)
         arr = arr.astype(field.dtype)
     if field.lod_level:
         if arr.ndim == len(field.shape):            # a single step given without the time axis
@@ -306,15 +318,17 @@ cdef class ReaderBase:
     """Base of every reader: `read_next()` returns the next item or None.
 
     Items are instances (a tuple of NumPy arrays, one per schema field) or,
-    after `.batch()`, batches (a tuple of LoDTensor).  Iterating a reader
-    yields the rest of the current epoch; iterating it again starts the next
-    epoch (like a tf.data Dataset).  `reset()` restarts the chain.
+    after `.batch()`, batches (a tuple of LoDTensor).  `iter(reader)` starts
+    a new epoch when anything has been read since the last reset (like a
+    tf.data Dataset), and otherwise continues the current one (a fresh
+    reader, or one positioned by `set_state`).  `reset()` restarts the chain.
     """
 
     def __cinit__(self, *args, **kwargs):
         self._closed = False
         self._started = False
         self.item_kind = ITEM_INSTANCE
+        self._lock = threading.RLock()
 
     cdef int _set_schema(self, object schema, int item_kind) except -1:
         self.schema = Schema.coerce(schema)
@@ -337,34 +351,41 @@ cdef class ReaderBase:
             raise ValueError(f"I/O operation on closed reader ({type(self).__name__})")
 
     def read_next(self):
-        """The next instance or batch, or None at the end of the epoch."""
+        """The next instance or batch, or None at the end of the epoch.
+
+        Safe to call from several threads: calls on one reader are serialised
+        (each item still goes to exactly one caller).
+        """
         cdef rl_record rec
         cdef int r
-        if self._closed:
-            self._check_open()
-        if not self._started:
-            if self._resuming:
-                self._resuming = False
-            else:
-                self._epoch_snapshot = self._chain_epoch_state()
-                self._position = 0
-            self._mark_started(True)
-        with nogil:
-            r = self.c_next(&rec)
-        if r == 0:
-            return None
-        self._position += 1
-        if self.item_kind == ITEM_BATCH:
-            return _wrap_batch(self, &rec)
-        return _decode_instance(self, &rec)
+        with self._lock:
+            if self._closed:
+                self._check_open()
+            if not self._started:
+                if self._resuming:
+                    self._resuming = False
+                else:
+                    self._epoch_snapshot = self._chain_epoch_state()
+                    self._position = 0
+                self._mark_started(True)
+            with nogil:
+                r = self.c_next(&rec)
+            if r == 0:
+                return None
+            self._position += 1
+            # the record is borrowed until the next c_next: wrap it under the lock
+            if self.item_kind == ITEM_BATCH:
+                return _wrap_batch(self, &rec)
+            return _decode_instance(self, &rec)
 
     def reset(self):
         """Restart the whole chain; shuffles draw a new order (next epoch)."""
-        self._check_open()
-        self.c_reset()
-        self._resuming = False
-        self._position = 0
-        self._mark_started(False)
+        with self._lock:
+            self._check_open()
+            self.c_reset()
+            self._resuming = False
+            self._position = 0
+            self._mark_started(False)
 
     def _mark_started(self, bint started):
         """Flag every reader of the chain as mid-epoch (or fresh after reset)."""
@@ -449,9 +470,10 @@ cdef class ReaderBase:
 
     def close(self):
         """Release files and buffers of the whole chain.  Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self.c_close()
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self.c_close()
 
     @property
     def closed(self):
@@ -503,6 +525,7 @@ cdef class DecoratedReader(ReaderBase):
     """A reader that transforms the items of another (`self.reader`)."""
 
     def __init__(self, ReaderBase reader not None):
+        reader._check_open()
         if reader._started:          # a fresh chain starts at the top of an epoch
             reader.reset()
         self.reader = reader
@@ -547,6 +570,7 @@ cdef class ReaderHolder(ReaderBase):
 
     def reset_reader(self, reader):
         _check_reader(reader, "ReaderHolder")
+        reader._check_open()
         self._held = reader
         self._set_schema(reader.schema, reader.item_kind)
 
@@ -604,6 +628,7 @@ cdef class ShuffleReader(DecoratedReader):
     # comparison and one increment.
     cdef rl_record *slots
     cdef int64_t *slot_ref
+    cdef int64_t scap            # allocated slots (grows up to cap)
     cdef _bref *btab
     cdef int64_t btab_free
     cdef int64_t btab_last
@@ -626,27 +651,49 @@ cdef class ShuffleReader(DecoratedReader):
         elif isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
         DecoratedReader.__init__(self, reader)
-        self.slots = <rl_record *>calloc(cap, sizeof(rl_record))
-        self.slot_ref = <int64_t *>calloc(cap, sizeof(int64_t))
-        self.btab = <_bref *>calloc(cap + 2, sizeof(_bref))
-        if self.slots == NULL or self.slot_ref == NULL or self.btab == NULL:
-            raise MemoryError(f"shuffle buffer of {cap} items")
         self.cap = cap
         self.count = 0
         self.hold = -1
-        self._init_table()
+        self.scap = 0
+        self.btab_free = -1
+        self.btab_last = -1
+        self._grow(min(cap, 1024))
         self.seed = <uint64_t>(int(seed) & 0xFFFFFFFFFFFFFFFF)
         self.epoch = 0
         self._restart()
 
-    cdef void _init_table(self) noexcept nogil:
-        cdef int64_t i
-        for i in range(self.cap + 2):
+    cdef int _grow(self, int64_t n) except -1 nogil:
+        """Room for n buffered items (the buffer grows as it fills: a huge
+        buffer_size over a small dataset costs only what is used)."""
+        cdef int64_t i, old = self.scap
+        cdef rl_record *s2
+        cdef int64_t *r2
+        cdef _bref *b2
+        if n <= old:
+            return 0
+        s2 = <rl_record *>realloc(self.slots, n * sizeof(rl_record))
+        if s2 == NULL:
+            with gil:
+                raise MemoryError(f"shuffle buffer of {n} items")
+        self.slots = s2
+        r2 = <int64_t *>realloc(self.slot_ref, n * sizeof(int64_t))
+        if r2 == NULL:
+            with gil:
+                raise MemoryError(f"shuffle buffer of {n} items")
+        self.slot_ref = r2
+        # at most (items + 1) distinct blocks are held: n + 2 table entries
+        b2 = <_bref *>realloc(self.btab, (n + 2) * sizeof(_bref))
+        if b2 == NULL:
+            with gil:
+                raise MemoryError(f"shuffle buffer of {n} items")
+        self.btab = b2
+        for i in range((old + 2) if old else 0, n + 2):
             self.btab[i].block = NULL
             self.btab[i].count = 0
-            self.btab[i].next_free = i + 1 if i + 1 < self.cap + 2 else -1
-        self.btab_free = 0
-        self.btab_last = -1
+            self.btab[i].next_free = i + 1 if i + 1 < n + 2 else self.btab_free
+        self.btab_free = (old + 2) if old else 0
+        self.scap = n
+        return 0
 
     cdef inline int64_t _acquire(self, rl_block *b) noexcept nogil:
         cdef int64_t i = self.btab_last
@@ -707,6 +754,8 @@ cdef class ShuffleReader(DecoratedReader):
             self.hold = -1
         if not self.filled:
             while self.count < self.cap:
+                if self.count == self.scap:
+                    self._grow(min(self.cap, 2 * self.scap))
                 r = self.reader.c_next(&rec)
                 if r < 0:
                     return -1
@@ -809,6 +858,8 @@ cdef class BatchReader(DecoratedReader):
             raise TypeError("BatchReader needs a reader of instances; this one already yields "
                             "batches (call .batch() once)")
         bs = _check_positive_int(batch_size, "batch_size")
+        if not isinstance(drop_last, (bool, np.bool_)):
+            raise TypeError(f"drop_last must be a bool, got {type(drop_last).__name__}")
         DecoratedReader.__init__(self, reader)
         self.item_kind = ITEM_BATCH
         self.batch_size = bs
@@ -1152,6 +1203,8 @@ cdef class ArrayReader(_ChunkedSource):
     10
     """
     def __init__(self, arrays, schema=None, chunk_records=None):
+        if schema is not None:
+            schema = Schema.coerce(schema)
         if isinstance(arrays, dict):
             names = list(arrays)
             values = list(arrays.values())
@@ -1185,6 +1238,7 @@ cdef class ArrayReader(_ChunkedSource):
                     if not np.can_cast(a.dtype, f.dtype, casting="same_kind"):
                         raise TypeError(f"ArrayReader: field {f.name!r} has dtype {f.dtype}, "
                                         f"array has {a.dtype}")
+                    _check_int_range(a, f, "ArrayReader")
                     a = a.astype(f.dtype)
                 fixed.append((a, off))
             cols = fixed
@@ -1247,8 +1301,8 @@ cdef class ArrayReader(_ChunkedSource):
 cdef class RandomDataGenerator(_ChunkedSource):
     """Seeded random instances for a schema (Paddle's, made reproducible).
 
-    Instance i depends only on (seed, i // chunk): every epoch and every
-    reset yields the same data.  Floats are uniform in [low, high), integers
+    Instance i depends only on (seed, i): every epoch, every reset and every
+    `num_instances` yields the same data for the same index.  Floats are uniform in [low, high), integers
     uniform in [low, high), sequence lengths uniform in `length_range`
     (inclusive).
 
@@ -1280,6 +1334,10 @@ cdef class RandomDataGenerator(_ChunkedSource):
         self.c_reset()
 
     cdef int _load(self, int64_t start, int64_t count) except -1:
+        # Draw the whole 1024-instance chunk and keep `count`: instance i then
+        # depends only on (seed, i), not on num_instances.
+        cdef int64_t want = count
+        count = 1024
         rng = np.random.default_rng([self.seed, start // 1024])
         cols = []
         offs = []
@@ -1318,15 +1376,15 @@ cdef class RandomDataGenerator(_ChunkedSource):
             else:
                 C.off[k] = NULL
         cdef int64_t i, size = 0
-        self._reserve(count)
+        self._reserve(want)
         self.rec_off[0] = 0
-        for i in range(count):
+        for i in range(want):
             size += columns_encoded_size(&self.layout, &C, i)
             self.rec_off[i + 1] = size
         self.cur = rl_block_new(size)
         if self.cur == NULL:
             raise MemoryError()
-        for i in range(count):
+        for i in range(want):
             columns_encode(&self.layout, &C, i, self.cur.data + self.rec_off[i])
         return 0
 

@@ -1,0 +1,151 @@
+"""Batched greedy RNN-T decoding: loop frames vs loop labels vs single.
+
+Realistic random model (issue 5): LSTM predictor 1 x 640, joint 640, encoder
+dim 640, vocabulary 1024 + blank (blank last), blank bias calibrated so about
+85% of joint evaluations emit blank, T = 375 frames (30 s at 80 ms), float32.
+
+Times are per batch (median of --repeats runs) on the same data in the same
+process, reported with their ratios (loop_frames / loop_labels).  Also reports
+predictor and joint calls and rows (rows = utterance-steps actually computed),
+which is where the difference between the algorithms comes from.
+
+Usage::
+
+    python benchmarks/bench_rnnt.py                 # CPU, batches 1 16 32 128
+    python benchmarks/bench_rnnt.py --device gpu    # CuPy (loop_labels, loop_frames)
+"""
+import argparse
+import os
+import sys
+import time
+
+# One BLAS thread: the box is shared, and an oversubscribed OpenBLAS spins
+# (measured 100x slower per small GEMM).  Every algorithm gets the same BLAS.
+for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_v, "1")
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from readerlib.rnnt import RNNTModel, rnnt_greedy_decode  # noqa: E402
+
+V, H, J, ENC, T = 1024, 640, 640, 640, 375
+
+#: name -> (algorithm, extra keyword arguments)
+VARIANTS = {
+    "loop_labels": ("loop_labels", {}),                        # window 8, compacted rows
+    "loop_labels_w1": ("loop_labels", {"window": 1}),          # NeMo's frame-by-frame search
+    "loop_labels_masked": ("loop_labels", {"compact": False}),  # the GPU control flow on the CPU
+    "loop_frames": ("loop_frames", {}),
+    "single": ("single", {}),
+}
+
+
+def blank_fraction(model, x, lengths):
+    st = {}
+    # window=1 + compacted rows: joint_rows is exactly the number of evaluations
+    hyps = rnnt_greedy_decode(model, x, lengths, algorithm="loop_labels", window=1, stats=st)
+    labels = sum(len(h) for h in hyps)
+    return 1.0 - labels / st["joint_rows"]
+
+
+def make_model(target, seed=0, xp=np):
+    """Bisection on the blank logit bias until ~target of evaluations are blank."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, 120, ENC)).astype(np.float32)
+    lengths = np.full(2, 120)
+    lo, hi = 0.5, 3.0   # a low bias emits up to max_symbols labels per frame: slow to probe
+    for _ in range(7):
+        mid = 0.5 * (lo + hi)
+        m = RNNTModel.random(V, ENC, H, J, blank_bias=mid, rng=seed)
+        frac = blank_fraction(m, x, lengths)
+        if frac < target:
+            lo = mid
+        else:
+            hi = mid
+    m = RNNTModel.random(V, ENC, H, J, blank_bias=0.5 * (lo + hi), rng=seed)
+    return m, 0.5 * (lo + hi), blank_fraction(m, x, lengths)
+
+
+def timeit(fn, repeats, first):
+    """Median of ``repeats`` runs; a first (warm-up) run over 5 s counts as the only one."""
+    if first > 5.0:
+        return first
+    ts = [first]
+    for _ in range(repeats - 1):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32, 128])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--single-max-utts", type=int, default=8,
+                    help="'single' is timed on at most this many utterances and scaled to the batch")
+    ap.add_argument("--blank-target", type=float, default=0.85)
+    ap.add_argument("--algorithms", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--masked-max-batch", type=int, default=32,
+                    help="loop_labels_masked (full batch every step) only up to this batch")
+    args = ap.parse_args()
+
+    model, bias, frac = make_model(args.blank_target)
+    xp = np
+    if args.device == "gpu":
+        import cupy
+        xp = cupy
+        model = model.to(cupy)
+    print(f"# model: LSTM 1x{H}, joint {J}, vocab {V}+blank, enc {ENC}, T={T}, float32; "
+          f"blank bias {bias:.3f} -> {100 * frac:.1f}% blank evaluations (loop_labels, 2 utts x 120 frames)", flush=True)
+    print(f"# device: {args.device}; repeats {args.repeats} (median)")
+    print("| batch | algorithm | time / batch (ms) | ms / utt | predictor calls | predictor rows "
+          "| joint calls | joint rows | time vs first row |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    rng = np.random.default_rng(123)
+    for B in args.batches:
+        x_h = rng.standard_normal((B, T, ENC)).astype(np.float32)
+        L_h = np.full(B, T, dtype=np.int64)
+        x, L = xp.asarray(x_h), xp.asarray(L_h)
+        results = {}
+        for name in args.algorithms:
+            alg, kw = VARIANTS[name]
+            if args.device == "gpu" and "compact" in kw:
+                continue
+            if name == "loop_labels_masked" and B > args.masked_max_batch:
+                continue
+            xb, Lb, scale = x, L, 1.0
+            if alg == "single" and B > args.single_max_utts:
+                xb, Lb, scale = x[:args.single_max_utts], L[:args.single_max_utts], B / args.single_max_utts
+            if xp is not np:  # compile the kernels and warm cuBLAS outside the timing
+                rnnt_greedy_decode(model, xb[:1, :20], Lb[:1] * 0 + 20, 10, alg, **kw)
+                xp.cuda.runtime.deviceSynchronize()
+            st = {}
+            t0 = time.perf_counter()
+            hyps = rnnt_greedy_decode(model, xb, Lb, 10, alg, stats=st, **kw)  # first run + counts
+            if xp is not np:
+                xp.cuda.runtime.deviceSynchronize()
+            first = time.perf_counter() - t0
+
+            def run():
+                rnnt_greedy_decode(model, xb, Lb, 10, alg, **kw)
+                if xp is not np:
+                    xp.cuda.runtime.deviceSynchronize()
+            t = timeit(run, args.repeats, first) * scale
+            results[name] = (t, st, [h.y_sequence.tolist() for h in hyps])
+            note = f" (timed on {xb.shape[0]} utts, scaled x{scale:g})" if scale != 1.0 else ""
+            base = next(iter(results.values()))[0]
+            print(f"| {B} | {name}{note} | {1e3 * t:.1f} | {1e3 * t / B:.2f} | {st['predictor_calls']} | "
+                  f"{st['predictor_rows']} | {st['joint_calls']} | {st['joint_rows']} | {t / base:.2f}x |",
+                  flush=True)
+        n = min(len(r[2]) for r in results.values())
+        first_labels = next(iter(results.values()))[2][:n]
+        for name in results:
+            assert results[name][2][:n] == first_labels, f"{name} disagrees"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,467 @@
+# cython: language_level=3
+"""BatchReindex (Caffe) on the CPU: forward gather and deterministic backward.
+
+Design:
+  Forward, ``y[n] = x[idx[n]]``.  A row of ``x`` is ``row_bytes`` contiguous
+  bytes, so the forward never looks at the dtype: each output row is one
+  ``memcpy`` from its source row (float16 is just 2-byte words).  Rows of 1, 2,
+  4 or 8 bytes are copied as one machine word instead (a ``memcpy`` call per
+  element would dominate), and short rows that are a multiple of 32 bytes
+  (up to 1 KiB) as inlined 32-byte moves (libc's call and size dispatch per
+  256-byte row cost ~12%).  The loop over ``n`` is a static ``prange``; every
+  thread writes a disjoint block of ``y``.  Traffic: ``len(idx) * row_bytes``
+  read + the same written, the minimum for a gather.
+
+  Backward, ``dx[k] = sum(dy[n] for idx[n] == k)``.  Scattering with atomics
+  (or letting threads race) makes float sums depend on timing.  Instead a
+  stable counting sort groups ``n`` by ``idx[n]`` (``O(len(idx) + num_rows)``,
+  serial, on indices only), then a static ``prange`` over the *output* rows
+  sums each group in ascending ``n`` order: every ``dx`` row is written by one
+  thread, once, with a fixed order of additions, so the result is bitwise the
+  same for any thread count.  ``dx[k] = 0 + dy[n0] + dy[n1] + ...`` exactly as
+  ``np.add.at`` on zeros (the ``0 +`` keeps ``-0.0`` behaving like NumPy).
+  Traffic: ``len(idx)`` rows read, each referenced ``dx`` row written once
+  (groups of several rows re-read their output row from cache).  Rows no
+  index refers to are zeroed, or, when the caller passes a fresh
+  ``np.zeros`` array (lazily mapped zero pages), not touched at all: for
+  random indices that is a fraction ``exp(-len(idx) / num_rows)`` of ``dx``.
+  (With transparent huge pages, which NumPy requests for large arrays, the
+  kernel zeroes a whole 2 MiB page when any row in it is written, so the
+  saving is real only for big rows or sparse indices: perf at (4096, 8192,
+  2048) still shows page zeroing at 38% of a call, the sums at 16%.  Pass
+  ``out=`` a reused buffer to avoid page faults altogether.)
+  float16 is accumulated in float32 (per-thread scratch row) and rounded
+  once at the end (round to nearest even, as NumPy's ``astype(float16)``);
+  integer sums wrap.
+
+  Indices are validated (a min/max pass) before any byte is written; the C
+  functions return ``ERR_NEGATIVE`` / ``ERR_TOO_LARGE`` and the Python wrappers
+  raise Caffe's messages.
+
+Invariants: ``x``/``dy``/outputs C-contiguous; indices int32 or int64; the
+output is allocated by the caller with the right shape.
+"""
+cimport cython
+from cython.parallel cimport parallel, prange
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy, memset
+
+cimport numpy as cnp
+import numpy as np
+
+from readerlib._typedefs cimport (float32_t, float64_t, index_t, int32_t, int64_t,
+                                  intp_t, uint8_t, uint16_t, uint32_t, uint64_t)
+
+cnp.import_array()
+
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #include <string.h>
+    #ifdef READERLIB_OPENMP
+    #define RL_OPENMP_ENABLED 1
+    #else
+    #define RL_OPENMP_ENABLED 0
+    #endif
+
+    /* IEEE half <-> float, exact decode and round-to-nearest-even encode
+       (F. Giesen's float_to_half_fast3_rtne); bit-identical to NumPy. */
+    static inline float rl_half_to_float(uint16_t h) {
+        uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+        uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+        float out;
+        if (exp == 0x1fu) {
+            bits = sign | 0x7f800000u | (mant << 13);
+        } else if (exp != 0) {
+            bits = sign | ((exp + 112u) << 23) | (mant << 13);
+        } else if (mant == 0) {
+            bits = sign;
+        } else {
+            out = (float)mant * 5.9604644775390625e-08f;   /* mant * 2^-24, exact */
+            memcpy(&bits, &out, 4);
+            bits |= sign;
+        }
+        memcpy(&out, &bits, 4);
+        return out;
+    }
+
+    static inline uint16_t rl_float_to_half(float value) {
+        uint32_t u, sign, o;
+        float f;
+        memcpy(&u, &value, 4);
+        sign = u & 0x80000000u;
+        u ^= sign;
+        if (u >= ((127u + 16u) << 23)) {                  /* >= 65536: inf or nan */
+            o = (u > 0x7f800000u) ? (0x7e00u | ((u >> 13) & 0x3ffu)) : 0x7c00u;
+        } else if (u < (113u << 23)) {                    /* half subnormal or zero */
+            const uint32_t magic_u = ((127u - 15u) + (23u - 10u) + 1u) << 23;
+            float magic;
+            memcpy(&magic, &magic_u, 4);
+            memcpy(&f, &u, 4);
+            f += magic;                                   /* FPU rounds to nearest even */
+            memcpy(&o, &f, 4);
+            o -= magic_u;
+        } else {
+            uint32_t mant_odd = (u >> 13) & 1u;
+            u += ((uint32_t)(15 - 127) << 23) + 0xfffu;
+            u += mant_odd;
+            o = u >> 13;
+        }
+        return (uint16_t)(o | (sign >> 16));
+    }
+
+    /* Ask for the first lines of a row we will read soon (the backward reads
+       dy rows in group order, i.e. at random; longer rows stream by themselves). */
+    static inline void rl_prefetch_row(const void* p, Py_ssize_t nbytes) {
+    #if defined(__GNUC__)
+        const char* c = (const char*)p;
+        Py_ssize_t o;
+        if (nbytes > 512) nbytes = 512;
+        for (o = 0; o < nbytes; o += 64) __builtin_prefetch(c + o, 0, 3);
+    #else
+        (void)p; (void)nbytes;
+    #endif
+    }
+    """
+    int RL_OPENMP_ENABLED
+    void rl_prefetch_row(const void* p, intp_t nbytes) noexcept nogil
+    float rl_half_to_float(uint16_t h) noexcept nogil
+    uint16_t rl_float_to_half(float value) noexcept nogil
+
+
+# Rows up to this size (and a multiple of 32 bytes) are copied with inlined moves.
+cdef enum:
+    SHORT_ROW_BYTES = 1024
+
+# The backward prefetches the dy rows of the output row this many rows ahead.
+cdef enum:
+    PREFETCH_GROUPS = 16
+
+# Return codes of the nogil functions (pysam's habit: C codes, Python raises).
+cdef enum:
+    OK = 0
+    ERR_NEGATIVE = -1
+    ERR_TOO_LARGE = -2
+
+MSG_NEGATIVE = "Index specified for reindex layer was negative."
+MSG_TOO_LARGE = "Index specified for reindex layer was greater than batch size."
+
+# Element types the backward sums natively (float16 has its own path).
+ctypedef fused sum_t:
+    float32_t
+    float64_t
+    int32_t
+    int64_t
+    uint8_t
+
+# Word sizes the forward copies without memcpy.
+ctypedef fused word_t:
+    uint8_t
+    uint16_t
+    uint32_t
+    uint64_t
+
+
+def openmp_enabled():
+    """True when this module was compiled with OpenMP (parallel loops use threads)."""
+    return bool(RL_OPENMP_ENABLED)
+
+
+cdef inline int _check_indices(const index_t* idx, intp_t n, intp_t limit) noexcept nogil:
+    """OK, or ERR_NEGATIVE / ERR_TOO_LARGE (negative wins) for ``idx`` against ``[0, limit)``."""
+    cdef intp_t i
+    cdef int64_t lo, hi, v
+    if n == 0:
+        return OK
+    lo = idx[0]
+    hi = idx[0]
+    for i in range(1, n):
+        v = idx[i]
+        lo = v if v < lo else lo
+        hi = v if v > hi else hi
+    if lo < 0:
+        return ERR_NEGATIVE
+    if hi >= limit:
+        return ERR_TOO_LARGE
+    return OK
+
+
+cdef void _gather_words(const word_t* src, const index_t* idx, intp_t n,
+                        word_t* dst, int n_threads) noexcept nogil:
+    cdef intp_t i
+    for i in prange(n, schedule='static', nogil=True, num_threads=n_threads):
+        dst[i] = src[idx[i]]
+
+
+cdef void _gather_bytes(const char* src, intp_t row_bytes, const index_t* idx, intp_t n,
+                        char* dst, int n_threads) noexcept nogil:
+    cdef intp_t i
+    for i in prange(n, schedule='static', nogil=True, num_threads=n_threads):
+        memcpy(dst + i * row_bytes, src + <intp_t> idx[i] * row_bytes, row_bytes)
+
+
+cdef void _gather_chunks(const char* src, intp_t row_bytes, const index_t* idx, intp_t n,
+                         char* dst, int n_threads) noexcept nogil:
+    """Rows that are a multiple of 32 bytes and short: copy 32-byte chunks
+    with a constant-size memcpy (inlined as two 16-byte or one 32-byte move)
+    instead of a libc call per row, whose dispatch dominates 256-byte rows."""
+    cdef intp_t i, c
+    cdef const char* s
+    cdef char* d
+    for i in prange(n, schedule='static', nogil=True, num_threads=n_threads):
+        s = src + <intp_t> idx[i] * row_bytes
+        d = dst + i * row_bytes
+        for c in range(0, row_bytes, 32):
+            memcpy(d + c, s + c, 32)
+
+
+cdef int _gather_rows(const char* src, intp_t n_src, intp_t row_bytes, const index_t* idx,
+                      intp_t n, char* dst, int n_threads) noexcept nogil:
+    cdef int rc = _check_indices(idx, n, n_src)
+    if rc != OK or row_bytes == 0:
+        return rc
+    if row_bytes == 1:
+        _gather_words(<const uint8_t*> src, idx, n, <uint8_t*> dst, n_threads)
+    elif row_bytes == 2:
+        _gather_words(<const uint16_t*> src, idx, n, <uint16_t*> dst, n_threads)
+    elif row_bytes == 4:
+        _gather_words(<const uint32_t*> src, idx, n, <uint32_t*> dst, n_threads)
+    elif row_bytes == 8:
+        _gather_words(<const uint64_t*> src, idx, n, <uint64_t*> dst, n_threads)
+    elif row_bytes % 32 == 0 and row_bytes <= SHORT_ROW_BYTES:
+        _gather_chunks(src, row_bytes, idx, n, dst, n_threads)
+    else:
+        _gather_bytes(src, row_bytes, idx, n, dst, n_threads)
+    return OK
+
+
+def _raise_for(int rc):
+    if rc == ERR_NEGATIVE:
+        raise IndexError(MSG_NEGATIVE)
+    if rc == ERR_TOO_LARGE:
+        raise IndexError(MSG_TOO_LARGE)
+
+
+def gather_rows(cnp.ndarray x, cnp.ndarray idx, cnp.ndarray out, int n_threads):
+    """``out[n] = x[idx[n]]`` row-wise (rows = everything after axis 0).
+
+    ``x`` and ``out`` C-contiguous with equal dtype and inner shape, ``idx``
+    1-D contiguous int32/int64.  Raises Caffe's IndexError before writing.
+    """
+    cdef intp_t n = idx.shape[0]
+    cdef intp_t n_src = x.shape[0]
+    cdef intp_t row_bytes = (x.nbytes // n_src) if n_src else 0
+    cdef const char* src = <const char*> cnp.PyArray_DATA(x)
+    cdef char* dst = <char*> cnp.PyArray_DATA(out)
+    cdef void* pidx = cnp.PyArray_DATA(idx)
+    cdef int rc
+    if idx.dtype == np.int32:
+        with nogil:
+            rc = _gather_rows(src, n_src, row_bytes, <const int32_t*> pidx, n, dst, n_threads)
+    else:
+        with nogil:
+            rc = _gather_rows(src, n_src, row_bytes, <const int64_t*> pidx, n, dst, n_threads)
+    _raise_for(rc)
+    return out
+
+
+cdef void _copy_segments(const char* src, const int64_t* src_row, const int64_t* n_rows,
+                         const int64_t* dst_row, intp_t n, intp_t row_bytes, char* dst,
+                         int n_threads) noexcept nogil:
+    cdef intp_t i
+    for i in prange(n, schedule='static', nogil=True, num_threads=n_threads):
+        memcpy(dst + dst_row[i] * row_bytes, src + src_row[i] * row_bytes, n_rows[i] * row_bytes)
+
+
+def copy_segments(cnp.ndarray src, cnp.ndarray src_row, cnp.ndarray n_rows,
+                  cnp.ndarray dst_row, cnp.ndarray out, int n_threads):
+    """Copy ``n_rows[i]`` rows from ``src[src_row[i]:]`` to ``out[dst_row[i]:]``.
+
+    The segment arrays are int64 and already checked by the caller (LoD path:
+    they come from validated offsets); segments of ``out`` must not overlap.
+    """
+    cdef intp_t n = src_row.shape[0]
+    cdef intp_t row_bytes = (src.nbytes // src.shape[0]) if src.shape[0] else 0
+    if n == 0 or row_bytes == 0:
+        return out
+    with nogil:
+        _copy_segments(<const char*> cnp.PyArray_DATA(src),
+                       <const int64_t*> cnp.PyArray_DATA(src_row),
+                       <const int64_t*> cnp.PyArray_DATA(n_rows),
+                       <const int64_t*> cnp.PyArray_DATA(dst_row), n, row_bytes,
+                       <char*> cnp.PyArray_DATA(out), n_threads)
+    return out
+
+
+cdef void _group_by_index(const index_t* idx, intp_t n, intp_t num_rows,
+                          int64_t* start, int64_t* order) noexcept nogil:
+    """Stable counting sort: rows ``order[start[k]:start[k+1]]`` have ``idx == k``, ascending."""
+    cdef intp_t i, k
+    cdef int64_t total = 0, c
+    memset(start, 0, (num_rows + 1) * sizeof(int64_t))
+    for i in range(n):
+        start[idx[i] + 1] += 1
+    for k in range(num_rows + 1):
+        c = start[k]
+        start[k] = total
+        total += c
+    # start[k] is now the beginning of group k; use start[k + 1] as a cursor
+    # for group k, then shift back (no second array needed).
+    for i in range(n):
+        k = idx[i]
+        order[start[k + 1]] = i
+        start[k + 1] += 1
+    # now start[k + 1] == end of group k == beginning of group k + 1: already right.
+
+
+cdef void _segment_sum(const sum_t* dy, intp_t inner, const int64_t* start,
+                       const int64_t* order, intp_t num_rows, sum_t* dx, bint dx_is_zero,
+                       int n_threads) noexcept nogil:
+    cdef intp_t k, j
+    cdef int64_t p
+    cdef sum_t* out
+    cdef const sum_t* row
+    for k in prange(num_rows, schedule='static', nogil=True, num_threads=n_threads):
+        out = dx + k * inner
+        if k + PREFETCH_GROUPS < num_rows:
+            for p in range(start[k + PREFETCH_GROUPS], start[k + PREFETCH_GROUPS + 1]):
+                rl_prefetch_row(dy + order[p] * inner, inner * sizeof(sum_t))
+        if start[k] == start[k + 1]:
+            if not dx_is_zero:
+                memset(out, 0, inner * sizeof(sum_t))
+            continue
+        row = dy + order[start[k]] * inner
+        for j in range(inner):
+            out[j] = <sum_t> 0 + row[j]
+        for p in range(start[k] + 1, start[k + 1]):
+            row = dy + order[p] * inner
+            for j in range(inner):
+                out[j] = out[j] + row[j]
+
+
+cdef int _segment_sum_half(const uint16_t* dy, intp_t inner, const int64_t* start,
+                           const int64_t* order, intp_t num_rows, uint16_t* dx, bint dx_is_zero,
+                           int n_threads) noexcept nogil:
+    """float16 rows summed in a float32 scratch row per thread; -1 if malloc failed."""
+    cdef intp_t k, j
+    cdef int64_t p
+    cdef float* acc
+    cdef const uint16_t* row
+    cdef int failed = 0
+    cdef int* pfailed = &failed
+    with parallel(num_threads=n_threads):
+        acc = <float*> malloc(inner * sizeof(float) + 1)
+        if acc == NULL:
+            pfailed[0] = 1
+        for k in prange(num_rows, schedule='static'):
+            if acc == NULL:
+                continue
+            if start[k] == start[k + 1]:
+                if not dx_is_zero:
+                    memset(dx + k * inner, 0, inner * sizeof(uint16_t))
+                continue
+            row = dy + order[start[k]] * inner
+            for j in range(inner):
+                acc[j] = <float> 0 + rl_half_to_float(row[j])
+            for p in range(start[k] + 1, start[k + 1]):
+                row = dy + order[p] * inner
+                for j in range(inner):
+                    acc[j] = acc[j] + rl_half_to_float(row[j])
+            for j in range(inner):
+                dx[k * inner + j] = rl_float_to_half(acc[j])
+        free(acc)
+    return -1 if failed else 0
+
+
+cdef void _segment_sum_dispatch(cnp.ndarray dy, intp_t inner, const int64_t* start,
+                                const int64_t* order, intp_t num_rows, cnp.ndarray dx,
+                                bint z, int n_threads) except *:
+    cdef void* src = cnp.PyArray_DATA(dy)
+    cdef void* dst = cnp.PyArray_DATA(dx)
+    cdef int num = dy.dtype.num
+    cdef int rc = 0
+    if num == cnp.NPY_FLOAT32:
+        with nogil:
+            _segment_sum(<const float32_t*> src, inner, start, order, num_rows, <float32_t*> dst, z, n_threads)
+    elif num == cnp.NPY_FLOAT64:
+        with nogil:
+            _segment_sum(<const float64_t*> src, inner, start, order, num_rows, <float64_t*> dst, z, n_threads)
+    elif num == cnp.NPY_INT32:
+        with nogil:
+            _segment_sum(<const int32_t*> src, inner, start, order, num_rows, <int32_t*> dst, z, n_threads)
+    elif num == cnp.NPY_INT64:
+        with nogil:
+            _segment_sum(<const int64_t*> src, inner, start, order, num_rows, <int64_t*> dst, z, n_threads)
+    elif num == cnp.NPY_UINT8:
+        with nogil:
+            _segment_sum(<const uint8_t*> src, inner, start, order, num_rows, <uint8_t*> dst, z, n_threads)
+    elif num == cnp.NPY_FLOAT16:
+        with nogil:
+            rc = _segment_sum_half(<const uint16_t*> src, inner, start, order, num_rows,
+                                   <uint16_t*> dst, z, n_threads)
+        if rc != 0:
+            raise MemoryError("batch_reindex_grad: could not allocate a float32 scratch row")
+    else:  # the public function validates dtypes first
+        raise TypeError(f"batch_reindex_grad: unsupported dtype {dy.dtype}")
+
+
+def scatter_add_rows(cnp.ndarray dy, cnp.ndarray idx, intp_t num_rows, cnp.ndarray out,
+                     int n_threads, bint out_is_zero=False):
+    """``out[k] = sum(dy[n] for idx[n] == k)``, deterministic (see module Design).
+
+    ``dy`` and ``out`` C-contiguous, same dtype and inner shape, ``out`` has
+    ``num_rows`` rows; ``idx`` 1-D contiguous int32/int64 with ``len(dy)``
+    entries.  Raises Caffe's IndexError before writing.  ``out_is_zero``:
+    ``out`` is known to hold zeros (fresh ``np.zeros``: untouched pages of a
+    large calloc), so rows nobody references are not written at all, and
+    their pages are never faulted in.
+    """
+    cdef intp_t n = idx.shape[0]
+    cdef intp_t inner = (dy.size // n) if n else 0
+    cdef void* pidx = cnp.PyArray_DATA(idx)
+    cdef bint is32 = idx.dtype == np.int32
+    cdef int rc
+    with nogil:
+        if is32:
+            rc = _check_indices(<const int32_t*> pidx, n, num_rows)
+        else:
+            rc = _check_indices(<const int64_t*> pidx, n, num_rows)
+    _raise_for(rc)
+    if num_rows == 0:
+        return out
+    if n == 0 or inner == 0:
+        if not out_is_zero:
+            out.fill(0)
+        return out
+    cdef cnp.ndarray start_arr = np.empty(num_rows + 1, dtype=np.int64)
+    cdef cnp.ndarray order_arr = np.empty(n, dtype=np.int64)
+    cdef int64_t* start = <int64_t*> cnp.PyArray_DATA(start_arr)
+    cdef int64_t* order = <int64_t*> cnp.PyArray_DATA(order_arr)
+    with nogil:
+        if is32:
+            _group_by_index(<const int32_t*> pidx, n, num_rows, start, order)
+        else:
+            _group_by_index(<const int64_t*> pidx, n, num_rows, start, order)
+    _segment_sum_dispatch(dy, inner, start, order, num_rows, out, out_is_zero, n_threads)
+    return out
+
+
+# -- test helpers: expose the nogil float16 conversions ----------------------
+def _half_to_float_py(cnp.ndarray bits):
+    """float32 array from uint16 half bit patterns (tests compare with NumPy)."""
+    cdef const uint16_t[::1] b = bits
+    cdef float32_t[::1] out = np.empty(bits.shape[0], dtype=np.float32)
+    cdef intp_t i
+    for i in range(b.shape[0]):
+        out[i] = rl_half_to_float(b[i])
+    return np.asarray(out)
+
+
+def _float_to_half_py(cnp.ndarray values):
+    """uint16 half bit patterns from a float32 array (tests compare with NumPy)."""
+    cdef const float32_t[::1] v = values
+    cdef uint16_t[::1] out = np.empty(values.shape[0], dtype=np.uint16)
+    cdef intp_t i
+    for i in range(v.shape[0]):
+        out[i] = rl_float_to_half(v[i])
+    return np.asarray(out)

@@ -1,0 +1,450 @@
+"""batch_reindex / batch_reindex_grad: Caffe's cases, NumPy references, determinism, errors."""
+import re
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from readerlib.kernels import _reindex, batch_reindex, batch_reindex_grad
+from readerlib.kernels.reference import (batch_reindex_grad_reference,
+                                         batch_reindex_lod_reference,
+                                         batch_reindex_reference)
+from readerlib.tensor import LoDTensor
+
+DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8"]
+NEG = "Index specified for reindex layer was negative."
+BIG = "Index specified for reindex layer was greater than batch size."
+
+
+def bits(a):
+    """Bit pattern view, so float comparisons are bitwise (-0.0 != 0.0, NaN payloads)."""
+    a = np.ascontiguousarray(a)
+    return a.view(f"u{a.dtype.itemsize}") if a.dtype.kind == "f" else a
+
+
+def random_array(rng, shape, dtype):
+    dtype = np.dtype(dtype)
+    if dtype.kind == "f":
+        return rng.standard_normal(shape).astype(dtype)
+    info = np.iinfo(dtype)
+    return rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
+
+
+# -- Caffe's own tests -----------------------------------------------------------
+
+def test_caffe_forward_5x4x3x2():
+    # caffe/src/caffe/test/test_batch_reindex_layer.cpp: input 5x4x3x2 = 0..119,
+    # permutation {4, 0, 4, 0, 1, 2} -> 6x4x3x2 with top[i] == bottom[perm[n]*24 + inner].
+    x = np.arange(120, dtype=np.float32).reshape(5, 4, 3, 2)
+    perm = np.array([4, 0, 4, 0, 1, 2])
+    y = batch_reindex(x, perm)
+    assert y.shape == (6, 4, 3, 2) and y.dtype == np.float32
+    inner = 4 * 3 * 2
+    flat = y.reshape(-1)
+    for i in range(flat.shape[0]):
+        n, c = divmod(i, inner)
+        assert flat[i] == x.reshape(-1)[perm[n] * inner + c]
+
+
+def test_caffe_backward_5x4x3x2():
+    x_rows = 5
+    perm = np.array([4, 0, 4, 0, 1, 2])
+    dy = np.arange(6 * 24, dtype=np.float64).reshape(6, 4, 3, 2)
+    dx = batch_reindex_grad(dy, perm, x_rows)
+    want = np.zeros((5, 4, 3, 2))
+    want[4] = dy[0] + dy[2]
+    want[0] = dy[1] + dy[3]
+    want[1] = dy[4]
+    want[2] = dy[5]
+    np.testing.assert_array_equal(dx, want)   # row 3 is never referenced: zeros
+
+
+def test_numerical_gradient():
+    # Caffe's GradientChecker in miniature: loss = sum(w * reindex(x, idx)).
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((5, 4, 3, 2))
+    idx = np.array([4, 0, 4, 0, 1, 2])
+    w = rng.standard_normal((6, 4, 3, 2))
+
+    def loss(xv):
+        return float(np.sum(w * batch_reindex(xv, idx)))
+
+    analytic = batch_reindex_grad(w, idx, x.shape[0])
+    numeric = np.zeros_like(x)
+    eps = 1e-3
+    for i in range(x.size):
+        xp, xm = x.copy(), x.copy()
+        xp.flat[i] += eps
+        xm.flat[i] -= eps
+        numeric.flat[i] = (loss(xp) - loss(xm)) / (2 * eps)
+    np.testing.assert_allclose(analytic, numeric, rtol=1e-6, atol=1e-8)
+    assert np.all(analytic[3] == 0)
+
+
+# -- references on random inputs ---------------------------------------------------
+
+@st.composite
+def reindex_case(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    n_src = draw(st.integers(0, 9))
+    inner = tuple(draw(st.lists(st.integers(0, 5), min_size=0, max_size=3)))
+    n = draw(st.integers(0, 14)) if n_src else 0
+    idx = draw(st.lists(st.integers(0, n_src - 1), min_size=n, max_size=n)) if n_src else []
+    idx_dtype = draw(st.sampled_from(["int32", "int64"]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    x = random_array(rng, (n_src,) + inner, dtype)
+    return x, np.array(idx, dtype=idx_dtype)
+
+
+@settings(max_examples=300, deadline=None)
+@given(reindex_case(), st.integers(1, 4))
+def test_forward_matches_reference(case, threads):
+    x, idx = case
+    y = batch_reindex(x, idx, num_threads=threads)
+    want = batch_reindex_reference(x, idx)
+    assert y.shape == want.shape and y.dtype == x.dtype
+    np.testing.assert_array_equal(bits(y), bits(want))
+
+
+@settings(max_examples=300, deadline=None)
+@given(reindex_case(), st.integers(1, 4), st.integers(0, 3))
+def test_backward_matches_reference(case, threads, extra_rows):
+    x, idx = case
+    num_rows = x.shape[0] + extra_rows
+    rng = np.random.default_rng(len(idx))
+    dy = random_array(rng, (len(idx),) + x.shape[1:], x.dtype)
+    dx = batch_reindex_grad(dy, idx, num_rows, num_threads=threads)
+    want = batch_reindex_grad_reference(dy, idx, num_rows)
+    assert dx.shape == want.shape and dx.dtype == dy.dtype
+    # same additions in the same order (np.add.at on zeros): bitwise equal
+    np.testing.assert_array_equal(bits(dx), bits(want))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inner", [(), (1,), (3,), (2, 2), (8,), (64,), (4, 64), (264,), (1000,)])
+def test_row_sizes(dtype, inner):
+    # every copy path: 1/2/4/8-byte words, short rows of 32-byte chunks
+    # (e.g. 8 or 64 float32, 4x64 float32 = 1024 bytes), memcpy rows
+    rng = np.random.default_rng(1)
+    x = random_array(rng, (7,) + inner, dtype)
+    idx = rng.integers(0, 7, size=40)
+    np.testing.assert_array_equal(bits(batch_reindex(x, idx)), bits(x[idx]))
+    dy = random_array(rng, (40,) + inner, dtype)
+    np.testing.assert_array_equal(bits(batch_reindex_grad(dy, idx, 9)),
+                                  bits(batch_reindex_grad_reference(dy, idx, 9)))
+
+
+def test_float16_accumulates_in_float32():
+    # 2048 + 1 + 1 + ... in float16 sticks at 2048 (spacing 2); float32 accumulation does not.
+    dy = np.array([2048] + [1] * 8, dtype=np.float16)[:, None]
+    dx = batch_reindex_grad(dy, np.zeros(9, np.int64), 1)
+    assert dx.dtype == np.float16 and dx[0, 0] == 2056
+    running = np.float16(0)
+    for v in dy[:, 0]:
+        running = np.float16(running + v)
+    assert running == 2048   # what a float16 running sum would have given
+
+
+def test_integer_sums_wrap():
+    dy = np.array([[200], [100]], dtype=np.uint8)
+    assert batch_reindex_grad(dy, [0, 0], 1)[0, 0] == 44
+    dy = np.array([[2**62], [2**62]], dtype=np.int64)
+    assert batch_reindex_grad(dy, [1, 1], 2)[1, 0] == -(2**63)
+
+
+def test_negative_zero_like_numpy():
+    dy = np.array([[-0.0], [-0.0], [3.0]], dtype=np.float32)
+    dx = batch_reindex_grad(dy, [0, 0, 1], 2)
+    want = np.zeros((2, 1), np.float32)
+    np.add.at(want, [0, 0, 1], dy)
+    np.testing.assert_array_equal(bits(dx), bits(want))   # 0 + -0 == +0
+
+
+# -- determinism -----------------------------------------------------------------
+
+def test_backward_bitwise_deterministic_across_threads():
+    rng = np.random.default_rng(3)
+    n, num_rows, inner = 20000, 64, 33     # ~312 addends per row: order matters in float32
+    dy = (rng.standard_normal((n, inner)) * 10.0 ** rng.integers(-6, 6, (n, 1))).astype(np.float32)
+    idx = rng.integers(0, num_rows, n)
+    ref = batch_reindex_grad(dy, idx, num_rows, num_threads=1)
+    np.testing.assert_array_equal(bits(ref), bits(batch_reindex_grad_reference(dy, idx, num_rows)))
+    for threads in (2, 3, 4, 7):
+        for _ in range(3):
+            got = batch_reindex_grad(dy, idx, num_rows, num_threads=threads)
+            assert got.tobytes() == ref.tobytes()
+    # the order matters at all: a different summation order gives different bits
+    perm = rng.permutation(n)
+    shuffled = batch_reindex_grad(dy[perm], idx[perm], num_rows)
+    assert shuffled.tobytes() != ref.tobytes()
+
+
+def test_forward_threads_agree():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((300, 17)).astype(np.float32)
+    idx = rng.integers(0, 300, 5000)
+    for threads in (1, 2, 5):
+        np.testing.assert_array_equal(batch_reindex(x, idx, num_threads=threads), x[idx])
+
+
+# -- arguments ---------------------------------------------------------------------
+
+def test_empty_idx():
+    x = np.ones((4, 3, 2), np.float64)
+    y = batch_reindex(x, np.array([], np.int64))
+    assert y.shape == (0, 3, 2) and y.dtype == np.float64
+    y = batch_reindex(x, [])
+    assert y.shape == (0, 3, 2)
+    dx = batch_reindex_grad(np.ones((0, 3, 2)), np.array([], np.int32), 4)
+    assert dx.shape == (4, 3, 2) and not dx.any()
+    assert batch_reindex_grad(np.ones((0, 3)), [], 0).shape == (0, 3)
+
+
+def test_index_types_and_layouts():
+    x = np.arange(40, dtype=np.int32).reshape(10, 4)
+    for idx in ([3, 1, 3], np.array([3, 1, 3], np.int32), np.array([3, 1, 3], np.uint8),
+                np.array([3, 1, 3], np.uint64), np.array([9, 9, 0, 1, 3])[[0, 3, 4]][[2, 1, 2]]):
+        np.testing.assert_array_equal(batch_reindex(x, idx), x[np.asarray(idx, np.int64)])
+    strided = np.arange(200, dtype=np.float64).reshape(10, 20)[:, ::3]   # not contiguous
+    np.testing.assert_array_equal(batch_reindex(strided, [9, 0]), strided[[9, 0]])
+    x1 = np.arange(5, dtype=np.uint8)   # rank 1: one-byte rows
+    np.testing.assert_array_equal(batch_reindex(x1, [4, 4, 0]), [4, 4, 0])
+
+
+@pytest.mark.parametrize("bad, msg", [([0, -1, 2], NEG), ([0, 5], BIG), ([7, -3], NEG),
+                                      ([2**62], BIG), ([-(2**62)], NEG)])
+def test_caffe_index_errors(bad, msg):
+    x = np.zeros((5, 2), np.float32)
+    with pytest.raises(IndexError, match=f"^{re.escape(msg)}$"):
+        batch_reindex(x, np.array(bad, np.int64))
+    with pytest.raises(IndexError, match=f"^{re.escape(msg)}$"):
+        batch_reindex(x, np.array(bad, np.int64), num_threads=1)
+    with pytest.raises(IndexError, match=f"^{re.escape(msg)}$"):
+        batch_reindex_grad(np.zeros((len(bad), 2), np.float32), np.array(bad, np.int64), 5)
+    if all(-(2**31) <= v < 2**31 for v in bad):
+        with pytest.raises(IndexError, match=f"^{re.escape(msg)}$"):
+            batch_reindex(x, np.array(bad, np.int32))
+
+
+def test_index_errors_with_non_contiguous_inputs():
+    x = np.zeros((5, 4), np.float32)[:, ::2]
+    with pytest.raises(IndexError, match=re.escape(NEG)):
+        batch_reindex(x, [1, -1])
+    with pytest.raises(IndexError, match=re.escape(BIG)):
+        batch_reindex_grad(x, [0, 1, 2, 3, 9], 6)
+
+
+def test_index_error_on_empty_batch_and_uint64():
+    with pytest.raises(IndexError, match=re.escape(BIG)):
+        batch_reindex(np.zeros((0, 3)), [0])
+    with pytest.raises(IndexError, match=re.escape(BIG)):
+        batch_reindex(np.zeros((3, 3)), np.array([2**64 - 1], np.uint64))
+
+
+def test_argument_errors():
+    x = np.zeros((5, 2), np.float32)
+    with pytest.raises(ValueError, match="1-D"):
+        batch_reindex(x, np.zeros((2, 2), np.int64))
+    with pytest.raises(TypeError, match="integers"):
+        batch_reindex(x, np.array([0.0, 1.0]))
+    with pytest.raises(TypeError, match="integers"):
+        batch_reindex(x, np.array([True, False]))
+    with pytest.raises(TypeError, match="not supported"):
+        batch_reindex(np.zeros((5, 2), np.complex64), [0])
+    with pytest.raises(TypeError, match="not supported"):
+        batch_reindex(np.zeros((5, 2), np.int16), [0])
+    with pytest.raises(TypeError, match="not supported"):
+        batch_reindex(np.zeros((5, 2), ">f4"), [0])
+    with pytest.raises(ValueError, match="ndim >= 1"):
+        batch_reindex(np.float32(1), [0])
+    with pytest.raises(ValueError, match="num_threads"):
+        batch_reindex(x, [0], num_threads=0)
+    with pytest.raises(ValueError, match="must match"):
+        batch_reindex_grad(np.zeros((3, 2)), [0, 1], 5)
+    with pytest.raises(ValueError, match="num_rows"):
+        batch_reindex_grad(np.zeros((2, 2)), [0, 1], -1)
+    with pytest.raises(TypeError, match="num_rows"):
+        batch_reindex_grad(np.zeros((2, 2)), [0, 1], 5.0)
+    with pytest.raises(TypeError, match="not supported"):
+        batch_reindex_grad(np.zeros((2, 2), bool), [0, 1], 5)
+    with pytest.raises(ValueError, match="1-D"):
+        batch_reindex_grad(np.zeros((2, 2)), [[0, 1]], 5)
+
+
+# -- LoDTensor ---------------------------------------------------------------------
+
+@st.composite
+def lod_case(draw):
+    n_seq = draw(st.integers(1, 6))
+    levels = draw(st.integers(1, 2))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    entries = n_seq
+    lod = []
+    for _ in range(levels):
+        lengths = rng.integers(0, 4, entries)
+        offs = np.zeros(entries + 1, np.int64)
+        np.cumsum(lengths, out=offs[1:])
+        lod.append(offs)
+        entries = int(offs[-1])
+    dtype = draw(st.sampled_from(DTYPES))
+    data = random_array(rng, (entries, 3), dtype)
+    idx = draw(st.lists(st.integers(0, n_seq - 1), max_size=8))
+    return LoDTensor(data, lod), np.array(idx, np.int64)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lod_case())
+def test_lod_reindex_matches_reference(case):
+    t, idx = case
+    got = batch_reindex(t, idx)
+    want = batch_reindex_lod_reference(t, idx)
+    assert isinstance(got, LoDTensor) and got.lod_level == t.lod_level
+    for g, w in zip(got.lod, want.lod):
+        np.testing.assert_array_equal(g, w)
+    assert got.data.shape == want.data.shape and got.data.dtype == t.data.dtype
+    np.testing.assert_array_equal(bits(got.data), bits(want.data))
+
+
+def test_lod_shuffle_sequences():
+    seqs = [np.full((n, 2), n, np.float32) for n in (2, 0, 3, 1)]
+    t = LoDTensor.from_sequences(seqs)
+    got = batch_reindex(t, [2, 3, 0, 1, 2])
+    assert got.lod[0].tolist() == [0, 3, 4, 6, 6, 9]
+    assert got.data[:, 0].tolist() == [3, 3, 3, 1, 2, 2, 3, 3, 3]
+    with pytest.raises(IndexError, match=re.escape(BIG)):
+        batch_reindex(t, [4])
+    with pytest.raises(IndexError, match=re.escape(NEG)):
+        batch_reindex(t, [-1])
+    fixed = LoDTensor(np.arange(6).reshape(3, 2))    # no lod: rows are the instances
+    got = batch_reindex(fixed, [2, 2])
+    assert got.lod == [] and got.data.tolist() == [[4, 5], [4, 5]]
+
+
+# -- float16 helpers -----------------------------------------------------------------
+
+def test_half_conversions_match_numpy():
+    h = np.arange(2**16, dtype=np.uint16)
+    f = _reindex._half_to_float_py(h)
+    want = h.view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(f), nan)
+    np.testing.assert_array_equal(f[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    # float -> half: every half exactly, midpoints between halves, random bit patterns
+    back = _reindex._float_to_half_py(np.ascontiguousarray(f[~nan]))
+    np.testing.assert_array_equal(back, h[~nan])
+    fin = want[np.isfinite(want)].astype(np.float64)
+    fin.sort()
+    mids = ((fin[1:] + fin[:-1]) / 2).astype(np.float32)
+    rng = np.random.default_rng(0)
+    rand = rng.integers(0, 2**32, 2_000_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    for vals in (mids, np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf)),
+                 rand, np.array([65504, 65519.99, 65520, 1e30, -1e30, 2**-25, 2**-26], np.float32)):
+        vals = vals[~np.isnan(vals)]
+        got = _reindex._float_to_half_py(np.ascontiguousarray(vals))
+        with np.errstate(over="ignore"):   # |v| >= 65520 rounds to inf, as intended
+            want16 = vals.astype(np.float16).view(np.uint16)
+        np.testing.assert_array_equal(got, want16)
+    nan16 = _reindex._float_to_half_py(np.array([np.nan, -np.nan], np.float32))
+    assert np.isnan(nan16.view(np.float16)).all()
+
+
+def test_out_buffers():
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((6, 5)).astype(np.float32)
+    idx = np.array([5, 0, 5, 2])
+    out = np.full((4, 5), np.nan, np.float32)
+    assert batch_reindex(x, idx, out=out) is out
+    np.testing.assert_array_equal(out, x[idx])
+    dx = np.full((7, 5), np.nan, np.float32)            # every element is overwritten
+    assert batch_reindex_grad(out, idx, 7, out=dx) is dx
+    np.testing.assert_array_equal(dx, batch_reindex_grad_reference(out, idx, 7))
+    with pytest.raises(ValueError, match="shape"):
+        batch_reindex(x, idx, out=np.empty((3, 5), np.float32))
+    with pytest.raises(ValueError, match="dtype"):
+        batch_reindex(x, idx, out=np.empty((4, 5), np.float64))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        batch_reindex(x, idx, out=np.empty((5, 4), np.float32).T)
+    with pytest.raises(ValueError, match="overlap"):
+        batch_reindex(x, [0, 1, 2, 3, 4, 5], out=x)
+    with pytest.raises(ValueError, match="overlap"):
+        batch_reindex_grad(x, [0, 1, 2, 3, 4, 5], 6, out=x)
+    with pytest.raises(TypeError, match="LoDTensor"):
+        batch_reindex(LoDTensor.from_sequences([x]), [0], out=out)
+
+
+# -- GPU dispatch contract (runs without a GPU: a stand-in for CuPy and _gpu) ----------
+
+class FakeCupyArray(np.ndarray):
+    """is_cupy_array() looks at the type's module; this one claims to be CuPy."""
+
+
+FakeCupyArray.__module__ = "cupy._fake"
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    import sys
+    import types
+
+    import readerlib.gpu
+    import readerlib.kernels
+
+    calls = []
+    stub = types.ModuleType("readerlib.kernels._gpu")
+    stub.batch_reindex = lambda *a: calls.append(("batch_reindex",) + a) or "gpu"
+    stub.batch_reindex_grad = lambda *a: calls.append(("batch_reindex_grad",) + a) or "gpu"
+    stub.batch_reindex_lod = lambda *a: calls.append(("batch_reindex_lod",) + a) or (a[0], a[1])
+    monkeypatch.setitem(sys.modules, "readerlib.kernels._gpu", stub)
+    monkeypatch.setattr(readerlib.kernels, "_gpu", stub, raising=False)
+    monkeypatch.setattr(readerlib.gpu, "require_cupy", lambda: np)   # xp = numpy stand-in
+    monkeypatch.setitem(sys.modules, "cupy", np)                      # for LoDTensor
+    return calls
+
+
+def test_cupy_input_goes_to_gpu_module(fake_gpu):
+    x = np.arange(12, dtype=np.float32).reshape(4, 3).view(FakeCupyArray)
+    assert batch_reindex(x, np.array([3, 1], np.int32)) == "gpu"
+    name, gx, gidx = fake_gpu[-1]
+    assert name == "batch_reindex" and gx is x and gidx.dtype == np.int32
+    assert batch_reindex_grad(x, np.array([0, 1, 1, 2], np.uint8), 5) == "gpu"
+    name, gdy, gidx, rows = fake_gpu[-1]
+    assert name == "batch_reindex_grad" and gdy is x and gidx.dtype == np.int64 and rows == 5
+    t = LoDTensor(x, [np.array([0, 1, 4])])
+    got = batch_reindex(t, np.array([1, 0], np.int64))
+    name, gdata, goffs, gidx = fake_gpu[-1]
+    assert name == "batch_reindex_lod" and gdata is x and goffs.tolist() == [0, 1, 4]
+    assert isinstance(got, LoDTensor)
+
+
+def test_cupy_input_shares_argument_validation(fake_gpu):
+    x = np.zeros((4, 3), np.float32).view(FakeCupyArray)
+    with pytest.raises(ValueError, match="1-D"):
+        batch_reindex(x, np.zeros((2, 2), np.int64))
+    with pytest.raises(TypeError, match="integers"):
+        batch_reindex(x, np.array([0.5]))
+    with pytest.raises(TypeError, match="not supported"):
+        batch_reindex(x.astype(np.int16).view(FakeCupyArray), [0])
+    with pytest.raises(ValueError, match="must match"):
+        batch_reindex_grad(x, [0, 1], 4)
+    assert fake_gpu == []     # nothing reached the GPU module
+
+
+def test_backward_large_fresh_output_lazy_zero_path():
+    # > LAZY_ZERO_BYTES: dx comes from np.zeros and unreferenced rows are skipped
+    from readerlib.kernels import LAZY_ZERO_BYTES
+    inner = 1024
+    num_rows = LAZY_ZERO_BYTES // (4 * inner) + 100
+    rng = np.random.default_rng(9)
+    dy = rng.standard_normal((5, inner)).astype(np.float32)
+    idx = np.array([num_rows - 1, 7, 7, 0, num_rows - 1])
+    for threads in (1, 2):
+        dx = batch_reindex_grad(dy, idx, num_rows, num_threads=threads)
+        assert dx.nbytes > LAZY_ZERO_BYTES
+        np.testing.assert_array_equal(dx[[0, 7, num_rows - 1]],
+                                      np.stack([dy[3], dy[1] + dy[2], dy[0] + dy[4]]))
+        touched = np.zeros(num_rows, bool)
+        touched[idx] = True
+        assert not dx[~touched].any()
