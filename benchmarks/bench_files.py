@@ -1,0 +1,239 @@
+"""Benchmarks (b) open_files over 16 files and (c) TFRecord reading against tf.data.
+
+    python benchmarks/bench_files.py [--quick] [--out benchmarks/results_files.md]
+
+(b) 16 TFRecord files of 64-byte records, open_files(...).batch(256) with 1
+    and 2 worker threads, next to reading the same files one after another
+    in the consumer thread (no pool).
+(c) One TFRecord file of 64 B records and one of 64 KiB records, read to
+    batches of 256 by readerlib and by tf.data.TFRecordDataset (several
+    variants, the fastest is the peer), in the same run; ratios are
+    readerlib / fastest tf.data.
+
+Every figure is the best of `--repeat` passes over a file already in the
+page cache.  Machines here are shared and noisy: read the ratios.
+"""
+import argparse
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import readerlib as rl  # noqa: E402
+from readerlib.formats._tfrecord import TFRecordReader, TFRecordWriter  # noqa: E402
+from readerlib.readers.files import open_files  # noqa: E402
+
+COPY_GBS = 23.0     # DESIGN.md: CPU copy ~23 GB/s (read+write)
+
+
+def write_file(path, n, size, seed, compression=None):
+    rng = np.random.default_rng(seed)
+    with TFRecordWriter(path, compression=compression) as w:
+        step = max(1, (8 << 20) // max(size, 1))
+        for i in range(0, n, step):
+            k = min(step, n - i)
+            w.write_batch(rng.integers(0, 256, size=(k, size), dtype=np.uint8))
+    return path
+
+
+def best(fn, repeat):
+    times, out = [], None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return min(times), out
+
+
+def drain(reader):
+    n = 0
+    for (t,) in reader:
+        n += t.data.shape[0] if not t.lod else len(t.lod[0]) - 1
+    return n
+
+
+def bench_open_files(d, n_files, per_file, repeat):
+    paths = [write_file(os.path.join(d, f"part-{i:02d}.tfrecord"), per_file, 64, i) for i in range(n_files)]
+    gz = [write_file(os.path.join(d, f"part-{i:02d}.tfrecord.gz"), per_file // 4, 64, i, "GZIP")
+          for i in range(n_files)]
+    schema = rl.Schema([rl.Field("x", "uint8", (64,))])
+    for p in paths:
+        TFRecordReader(p, schema=schema).__len__()            # index + page cache
+    total = n_files * per_file
+    rows = []
+
+    def sequential():
+        n = 0
+        for p in paths:
+            n += drain(TFRecordReader(p, schema=schema).batch(256))
+        return n
+
+    t, n = best(sequential, repeat)
+    assert n == total
+    rows.append(("files one after another, consumer thread (no pool)", t, n))
+    for threads in (1, 2):
+        def run():
+            with open_files(paths, num_threads=threads, schema=schema) as r:
+                return drain(r.batch(256))
+        t, n = best(run, repeat)
+        assert n == total
+        rows.append((f"open_files(16 files, num_threads={threads}).batch(256)", t, n))
+    # the default schema (records as uint8 sequences, one copy into LoD form)
+    def run_lod():
+        with open_files(paths, num_threads=2) as r:
+            return drain(r.batch(256))
+    t, n = best(run_lod, repeat)
+    rows.append(("open_files(16 files, num_threads=2).batch(256), uint8 LoD records", t, n))
+    # GZIP files: the workers inflate, the part a pool can spread over cores
+    gz_rows = []
+    for p in gz:
+        TFRecordReader(p, schema=schema, compression="GZIP").__len__()
+
+    def gz_sequential():
+        return sum(drain(TFRecordReader(p, schema=schema, compression="GZIP").batch(256)) for p in gz)
+
+    t, n = best(gz_sequential, repeat)
+    gz_rows.append(("GZIP files one after another, consumer thread (no pool)", t, n))
+    for threads in (1, 2):
+        def run_gz():
+            with open_files(gz, num_threads=threads, schema=schema) as r:
+                return drain(r.batch(256))
+        t, n = best(run_gz, repeat)
+        gz_rows.append((f"open_files(16 GZIP files, num_threads={threads}).batch(256)", t, n))
+    return rows, total * 64, gz_rows, n * 64
+
+
+def bench_tf(path, n, size, repeat):
+    import tensorflow as tf
+    rows = []
+    fixed = rl.Schema([rl.Field("x", "uint8", (size,))])
+    TFRecordReader(path).__len__()
+
+    def rl_lod():
+        return drain(TFRecordReader(path).batch(256))
+
+    def rl_fixed():
+        return drain(TFRecordReader(path, schema=fixed).batch(256))
+
+    for name, fn in [("readerlib TFRecordReader().batch(256) (uint8 LoD)", rl_lod),
+                     ("readerlib TFRecordReader(schema=uint8[size]).batch(256)", rl_fixed)]:
+        t, k = best(fn, repeat)
+        assert k == n, (k, n)
+        rows.append(("rl", name, t))
+
+    def tf_iter(ds):
+        def f():
+            k = 0
+            for b in ds:
+                k += int(b.shape[0]) if b.shape.rank else 1
+            return k
+        return f
+
+    variants = [
+        ("tf.data TFRecordDataset().batch(256)", tf.data.TFRecordDataset(path).batch(256)),
+        ("tf.data TFRecordDataset(buffer_size=8MiB).batch(256).prefetch(AUTOTUNE)",
+         tf.data.TFRecordDataset(path, buffer_size=8 << 20).batch(256).prefetch(tf.data.AUTOTUNE)),
+    ]
+    if size >= 4096:     # per-record variants: ~50x slower than batched on 64 B records
+        variants.append(("tf.data ... .map(decode_raw).batch(256).prefetch(AUTOTUNE)",
+                         tf.data.TFRecordDataset(path, buffer_size=8 << 20)
+                         .map(lambda x: tf.io.decode_raw(x, tf.uint8), num_parallel_calls=tf.data.AUTOTUNE)
+                         .batch(256).prefetch(tf.data.AUTOTUNE)))
+        variants.append(("tf.data TFRecordDataset() per record", tf.data.TFRecordDataset(path)))
+    for name, ds in variants:
+        t, k = best(tf_iter(ds), repeat)
+        assert k == n, (name, k, n)
+        rows.append(("tf", name, t))
+    return rows
+
+
+def fmt_rate(n, nbytes, t):
+    return f"{n / t / 1e6:8.2f} M rec/s | {nbytes / t / 1e9:6.2f} GB/s"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="small files (smoke run)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--out", default=None, help="write a Markdown table here")
+    ap.add_argument("--dir", default=None, help="where to write the data (default: a temp dir)")
+    args = ap.parse_args()
+    d = args.dir or tempfile.mkdtemp(prefix="rl_bench_files_")
+    os.makedirs(d, exist_ok=True)
+    scale = 0.05 if args.quick else 1.0
+    lines = []
+
+    def out(s=""):
+        print(s, flush=True)
+        lines.append(s)
+
+    try:
+        out("## open_files and TFRecord (benchmarks (b) and (c))")
+        out()
+        out(f"Command: `python {' '.join(sys.argv)}`  ")
+        out(f"Machine: {platform.machine()}, {os.cpu_count()} CPUs (shared), Python "
+            f"{platform.python_version()}, NumPy {np.__version__}; best of {args.repeat} passes, "
+            f"data in the page cache; CPU copy bound ~{COPY_GBS:.0f} GB/s (DESIGN.md).")
+        out()
+        per_file = int(125_000 * scale)
+        rows, nbytes, gz_rows, gz_bytes = bench_open_files(d, 16, per_file, args.repeat)
+        out(f"### (b) open_files over 16 TFRecord files, {16 * per_file} records of 64 B "
+            f"(fixed schema uint8[64] unless noted)")
+        out()
+        out("| chain | s | records/s | payload GB/s | vs no pool |")
+        out("|---|---:|---:|---:|---:|")
+        base = rows[0][1]
+        for name, t, n in rows:
+            out(f"| {name} | {t:.3f} | {n / t / 1e6:.2f} M | {nbytes / t / 1e9:.2f} | {base / t:.2f}x |")
+        base = gz_rows[0][1]
+        for name, t, n in gz_rows:
+            out(f"| {name} ({n} records) | {t:.3f} | {n / t / 1e6:.2f} M | {gz_bytes / t / 1e9:.2f} | "
+                f"{base / t:.2f}x |")
+        out()
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d, exist_ok=True)
+
+        try:
+            import tensorflow as tf   # noqa: F401
+            have_tf = True
+        except ImportError:
+            have_tf = False
+            out("tensorflow is not installed: (c) skipped.")
+        if have_tf:
+            import tensorflow as tf
+            out(f"### (c) TFRecord read throughput against tf.data (TensorFlow {tf.__version__})")
+            out()
+            out("| records | reader | s | records/s | payload GB/s |")
+            out("|---|---|---:|---:|---:|")
+            summary = []
+            for size, n, target in [(64, int(2_000_000 * scale), 10), (65536, int(4000 * scale), 3)]:
+                path = write_file(os.path.join(d, f"r{size}.tfrecord"), n, size, 99)
+                rows = bench_tf(path, n, size, args.repeat)
+                for kind, name, t in rows:
+                    out(f"| {n} x {size} B | {name} | {t:.3f} | {n / t / 1e6:.3f} M | {n * size / t / 1e9:.2f} |")
+                best_tf = min(t for kind, _, t in rows if kind == "tf")
+                rl_lod = rows[0][2]
+                rl_fix = rows[1][2]
+                summary.append((size, best_tf / rl_lod, best_tf / rl_fix, target))
+                os.unlink(path)
+            out()
+            out("| records | readerlib / fastest tf.data (uint8 LoD) | (fixed schema) | target |")
+            out("|---|---:|---:|---:|")
+            for size, r_lod, r_fix, target in summary:
+                out(f"| {size} B | {r_lod:.1f}x | {r_fix:.1f}x | >= {target}x |")
+            out()
+    finally:
+        if not args.dir:
+            shutil.rmtree(d, ignore_errors=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

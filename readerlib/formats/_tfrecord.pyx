@@ -1,0 +1,987 @@
+"""TFRecord: TensorFlow's record files, read and written byte-compatibly.
+
+Design:
+    See TFRECORD.md next to this file.  A record on disk is
+    ``uint64 length | uint32 masked_crc32c(length) | data | uint32 masked_crc32c(data)``.
+    Records are grouped into *chunks* (consecutive records, greedily until
+    CHUNK_BYTES of file bytes or CHUNK_RECORDS records), the unit of
+    verification, seeking and sharding -- the same rule whether the chunk
+    table comes from a scan or from the sidecar index, so both agree.
+
+    Uncompressed files are memory-mapped.  A chunk's record headers (length
+    CRCs, sizes against the schema) are verified when it is loaded, without
+    the GIL; each data CRC is computed next to the copy that follows it (so
+    the copy finds the record in cache).  With a one-field fixed schema the
+    records are handed downstream as pointers into the mapping (zero copy,
+    like RecordIO), each verified as it is handed out.  Variable-length
+    records (the default: uint8 sequences) are copied once into a block with
+    the int64 row-count prefix that the instance encoding needs.  ZLIB/GZIP
+    files are inflated (zlib, windowBits 15 / 31; concatenated gzip members
+    are accepted) into a reused buffer and copied into blocks a chunk at a time.
+
+    The chunk table (start offset, first record, record count) of a file is
+    saved in ``<file>.idx`` after the first complete pass (or by
+    `build_index`), with the file's size and mtime and a CRC-32C, so later
+    readers can count, seek and shard without scanning.
+"""
+import os
+import threading
+import zlib as _pyzlib
+
+import numpy as np
+cimport numpy as cnp
+from libc.stdlib cimport malloc, free, realloc
+from libc.string cimport memcpy, memmove
+from posix.mman cimport mmap, munmap, PROT_READ, MAP_PRIVATE, MAP_FAILED
+
+from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
+from readerlib.readers._base cimport (
+    ReaderBase, FileReader, rl_block, rl_record, rl_block_decref, rl_block_new,
+    rl_crc32c, rl_crc32c_mask, rl_crc32c_init, rl_load_u32, rl_load_u64,
+    rl_store_u32, rl_store_u64, rl_store_i64, ITEM_INSTANCE)
+from readerlib.tensor import Field, Schema
+from readerlib.errors import TFRecordError
+
+cnp.import_array()
+rl_crc32c_init()
+
+cdef extern from "zlib.h" nogil:
+    ctypedef struct z_stream:
+        const unsigned char *next_in
+        unsigned int avail_in
+        unsigned long total_in
+        unsigned char *next_out
+        unsigned int avail_out
+        unsigned long total_out
+        const char *msg
+        void *zalloc
+        void *zfree
+        void *opaque
+    int Z_OK, Z_STREAM_END, Z_BUF_ERROR, Z_NO_FLUSH, Z_MEM_ERROR
+    int inflateInit2(z_stream *strm, int windowBits)
+    int inflate(z_stream *strm, int flush)
+    int inflateReset(z_stream *strm)
+    int inflateEnd(z_stream *strm)
+
+cdef extern from *:
+    int64_t __atomic_load_n(int64_t *p, int order) nogil
+
+cdef extern from "rl_mmap.h":
+    rl_block *rl_mapping_new(char *data, int64_t size) nogil
+    rl_block *rl_chunkview_new(rl_block *mapping, char *data, int64_t size, int drop_pages) nogil
+
+__all__ = ["TFRecordReader", "TFRecordWriter", "build_index", "masked_crc32c",
+           "CHUNK_BYTES", "CHUNK_RECORDS"]
+
+DEF _CHUNK_BYTES = 1048576
+DEF _CHUNK_RECORDS = 65536
+CHUNK_BYTES = _CHUNK_BYTES
+CHUNK_RECORDS = _CHUNK_RECORDS
+INDEX_MAGIC = b"RLTFIX01"
+INDEX_SUFFIX = ".idx"
+_ZTYPES = {None: 0, "": 0, "NONE": 0, "ZLIB": 1, "GZIP": 2}
+_ZNAMES = {0: None, 1: "ZLIB", 2: "GZIP"}
+
+cdef enum:
+    E_OK = 0
+    E_TRUNC = 1
+    E_LEN_CRC = 2
+    E_DATA_CRC = 3
+    E_SIZE = 4
+    E_NOMEM = 5
+    E_ZDATA = 6
+    E_ZTRUNC = 7
+    E_INDEX = 8
+    E_LENGTH = 9
+
+
+def masked_crc32c(data):
+    """TFRecord's masked CRC-32C of a bytes-like object."""
+    cdef const unsigned char[::1] v = memoryview(data).cast("B")
+    return rl_crc32c_mask(rl_crc32c(0, &v[0] if v.shape[0] else NULL, v.shape[0]))
+
+
+def _compression_code(compression):
+    key = compression.upper() if isinstance(compression, str) else compression
+    if key not in _ZTYPES:
+        raise ValueError(f"compression must be None, 'ZLIB' or 'GZIP' (TFRecordOptions), got {compression!r}")
+    return _ZTYPES[key]
+
+
+def _record_schema(schema):
+    """(schema, lod_mode, row_bytes, fixed_size) for a TFRecord reader."""
+    if schema is None:
+        schema = Schema([Field("data", "uint8", (), lod_level=1)])
+    schema = Schema.coerce(schema)
+    if len(schema) != 1:
+        raise ValueError(f"a TFRecord record is one byte string: the schema must have one field "
+                         f"(its bytes are reinterpreted, like tf.io.decode_raw); got {len(schema)} fields")
+    f = schema[0]
+    if f.lod_level > 1:
+        raise ValueError(f"field {f.name!r}: lod_level must be 0 or 1, got {f.lod_level}")
+    if f.row_bytes == 0:
+        raise ValueError(f"field {f.name!r} has rows of 0 bytes")
+    return schema, bool(f.lod_level), f.row_bytes, (-1 if f.lod_level else f.row_bytes)
+
+
+def _index_path_for(path, index):
+    if index is False or index is None:
+        return None
+    if index is True or index == "auto":
+        return os.fspath(path) + INDEX_SUFFIX
+    return os.fspath(index)
+
+
+# ------------------------------------------------------------------- reader
+cdef class TFRecordReader(FileReader):
+    """Read a TFRecord file (as written by `tf.io.TFRecordWriter`).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    schema : Schema, optional
+        Default: one field ``Field("data", "uint8", (), lod_level=1)`` -- each
+        record is a byte sequence, batches are LoD byte tensors.  A one-field
+        fixed schema reinterprets each record's bytes (like
+        `tf.io.decode_raw`); a record of another size raises ValueError
+        naming the file and offset.  A one-field sequence schema of another
+        dtype splits each record into rows of that dtype.
+    compression : {None, "ZLIB", "GZIP"}
+        As `tf.io.TFRecordOptions(compression_type=...)`.
+    index : "auto", False or path
+        "auto": use ``<path>.idx`` when it matches the file, write it after
+        the first complete pass.  A path: the same, with that sidecar file.
+        False: no sidecar.
+
+    Raises
+    ------
+    TFRecordError
+        A record fails a check: "corrupted record at OFFSET" (checksum) or
+        "truncated record at OFFSET", naming the file.  Offsets of compressed
+        files are offsets in the uncompressed stream, as TensorFlow reports them.
+
+    Examples
+    --------
+    >>> r = TFRecordReader("train.tfrecord").batch(256)
+    >>> for (data,) in r:           # data: LoDTensor of uint8, one sequence per record
+    ...     ...
+    """
+    cdef readonly str path
+    cdef readonly object compression
+    cdef readonly object index_path
+    cdef int ztype
+    cdef bint lod_mode
+    cdef int64_t row_bytes
+    cdef int64_t fixed_size
+    # the file
+    cdef rl_block *mapping
+    cdef const char *base
+    cdef int64_t fsize
+    # chunk table (grows during the first sequential pass)
+    cdef int64_t *ck_pos
+    cdef int64_t *ck_first
+    cdef int64_t *ck_n
+    cdef int64_t nck, ck_cap
+    cdef bint complete
+    cdef int64_t total_records
+    cdef int64_t stream_end
+    cdef bint index_written
+    cdef int64_t last_bytes
+    # chunks to read (None selected: every chunk in file order)
+    cdef int64_t *order
+    cdef int64_t norder
+    cdef bint selected
+    cdef int64_t iorder
+    # current chunk
+    cdef rl_block *cur
+    cdef int64_t *cur_off
+    cdef int64_t *cur_len
+    cdef int64_t cur_n, cur_i, cur_chunk
+    cdef bint cur_is_heap
+    cdef bint cur_is_view
+    cdef rl_block *spare
+    cdef int64_t scan_n, scan_bytes
+    # compressed stream
+    cdef z_stream zs
+    cdef bint zs_init, zs_eof
+    cdef char *dbuf
+    cdef int64_t dcap, dlo, dhi, spos
+    # last error
+    cdef int err_code
+    cdef int64_t err_off, err_val
+
+    def __cinit__(self):
+        self.mapping = NULL
+        self.zs_init = False
+
+    def __init__(self, path, schema=None, compression=None, index="auto"):
+        self.path = os.fspath(path)
+        if not isinstance(self.path, str):
+            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        self.ztype = _compression_code(compression)
+        self.compression = _ZNAMES[self.ztype]
+        schema, lod, rb, fs = _record_schema(schema)
+        self._set_schema(schema, ITEM_INSTANCE)
+        self.lod_mode = lod
+        self.row_bytes = rb
+        self.fixed_size = fs
+        self.index_path = _index_path_for(self.path, index)
+        self.cur_off = <int64_t *>malloc(_CHUNK_RECORDS * sizeof(int64_t))
+        self.cur_len = <int64_t *>malloc(_CHUNK_RECORDS * sizeof(int64_t))
+        if self.cur_off == NULL or self.cur_len == NULL:
+            raise MemoryError()
+        self._grow_table(64)
+        fd = os.open(self.path, os.O_RDONLY)
+        cdef void *p = NULL
+        try:
+            st = os.fstat(fd)
+            self.fsize = st.st_size
+            if self.fsize > 0:
+                p = mmap(NULL, self.fsize, PROT_READ, MAP_PRIVATE, fd, 0)
+                if p == MAP_FAILED:
+                    raise OSError(f"{self.path}: mmap failed")
+        finally:
+            os.close(fd)
+        self.mapping = rl_mapping_new(<char *>p, self.fsize)
+        if self.mapping == NULL:
+            if p != NULL:
+                munmap(p, self.fsize)
+            raise MemoryError()
+        self.base = <const char *>p
+        if self.index_path is not None:
+            self._load_index(st)
+        self.c_reset()
+
+    def __dealloc__(self):
+        self._release_cur()
+        if self.spare != NULL:
+            rl_block_decref(self.spare)
+            self.spare = NULL
+        if self.mapping != NULL:
+            rl_block_decref(self.mapping)
+            self.mapping = NULL
+        if self.zs_init:
+            inflateEnd(&self.zs)
+            self.zs_init = False
+        free(self.dbuf); self.dbuf = NULL
+        free(self.ck_pos); free(self.ck_first); free(self.ck_n); free(self.order)
+        self.ck_pos = self.ck_first = self.ck_n = self.order = NULL
+        free(self.cur_off); free(self.cur_len)
+        self.cur_off = self.cur_len = NULL
+
+    cdef void _release_cur(self) noexcept nogil:
+        if self.cur != NULL:
+            rl_block_decref(self.cur)
+            self.cur = NULL
+
+    cdef void _retire_cur(self) noexcept nogil:
+        # A heap chunk nobody else references is kept for the next chunk: its
+        # pages are already faulted in (a fresh 1 MiB block costs 256 page faults).
+        if self.cur != NULL and self.cur_is_heap and __atomic_load_n(&self.cur.refcnt, 0) == 1:
+            if self.spare != NULL:
+                rl_block_decref(self.spare)
+            self.spare = self.cur
+            self.cur = NULL
+        self._release_cur()
+
+    cdef rl_block *_take_spare(self, int64_t size) noexcept nogil:
+        cdef rl_block *b = self.spare
+        if b == NULL or b.aux < size:          # rl_block_new keeps the capacity in aux
+            return NULL
+        self.spare = NULL
+        b.size = size
+        return b
+
+    cdef int _grow_table(self, int64_t need) except -1:
+        if need <= self.ck_cap:
+            return 0
+        cdef int64_t cap = max(need, 2 * self.ck_cap, 64)
+        cdef int64_t *a = <int64_t *>realloc(self.ck_pos, cap * sizeof(int64_t))
+        if a == NULL: raise MemoryError()
+        self.ck_pos = a
+        a = <int64_t *>realloc(self.ck_first, cap * sizeof(int64_t))
+        if a == NULL: raise MemoryError()
+        self.ck_first = a
+        a = <int64_t *>realloc(self.ck_n, cap * sizeof(int64_t))
+        if a == NULL: raise MemoryError()
+        self.ck_n = a
+        self.ck_cap = cap
+        return 0
+
+    # -- sidecar index ---------------------------------------------------------
+    def _load_index(self, st):
+        try:
+            with open(self.index_path, "rb") as f:
+                raw = f.read()
+        except OSError:
+            return False
+        cdef int64_t n, i
+        if len(raw) < 60 or raw[:8] != INDEX_MAGIC:
+            return False
+        body = raw[:len(raw) - 4]
+        if rl_crc32c(0, <const char *>body, len(body)) != int.from_bytes(raw[len(raw) - 4:], "little"):
+            return False
+        h = np.frombuffer(raw, dtype="<u8", count=7, offset=8)
+        fsize, mtime, ztype_cb, nrec, nck, end = int(h[0]), int(h[1]), int(h[2]), int(h[3]), int(h[4]), int(h[5])
+        if (fsize != st.st_size or mtime != st.st_mtime_ns or ztype_cb != (self.ztype | (_CHUNK_BYTES << 8))
+                or int(h[6]) != _CHUNK_RECORDS or len(raw) != 64 + 24 * nck + 4):
+            return False                 # stale or another layout: rebuilt on the next full pass
+        table = np.frombuffer(raw, dtype="<i8", count=3 * nck, offset=64).reshape(nck, 3)
+        self._grow_table(nck + 1)
+        total = 0
+        for i in range(nck):
+            self.ck_pos[i] = table[i, 0]
+            self.ck_first[i] = table[i, 1]
+            self.ck_n[i] = table[i, 2]
+            if self.ck_first[i] != total or self.ck_n[i] <= 0 or self.ck_n[i] > _CHUNK_RECORDS:
+                return False
+            total += self.ck_n[i]
+        if total != nrec:
+            return False
+        self.nck = nck
+        self.total_records = nrec
+        self.stream_end = end
+        self.complete = True
+        self.index_written = True
+        return True
+
+    def _index_bytes(self):
+        st = os.stat(self.path)
+        n = self.nck
+        table = np.empty((n, 3), dtype="<i8")
+        cdef int64_t i
+        for i in range(n):
+            table[i, 0] = self.ck_pos[i]
+            table[i, 1] = self.ck_first[i]
+            table[i, 2] = self.ck_n[i]
+        head = INDEX_MAGIC + np.array([st.st_size, st.st_mtime_ns, self.ztype | (_CHUNK_BYTES << 8),
+                                       self.total_records, n, self.stream_end, _CHUNK_RECORDS],
+                                      dtype="<u8").tobytes()
+        body = head + table.tobytes()
+        return body + int(rl_crc32c(0, <const char *>body, len(body))).to_bytes(4, "little")
+
+    def _write_index(self, path=None):
+        """Write the sidecar index (atomically); False if the directory is read-only."""
+        path = path or self.index_path
+        if path is None or not self.complete:
+            return False
+        data = self._index_bytes()
+        tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return False
+        self.index_written = True
+        return True
+
+    cdef int _finish_table(self, int64_t end) except -1:
+        """The scan reached the end of the stream at `end`: the table is complete."""
+        self.complete = True
+        self.stream_end = end
+        if self.index_path is not None and not self.index_written:
+            self._write_index()
+        return 0
+
+    # -- compressed stream (no GIL) --------------------------------------------
+    cdef int _zrestart(self) noexcept nogil:
+        if self.zs_init:
+            inflateEnd(&self.zs)
+            self.zs_init = False
+        memset_zs(&self.zs)
+        if inflateInit2(&self.zs, 15 if self.ztype == 1 else 31) != Z_OK:
+            self.err_code = E_NOMEM
+            return -1
+        self.zs_init = True
+        self.zs.next_in = <const unsigned char *>self.base
+        self.zs.avail_in = 0
+        self.zs_eof = False
+        self.dlo = 0
+        self.dhi = 0
+        self.spos = 0
+        return 0
+
+    cdef int64_t _zavail(self, int64_t need) noexcept nogil:
+        """Make `need` bytes past dlo available if the stream has them.
+
+        Returns the bytes available past dlo, or -1 (err_code set)."""
+        cdef int64_t consumed, cap
+        cdef char *p
+        cdef int r
+        while self.dhi - self.dlo < need and not self.zs_eof:
+            if self.dlo > 0:
+                memmove(self.dbuf, self.dbuf + self.dlo, self.dhi - self.dlo)
+                self.dhi -= self.dlo
+                self.dlo = 0
+            if need > self.dcap or self.dhi == self.dcap:
+                cap = self.dcap * 2
+                if cap < need:
+                    cap = need
+                if cap < (1 << 20):
+                    cap = 1 << 20
+                p = <char *>realloc(self.dbuf, cap)
+                if p == NULL:
+                    self.err_code = E_NOMEM
+                    return -1
+                self.dbuf = p
+                self.dcap = cap
+            if self.zs.avail_in == 0:
+                consumed = <const char *>self.zs.next_in - self.base
+                if consumed >= self.fsize:
+                    self.err_code = E_ZTRUNC
+                    self.err_off = self.fsize
+                    return -1
+                self.zs.avail_in = <unsigned int>min64(self.fsize - consumed, 1 << 30)
+            self.zs.next_out = <unsigned char *>self.dbuf + self.dhi
+            self.zs.avail_out = <unsigned int>min64(self.dcap - self.dhi, 1 << 30)
+            r = inflate(&self.zs, Z_NO_FLUSH)
+            self.dhi = <char *>self.zs.next_out - self.dbuf
+            if r == Z_STREAM_END:
+                consumed = <const char *>self.zs.next_in - self.base
+                if consumed < self.fsize:
+                    inflateReset(&self.zs)          # another gzip member follows
+                else:
+                    self.zs_eof = True
+            elif r == Z_BUF_ERROR:
+                consumed = <const char *>self.zs.next_in - self.base
+                if consumed >= self.fsize and self.zs.avail_in == 0:
+                    self.err_code = E_ZTRUNC
+                    self.err_off = self.fsize
+                    return -1
+            elif r != Z_OK:
+                self.err_code = E_NOMEM if r == Z_MEM_ERROR else E_ZDATA
+                self.err_off = <const char *>self.zs.next_in - self.base
+                return -1
+        return self.dhi - self.dlo
+
+    cdef int _zseek(self, int64_t pos) noexcept nogil:
+        """Position the decompressed stream at `pos` (restarting if behind)."""
+        cdef int64_t k, a
+        if not self.zs_init or pos < self.spos:
+            if self._zrestart() != 0:
+                return -1
+        while self.spos < pos:
+            a = self._zavail(1)
+            if a < 0:
+                return -1
+            if a == 0:
+                self.err_code = E_TRUNC
+                self.err_off = self.spos
+                return -1
+            k = min64(a, pos - self.spos)
+            self.dlo += k
+            self.spos += k
+        return 0
+
+    # -- chunk scan (no GIL) -------------------------------------------------------
+    cdef int _scan(self, int64_t pos, int64_t want_n, bint build) noexcept nogil:
+        """Scan records from stream offset `pos`.
+
+        want_n >= 0: exactly that many records (a known chunk); else greedily,
+        one chunk's worth (CHUNK_BYTES / CHUNK_RECORDS), stopping at the end.
+        build: verify data CRCs and sizes and make `cur` the chunk's block;
+        otherwise only the lengths are checked (index scan).  Returns 0 or -1
+        with err_code/err_off set; `scan_n`/`scan_bytes` tell what was read.
+        """
+        cdef int64_t rel = 0, i = 0, avail, length, need, total, k
+        cdef const char *cb
+        cdef const char *p
+        cdef const char *src
+        cdef rl_block *blk
+        cdef char *dst
+        cdef bint z = self.ztype != 0
+        cdef uint32_t crc
+        self.err_code = E_OK
+        if z and self._zseek(pos) != 0:
+            return -1
+        while True:
+            if want_n >= 0:
+                if i == want_n:
+                    break
+            elif i > 0 and (rel >= _CHUNK_BYTES or i == _CHUNK_RECORDS):
+                break
+            if z:
+                avail = self._zavail(rel + 12)
+                if avail < 0:
+                    return -1
+                cb = self.dbuf + self.dlo
+            else:
+                avail = self.fsize - pos
+                cb = self.base + pos
+            if avail == rel:
+                if want_n >= 0:
+                    self.err_code = E_INDEX
+                    self.err_off = pos + rel
+                    return -1
+                break
+            if avail < rel + 12:
+                self.err_code = E_TRUNC
+                self.err_off = pos + rel
+                return -1
+            p = cb + rel
+            length = <int64_t>rl_load_u64(p)
+            if rl_crc32c_mask(rl_crc32c(0, p, 8)) != rl_load_u32(p + 8):
+                self.err_code = E_LEN_CRC
+                self.err_off = pos + rel
+                return -1
+            if rl_load_u64(p) > (<uint64_t>1 << 40):      # 1 TiB: larger is corruption
+                self.err_code = E_LENGTH
+                self.err_off = pos + rel
+                self.err_val = length
+                return -1
+            need = rel + 16 + length
+            if z:
+                avail = self._zavail(need)
+                if avail < 0:
+                    return -1
+                cb = self.dbuf + self.dlo
+            if avail < need:
+                self.err_code = E_TRUNC
+                self.err_off = pos + rel
+                return -1
+            p = cb + rel
+            if build:
+                # data CRCs are checked next to the copy that follows (below, or
+                # in c_next for zero-copy records), while the record is in cache
+                if (self.lod_mode and length % self.row_bytes != 0) or (
+                        not self.lod_mode and length != self.fixed_size):
+                    self.err_code = E_SIZE
+                    self.err_off = pos + rel
+                    self.err_val = length
+                    return -1
+                self.cur_off[i] = rel + 12
+                self.cur_len[i] = length
+            rel = need
+            i += 1
+        self.scan_n = i
+        self.scan_bytes = rel
+        if not build:
+            if z:
+                self.dlo += rel
+                self.spos += rel
+            return 0
+        # the chunk's block
+        if not z and not self.lod_mode:
+            blk = rl_chunkview_new(self.mapping, <char *>cb, rel, 1)
+            if blk == NULL:
+                self.err_code = E_NOMEM
+                return -1
+        else:
+            total = 0
+            for k in range(i):
+                total += self.cur_len[k]
+            if self.lod_mode:
+                total += 8 * i
+            blk = self._take_spare(total)
+            if blk == NULL:
+                blk = rl_block_new(total)
+                if blk == NULL:
+                    self.err_code = E_NOMEM
+                    return -1
+            dst = blk.data
+            for k in range(i):
+                length = self.cur_len[k]
+                src = cb + self.cur_off[k]
+                if rl_crc32c_mask(rl_crc32c(0, src, length)) != rl_load_u32(src + length):
+                    rl_block_decref(blk)
+                    self.err_code = E_DATA_CRC
+                    self.err_off = pos + self.cur_off[k] - 12
+                    return -1
+                self.cur_off[k] = dst - blk.data
+                if self.lod_mode:           # the instance encoding: int64 rows, then the rows
+                    rl_store_i64(dst, length // self.row_bytes)
+                    dst += 8
+                    self.cur_len[k] = length + 8
+                memcpy(dst, src, length)
+                dst += length
+            if z:
+                self.dlo += rel
+                self.spos += rel
+        self._retire_cur()
+        self.cur = blk
+        self.cur_is_heap = z or self.lod_mode
+        self.cur_is_view = not self.cur_is_heap
+        self.cur_n = i
+        self.cur_i = 0
+        return 0
+
+    cdef int _raise(self) except -1:
+        off = self.err_off
+        code = self.err_code
+        where = " of the uncompressed stream" if self.ztype else ""
+        if code == E_NOMEM:
+            raise MemoryError(f"{self.path}: out of memory reading a chunk at {off}")
+        if code == E_SIZE:
+            f = self.schema[0]
+            if self.lod_mode:
+                need = f"a multiple of {self.row_bytes} bytes (rows of {f.dtype}{list(f.shape)})"
+            else:
+                need = f"{self.fixed_size} bytes ({f.dtype}{list(f.shape)})"
+            raise ValueError(f"{self.path}: record at {off}{where} has {self.err_val} bytes; "
+                             f"field {f.name!r} needs {need}")
+        msgs = {
+            E_TRUNC: f"truncated record at {off}",
+            E_LEN_CRC: f"corrupted record at {off} (length checksum mismatch)",
+            E_DATA_CRC: f"corrupted record at {off} (data checksum mismatch)",
+            E_LENGTH: f"corrupted record at {off} (length {self.err_val} out of range)",
+            E_ZDATA: f"corrupted record at {self.spos}{where} (invalid {self.compression} data near "
+                     f"byte offset {off} of the file)",
+            E_ZTRUNC: f"truncated record at {self.spos}{where} (the {self.compression} stream ends "
+                      f"early, at byte offset {off} of the file)",
+            E_INDEX: f"truncated record at {off} (the file ends before the records its index "
+                     f"lists: stale index {self.index_path!r}?)",
+        }
+        msg = msgs.get(code, f"record error {code} at {off}")
+        if code not in (E_ZDATA, E_ZTRUNC) and where:
+            msg += where
+        raise TFRecordError(f"{self.path}: {msg}", self.path, off)
+
+    # -- reading ---------------------------------------------------------------
+    cdef int _next_chunk(self) except -1 nogil:
+        """Load the next chunk of the order; 0 at the end."""
+        cdef int64_t k, pos, r
+        if self.selected:
+            if self.iorder >= self.norder:
+                return 0
+            k = self.order[self.iorder]
+        else:
+            k = self.iorder
+            if k >= self.nck:
+                if self.complete:
+                    return 0
+                pos = 0 if self.nck == 0 else self.ck_pos[self.nck - 1] + self.scan_end_of(self.nck - 1)
+                r = self._scan(pos, -1, True)
+                if r != 0:
+                    with gil:
+                        self._raise()
+                if self.scan_n == 0:
+                    self._release_cur()
+                    self.cur_n = 0
+                    with gil:
+                        self._finish_table(pos)
+                    return 0
+                with gil:
+                    self._append_chunk(pos, self.scan_n, self.scan_bytes)
+                self.iorder += 1
+                self.cur_chunk = k
+                return 1
+        if self._scan(self.ck_pos[k], self.ck_n[k], True) != 0:
+            with gil:
+                self._raise()
+        self.iorder += 1
+        self.cur_chunk = k
+        return 1
+
+    cdef int64_t scan_end_of(self, int64_t k) noexcept nogil:
+        # bytes of chunk k: up to the next chunk, or the last scan's length
+        if k + 1 < self.nck:
+            return self.ck_pos[k + 1] - self.ck_pos[k]
+        return self.last_bytes
+
+    cdef int _append_chunk(self, int64_t pos, int64_t n, int64_t nbytes) except -1:
+        self._grow_table(self.nck + 1)
+        self.ck_pos[self.nck] = pos
+        self.ck_first[self.nck] = self.total_records
+        self.ck_n[self.nck] = n
+        self.nck += 1
+        self.total_records += n
+        self.last_bytes = nbytes
+        return 0
+
+    cdef int c_next(self, rl_record *out) except -1 nogil:
+        while self.cur_i >= self.cur_n:
+            if self._next_chunk() == 0:
+                return 0
+        out.block = self.cur
+        out.data = self.cur.data + self.cur_off[self.cur_i]
+        out.size = self.cur_len[self.cur_i]
+        if self.cur_is_view and rl_crc32c_mask(rl_crc32c(0, out.data, out.size)) != rl_load_u32(
+                out.data + out.size):
+            # zero-copy records are verified as they are handed out: the CRC pass
+            # leaves the record in cache for the consumer's copy
+            self.err_code = E_DATA_CRC
+            self.err_off = self.ck_pos[self.cur_chunk] + self.cur_off[self.cur_i] - 12
+            self.cur_i = self.cur_n            # the rest of this chunk is not handed out
+            with gil:
+                self._raise()
+        self.cur_i += 1
+        return 1
+
+    cdef int c_reset(self) except -1:
+        self._release_cur()
+        self.cur_n = 0
+        self.cur_i = 0
+        self.iorder = 0
+        return 0
+
+    cdef int c_close(self) except -1:
+        self._release_cur()
+        if self.spare != NULL:
+            rl_block_decref(self.spare)
+            self.spare = NULL
+        if self.mapping != NULL:
+            rl_block_decref(self.mapping)     # chunk views still held keep it mapped
+            self.mapping = NULL
+        if self.zs_init:
+            inflateEnd(&self.zs)
+            self.zs_init = False
+        return 0
+
+    # -- index, seeking, sharding -------------------------------------------------
+    def _ensure_index(self):
+        """Complete the chunk table by scanning the rest of the file (lengths only)."""
+        self._check_open()
+        cdef int64_t pos
+        cdef int r
+        while not self.complete:
+            pos = 0 if self.nck == 0 else self.ck_pos[self.nck - 1] + self.scan_end_of(self.nck - 1)
+            with nogil:
+                r = self._scan(pos, -1, False)
+            if r != 0:
+                self._raise()
+            if self.scan_n == 0:
+                self._finish_table(pos)
+            else:
+                self._append_chunk(pos, self.scan_n, self.scan_bytes)
+        return self
+
+    @property
+    def has_index(self):
+        """True when the chunk table is complete (sidecar loaded or file scanned)."""
+        return self.complete
+
+    @property
+    def num_records(self):
+        """Records in the file (scans the file once when no index is known)."""
+        self._ensure_index()
+        return self.total_records
+
+    @property
+    def num_chunks(self):
+        self._ensure_index()
+        return self.nck
+
+    def __len__(self):
+        return self.num_records
+
+    def chunk_table(self):
+        """(offsets, record counts) of every chunk, as int64 arrays (builds the index)."""
+        self._ensure_index()
+        offs = np.empty(self.nck, np.int64)
+        nrec = np.empty(self.nck, np.int64)
+        cdef int64_t i
+        for i in range(self.nck):
+            offs[i] = self.ck_pos[i]
+            nrec[i] = self.ck_n[i]
+        return offs, nrec
+
+    def select_chunks(self, chunks):
+        """Read only these chunk indices, in this order (sharding, resume)."""
+        self._ensure_index()
+        sel = np.asarray(chunks, dtype=np.int64).reshape(-1)
+        if sel.size and (sel.min() < 0 or sel.max() >= self.nck):
+            raise IndexError(f"chunk indices must be in [0, {self.nck}), got {sel.tolist()[:8]}")
+        cdef int64_t i
+        free(self.order)
+        self.order = <int64_t *>malloc(max(1, sel.shape[0]) * sizeof(int64_t))
+        if self.order == NULL:
+            raise MemoryError()
+        for i in range(sel.shape[0]):
+            self.order[i] = sel[i]
+        self.norder = sel.shape[0]
+        self.selected = True
+        self.c_reset()
+        return self
+
+    def select_all(self):
+        """Undo `select_chunks`: read every chunk in file order."""
+        self.selected = False
+        self.norder = 0
+        self.c_reset()
+        return self
+
+    def write_index(self, path=None):
+        """Scan if needed and write the sidecar index; returns its path."""
+        self._ensure_index()
+        path = path or self.index_path or (self.path + INDEX_SUFFIX)
+        if not self._write_index(path):
+            raise OSError(f"could not write the index {path!r}")
+        return path
+
+    def __repr__(self):
+        comp = f", compression={self.compression!r}" if self.compression else ""
+        n = f"{self.total_records} records in {self.nck} chunks" if self.complete else "not indexed yet"
+        return f"TFRecordReader({self.path!r}{comp}, {n})"
+
+
+cdef inline int64_t min64(int64_t a, int64_t b) noexcept nogil:
+    return a if a < b else b
+
+
+cdef inline void memset_zs(z_stream *zs) noexcept nogil:
+    zs.next_in = NULL
+    zs.avail_in = 0
+    zs.total_in = 0
+    zs.next_out = NULL
+    zs.avail_out = 0
+    zs.total_out = 0
+    zs.msg = NULL
+    zs.zalloc = NULL
+    zs.zfree = NULL
+    zs.opaque = NULL
+
+
+def build_index(path, compression=None, index_path=None):
+    """Scan a TFRecord file and write its sidecar index (``readerlib index FILE``).
+
+    Returns the index path.  Only record lengths (and their CRCs) are checked;
+    data checksums are verified when records are read.
+    """
+    with TFRecordReader(path, compression=compression,
+                        index=index_path if index_path is not None else "auto") as r:
+        r._ensure_index()
+        return r.write_index(index_path)
+
+
+# ------------------------------------------------------------------- writer
+cdef class TFRecordWriter:
+    """Write a TFRecord file, byte-identical to `tf.io.TFRecordWriter`.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    compression : {None, "ZLIB", "GZIP"}
+    compression_level : int
+        zlib level, -1 (zlib's default, TensorFlow's too) or 0..9.
+
+    Examples
+    --------
+    >>> with TFRecordWriter("out.tfrecord") as w:
+    ...     w.write(b"hello")
+    ...     w.write(np.arange(4, dtype=np.float32))    # its raw bytes
+    """
+    cdef readonly str path
+    cdef readonly object compression
+    cdef readonly int64_t num_records
+    cdef object _f
+    cdef object _z
+    cdef bytearray _buf
+    cdef bint _closed
+
+    def __cinit__(self):
+        self._closed = True
+
+    def __init__(self, path, compression=None, compression_level=-1):
+        ztype = _compression_code(compression)
+        if not isinstance(compression_level, int) or not -1 <= compression_level <= 9:
+            raise ValueError(f"compression_level must be -1 or 0..9, got {compression_level!r}")
+        self.compression = _ZNAMES[ztype]
+        self.path = os.fspath(path)
+        # TF's ZlibCompressionOptions: deflate, window 15 (+16 for gzip), memLevel 9
+        self._z = (_pyzlib.compressobj(compression_level, _pyzlib.DEFLATED, 15 if ztype == 1 else 31, 9)
+                   if ztype else None)
+        self._f = open(self.path, "wb")
+        self._buf = bytearray()
+        self._closed = False
+
+    def __del__(self):
+        if not self._closed:
+            try:
+                self.close()
+            except Exception:
+                pass
+
+    def _check_open(self):
+        if self._closed:
+            raise ValueError("I/O operation on closed TFRecordWriter")
+
+    cdef int _append(self, const char *data, int64_t n) except -1:
+        cdef char head[12]
+        cdef char foot[4]
+        with nogil:
+            rl_store_u64(head, <uint64_t>n)
+            rl_store_u32(head + 8, rl_crc32c_mask(rl_crc32c(0, head, 8)))
+            rl_store_u32(foot, rl_crc32c_mask(rl_crc32c(0, data, n)))
+        self._buf += (<char *>head)[:12]
+        if n:
+            self._buf += (<char *>data)[:n]
+        self._buf += (<char *>foot)[:4]
+        self.num_records += 1
+        if len(self._buf) >= (1 << 20):
+            self._drain()
+        return 0
+
+    cdef _drain(self):
+        if not self._buf:
+            return
+        if self._z is not None:
+            self._f.write(self._z.compress(self._buf))
+        else:
+            self._f.write(self._buf)
+        self._buf = bytearray()
+
+    def write(self, record):
+        """Append one record: bytes-like, or an array (its raw bytes, C order)."""
+        self._check_open()
+        if isinstance(record, np.ndarray):
+            record = np.ascontiguousarray(record).reshape(-1).view(np.uint8)
+        elif isinstance(record, str):
+            raise TypeError("a record is bytes-like (encode str first), got str")
+        cdef const unsigned char[::1] v = memoryview(record).cast("B")
+        self._append(<const char *>&v[0] if v.shape[0] else <const char *>"", v.shape[0])
+
+    def write_batch(self, records):
+        """Append many records: the rows of a 2-D array, or an iterable of bytes-like."""
+        self._check_open()
+        cdef const unsigned char[:, ::1] m
+        cdef int64_t i
+        if isinstance(records, np.ndarray):
+            a = np.ascontiguousarray(records)
+            if a.ndim < 2:
+                raise ValueError(f"write_batch: an array of records has rows (ndim >= 2), got shape {a.shape}")
+            a = a.reshape(a.shape[0], -1)
+            m = a.view(np.uint8)
+            for i in range(m.shape[0]):
+                self._append(<const char *>&m[i, 0] if m.shape[1] else <const char *>"", m.shape[1])
+            return
+        for r in records:
+            self.write(r)
+
+    def flush(self):
+        """Push buffered records to the OS (a compressed stream is sync-flushed)."""
+        self._check_open()
+        self._drain()
+        if self._z is not None:
+            self._f.write(self._z.flush(_pyzlib.Z_SYNC_FLUSH))
+        self._f.flush()
+
+    def close(self):
+        """Finish the file (and the compressed stream).  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._drain()
+            if self._z is not None:
+                self._f.write(self._z.flush(_pyzlib.Z_FINISH))
+        finally:
+            self._f.close()
+
+    @property
+    def closed(self):
+        return self._closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __repr__(self):
+        return f"TFRecordWriter({self.path!r}, {self.num_records} records)"

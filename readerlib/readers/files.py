@@ -1,0 +1,338 @@
+"""`open_files`: many files, a pool of threads, one deterministic stream (Paddle's open_files).
+
+Files are dispatched to readers by suffix through a registry that user file
+readers can join (`register_file_reader`).  Sharding splits the files'
+chunks between ranks (`shard=(rank, world)` or ``"auto"``, which reads
+``RANK``/``WORLD_SIZE`` as set by torchrun).  The threaded reading itself is
+compiled (`readerlib/readers/_multifile.pyx`).
+"""
+import glob as _glob
+import os
+import threading
+
+import numpy as np
+
+from readerlib.formats._recordio import RecordIOReader
+from readerlib.formats._tfrecord import INDEX_SUFFIX, TFRecordReader
+from readerlib.readers._base import ReaderBase
+from readerlib.readers._multifile import MultiFileReader, ShardReader
+from readerlib.tensor import Schema
+
+__all__ = ["open_files", "register_file_reader", "unregister_file_reader", "file_reader_for",
+           "open_file", "shard_from_env", "ShardReader", "MultiFileReader"]
+
+_REGISTRY = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def register_file_reader(suffix, factory, replace=False):
+    """Make `open_files` read files ending in `suffix` with `factory`.
+
+    Parameters
+    ----------
+    suffix : str
+        Like ``".rio"`` or ``".tfrecord.gz"``; matched case-insensitively,
+        the longest registered suffix wins.
+    factory : callable
+        ``factory(path)`` -> a readerlib reader of instances; it is called
+        as ``factory(path, schema=schema)`` when `open_files` gets a schema.
+        Each worker thread opens its own reader per file.  A reader that has
+        ``chunk_table()`` and ``select_chunks()`` is read (and sharded) by
+        chunks, any other by whole files.
+    replace : bool
+        Allow replacing an existing registration.
+
+    Examples
+    --------
+    >>> def lines(path, schema=None):
+    ...     return rl.PythonReader(lambda: (np.frombuffer(l, np.uint8) for l in open(path, "rb")),
+    ...                            rl.Schema([rl.Field("line", "uint8", lod_level=1)]))
+    >>> rl.register_file_reader(".txt", lines)
+    """
+    if not isinstance(suffix, str) or not suffix.startswith(".") or len(suffix) < 2:
+        raise ValueError(f"suffix must be a string like '.rio', got {suffix!r}")
+    if not callable(factory):
+        raise TypeError(f"factory must be callable (path -> reader), got {type(factory).__name__}")
+    key = suffix.lower()
+    with _REGISTRY_LOCK:
+        if key in _REGISTRY and not replace and _REGISTRY[key] is not factory:
+            raise ValueError(f"a reader is already registered for {suffix!r}; pass replace=True")
+        _REGISTRY[key] = factory
+
+
+def unregister_file_reader(suffix):
+    """Remove a registration (KeyError if there is none)."""
+    with _REGISTRY_LOCK:
+        del _REGISTRY[suffix.lower()]
+
+
+def file_reader_for(path):
+    """The factory registered for `path` (longest matching suffix)."""
+    name = os.fspath(path).lower()
+    with _REGISTRY_LOCK:
+        best = None
+        for suffix in _REGISTRY:
+            if name.endswith(suffix) and (best is None or len(suffix) > len(best)):
+                best = suffix
+        if best is None:
+            raise ValueError(f"no file reader registered for {os.fspath(path)!r} (known suffixes: "
+                             f"{sorted(_REGISTRY)}); use rl.register_file_reader(suffix, factory)")
+        return _REGISTRY[best]
+
+
+def open_file(path, schema=None):
+    """Open one file with the reader its suffix is registered to."""
+    factory = file_reader_for(path)
+    reader = factory(os.fspath(path)) if schema is None else factory(os.fspath(path), schema=schema)
+    if not isinstance(reader, ReaderBase):
+        raise TypeError(f"the reader factory for {os.fspath(path)!r} returned "
+                        f"{type(reader).__name__}, not a readerlib reader")
+    return reader
+
+
+def _recordio(path, schema=None):
+    r = RecordIOReader(path)
+    if schema is not None and Schema.coerce(schema) != r.schema:
+        raise ValueError(f"{path}: the file's schema {r.schema} differs from schema={schema}")
+    return r
+
+
+def _tfrecord(compression):
+    def factory(path, schema=None):
+        return TFRecordReader(path, schema=schema, compression=compression)
+    factory.__name__ = f"tfrecord_{(compression or 'none').lower()}"
+    return factory
+
+
+for _s in (".rio", ".recordio"):
+    register_file_reader(_s, _recordio)
+for _s in (".tfrecord", ".tfrecords", ".tfrec"):
+    register_file_reader(_s, _tfrecord(None))
+    register_file_reader(_s + ".gz", _tfrecord("GZIP"))
+    register_file_reader(_s + ".zlib", _tfrecord("ZLIB"))
+
+
+def shard_from_env(environ=None):
+    """(rank, world) from ``RANK``/``WORLD_SIZE`` (torchrun); (0, 1) when unset."""
+    env = os.environ if environ is None else environ
+    try:
+        rank = int(env.get("RANK", "0"))
+        world = int(env.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise ValueError(f"RANK/WORLD_SIZE must be integers, got RANK={env.get('RANK')!r} "
+                         f"WORLD_SIZE={env.get('WORLD_SIZE')!r}") from None
+    return _check_shard((rank, world))
+
+
+def _check_shard(shard):
+    if shard is None:
+        return None
+    if shard == "auto":
+        return shard_from_env()
+    try:
+        rank, world = shard
+        rank, world = int(rank), int(world)
+    except (TypeError, ValueError):
+        raise TypeError(f"shard must be (rank, world), 'auto' or None, got {shard!r}") from None
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"shard=(rank, world) needs 0 <= rank < world, got {shard!r}")
+    return rank, world
+
+
+def _is_sidecar(path):
+    name = os.path.basename(path)
+    return name.endswith(INDEX_SUFFIX) or (INDEX_SUFFIX + ".tmp") in name
+
+
+def _expand(paths_or_glob):
+    items = [paths_or_glob] if isinstance(paths_or_glob, (str, os.PathLike)) else list(paths_or_glob)
+    if not items:
+        raise ValueError("open_files needs at least one path or glob pattern")
+    out = []
+    for item in items:
+        item = os.fspath(item)
+        if _glob.has_magic(item):
+            # a pattern like "data/*" also matches the TFRecord index sidecars: not data files
+            found = sorted(f for f in _glob.glob(item) if not _is_sidecar(f))
+            if not found:
+                raise FileNotFoundError(f"open_files: no file matches {item!r}")
+            out.extend(found)
+        else:
+            if not os.path.exists(item):
+                raise FileNotFoundError(f"open_files: no such file {item!r}")
+            out.append(item)
+    return out
+
+
+class FilePlan:
+    """Which units (file chunks, or whole files) a rank reads, in which order.
+
+    Units are listed canonically (files in the given order, chunks in file
+    order) and dealt to the ranks balanced by record count (`_assign`); a
+    rank reads its units in canonical order.  Each epoch the files (not
+    the chunks inside them) are permuted by (seed, epoch) when
+    shuffle_files is set.  Every rank computes the same table, so the ranks
+    read disjoint units and together all of them.
+    """
+
+    def __init__(self, paths, schema, shard, shuffle_files, seed, by_chunks):
+        self.paths = paths
+        self.schema = schema
+        self.shard = shard
+        self.shuffle_files = shuffle_files
+        self.seed = seed
+        units = []            # (file index, chunks or None, record count or None)
+        self._user_schema = schema
+        first = None
+        for i, p in enumerate(paths):
+            r = open_file(p, schema)
+            try:
+                if r.item_kind != 0:
+                    raise TypeError(f"open_files reads instances; the reader for {p!r} yields batches")
+                if first is None:
+                    first = (p, r.schema)
+                elif r.schema != first[1]:
+                    raise ValueError(f"open_files: {p!r} has schema {r.schema}, but {first[0]!r} has "
+                                     f"{first[1]}; files of one stream share a schema (pass schema=)")
+                # a compressed stream cannot be entered mid-way: whole-file units
+                chunked = (hasattr(r, "chunk_table") and hasattr(r, "select_chunks")
+                           and not getattr(r, "compression", None))
+                if chunked and (by_chunks or getattr(r, "has_index", False)):
+                    _, counts = r.chunk_table()
+                    units.extend((i, [c], int(n)) for c, n in enumerate(counts))
+                else:
+                    n = None
+                    if by_chunks:            # sharding: counts balance the ranks
+                        try:
+                            n = len(r)
+                        except TypeError:
+                            pass
+                    units.append((i, None, n))
+            finally:
+                r.close()
+        self.schema = first[1]
+        self.units = units
+        rank, world = shard or (0, 1)
+        self.owner = self._assign(units, world)
+        self.mine = [u for u, o in zip(units, self.owner) if o == rank]
+
+    @staticmethod
+    def _assign(units, world):
+        """Rank of each unit: balanced by record count when every count is known
+        (largest first, to the least-loaded rank, ties to the lowest rank: LPT);
+        round-robin otherwise.  Deterministic, so every rank computes the same."""
+        if world == 1:
+            return [0] * len(units)
+        if any(u[2] is None for u in units):
+            return [k % world for k in range(len(units))]
+        load = [0] * world
+        owner = [0] * len(units)
+        for k in sorted(range(len(units)), key=lambda k: -units[k][2]):
+            r = min(range(world), key=lambda j: (load[j], j))
+            owner[k] = r
+            load[r] += units[k][2]
+        return owner
+
+    def count(self, unit):
+        i, chunks, n = unit
+        if n is None:
+            r = open_file(self.paths[i], self._user_schema)
+            try:
+                n = len(r)
+            except TypeError:
+                raise ValueError(f"equal_batches needs record counts; the reader for "
+                                 f"{self.paths[i]!r} has neither chunk_table() nor len()") from None
+            finally:
+                r.close()
+        return n
+
+    def rank_counts(self):
+        """Records each rank would read in an epoch."""
+        rank, world = self.shard or (0, 1)
+        counts = [0] * world
+        for u, o in zip(self.units, self.owner):
+            counts[o] += self.count(u)
+        return counts
+
+    def open(self, path):
+        return open_file(path, self._user_schema)
+
+    def epoch_units(self, epoch):
+        """[(path, chunks or None)] for this rank and epoch, in reading order."""
+        units = self.mine
+        if self.shuffle_files:
+            files = sorted({u[0] for u in units})
+            perm = np.random.default_rng([self.seed, epoch]).permutation(len(files))
+            rank_of = {files[j]: pos for pos, j in enumerate(perm)}
+            units = sorted(units, key=lambda u: rank_of[u[0]])      # stable: chunks stay in order
+        return [(self.paths[i], chunks) for i, chunks, _ in units]
+
+    def __repr__(self):
+        sh = f", shard={self.shard}" if self.shard else ""
+        return f"FilePlan({len(self.paths)} files, {len(self.mine)}/{len(self.units)} units{sh})"
+
+
+def open_files(paths_or_glob, num_threads=1, shuffle_files=False, seed=None, shard=None,
+               equal_batches=False, schema=None, timeout=None):
+    """Read many files with a pool of threads, as one stream of instances.
+
+    The order is deterministic: the files' records are concatenated in file
+    order (or in an order drawn from (seed, epoch) with `shuffle_files`),
+    whatever the number of threads and however fast each one runs.  Each
+    file is read by the reader registered for its suffix (``.rio``,
+    ``.tfrecord``, ``.tfrecord.gz``, ... see `register_file_reader`); all
+    files must share one schema.  Follow with ``.shuffle()`` for
+    record-level shuffling, ``.batch()`` for batches.
+
+    Parameters
+    ----------
+    paths_or_glob : str, path, or list of them
+        Files or glob patterns (a pattern's matches are sorted).
+    num_threads : int
+        Worker threads; each runs compiled readers with the GIL released.
+    shuffle_files : bool
+        Permute the files each epoch, from (seed, epoch).
+    seed : int, optional
+        Pass `seed=` to make a shuffled file order reproducible.
+    shard : (rank, world), "auto" or None
+        Read only this rank's share of the files' chunks (whole files for
+        readers without chunks); "auto" takes RANK / WORLD_SIZE from the
+        environment (torchrun), (0, 1) when unset.  The ranks' shares are
+        disjoint and cover every record.
+    equal_batches : bool
+        Trim every rank to the smallest rank's record count, so that all
+        ranks yield the same number of records (and batches).
+    schema : Schema, optional
+        For readers that take one (TFRecord); checked against the others.
+    timeout : float, optional
+        Raise TimeoutError when no record arrives for this many seconds.
+
+    Returns
+    -------
+    MultiFileReader
+
+    Raises
+    ------
+    FileNotFoundError, ValueError, TypeError
+        At construction.  While reading, a worker's exception (a corrupt
+        chunk, ...) is raised by `read_next()` after every record before it,
+        naming the file; `reset()` restarts the stream.
+
+    Examples
+    --------
+    >>> r = rl.open_files("data/train-*.tfrecord", num_threads=2, shard="auto",
+    ...                   equal_batches=True).shuffle(10_000, seed=0).batch(256)
+    """
+    paths = _expand(paths_or_glob)
+    shard = _check_shard(shard)
+    if shuffle_files and seed is None:
+        seed = int.from_bytes(os.urandom(8), "little")
+    elif seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    if schema is not None:
+        schema = Schema.coerce(schema)
+    plan = FilePlan(paths, schema, shard, bool(shuffle_files), seed, by_chunks=shard is not None)
+    limit = -1
+    if equal_batches:
+        limit = min(plan.rank_counts())
+    return MultiFileReader(plan, plan.schema, num_threads=num_threads, limit=limit, timeout=timeout)
