@@ -9,8 +9,18 @@ Build a chain in Python, iterate batches::
 """
 from .errors import DataLossError, RecordIOError, RecordIOWarning, TFRecordError
 from .formats._recordio import RecordIOReader, RecordIOWriter
+from .formats._tfrecord import TFRecordReader, TFRecordWriter, masked_crc32c
+from .formats._tfrecord import build_index as build_tfrecord_index
+from .readers._multifile import MultiFileReader, ShardReader
+from .readers.files import (
+    file_reader_for,
+    open_file,
+    open_files,
+    register_file_reader,
+    shard_from_env,
+    unregister_file_reader,
+)
 from .readers._prefetch import PrefetchReader
-from .readers._stride import StrideReader
 from .readers._base import (
     ArrayReader,
     BatchReader,
@@ -40,8 +50,11 @@ __all__ = [
     "Field", "Schema", "LoDTensor", "SparseTensor",
     "ReaderBase", "FileReader", "DecoratedReader", "ReaderHolder",
     "ArrayReader", "RandomDataGenerator", "PythonReader",
-    "ShuffleReader", "BatchReader", "MultiPassReader", "PrefetchReader", "StrideReader",
-    "RecordIOReader", "RecordIOWriter",
+    "ShuffleReader", "BatchReader", "MultiPassReader", "PrefetchReader", "ShardReader",
+    "RecordIOReader", "RecordIOWriter", "TFRecordReader", "TFRecordWriter", "masked_crc32c",
+    "build_tfrecord_index", "MultiFileReader",
+    "open_files", "open_file", "register_file_reader", "unregister_file_reader", "file_reader_for",
+    "shard_from_env",
     "DataLossError", "RecordIOError", "RecordIOWarning", "TFRecordError",
     "crc32c",
     "batch_reindex", "batch_reindex_grad", "ctc_greedy_decoder",

@@ -1,4 +1,4 @@
-"""Command line: `readerlib bench | inspect FILE`."""
+"""Command line: `readerlib bench | inspect FILE | index FILE`."""
 from __future__ import annotations
 
 import argparse
@@ -65,6 +65,24 @@ def _cmd_inspect(args):
     return rc
 
 
+def _cmd_index(args):
+    from .formats._tfrecord import build_index
+    rc = 0
+    for path in args.files:
+        try:
+            comp = args.compression
+            if comp is None:                      # by suffix, as open_files does
+                low = path.lower()
+                comp = "GZIP" if low.endswith(".gz") else "ZLIB" if low.endswith(".zlib") else None
+            out = build_index(path, compression=comp)
+        except (OSError, ValueError) as e:
+            print(f"{path}: ERROR {e}")
+            rc = 1
+            continue
+        print(f"{path}: index written{f' to {out}' if isinstance(out, str) else ''}")
+    return rc
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="readerlib", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -82,6 +100,11 @@ def main(argv=None):
     i.add_argument("files", nargs="+")
     i.add_argument("--skip", action="store_true", help="skip bad chunks instead of stopping")
     i.set_defaults(func=_cmd_inspect)
+    x = sub.add_parser("index", help="build the sidecar index of TFRecord files (for seeking and sharding)")
+    x.add_argument("files", nargs="+")
+    x.add_argument("--compression", default=None, choices=[None, "ZLIB", "GZIP"],
+                   help="the files' compression (default: by suffix)")
+    x.set_defaults(func=_cmd_index)
     args = p.parse_args(argv)
     return args.func(args)
 

@@ -64,3 +64,15 @@ def test_console_script_runs(tmp_path):
     r = subprocess.run([sys.executable, "-m", "readerlib.cli", "--help"], capture_output=True, text=True,
                        cwd=tmp_path, env=env)
     assert r.returncode == 0 and "bench" in r.stdout
+
+
+def test_index_command_writes_a_sidecar_that_the_reader_uses(tmp_path, capsys):
+    path = str(tmp_path / "a.tfrecord")
+    with rl.TFRecordWriter(path) as w:
+        for i in range(50):
+            w.write(bytes([i]) * (i + 1))
+    assert cli.main(["index", path]) == 0
+    assert "index written" in capsys.readouterr().out
+    assert (tmp_path / "a.tfrecord.idx").exists()
+    assert [len(x[0]) for x in rl.TFRecordReader(path)] == list(range(1, 51))
+    assert cli.main(["index", str(tmp_path / "missing.tfrecord")]) == 1

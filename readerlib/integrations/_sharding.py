@@ -48,14 +48,12 @@ def rank_and_world_size(rank=None, world_size=None):
 def _shard_chain(chain, num_shards, index):
     """Shard `index` of `num_shards` of a chain's items (each exactly once overall).
 
-    Today: every k-th item in compiled code (`StrideReader`), which works on
-    any chain but makes every shard read the whole chain below.  When the
-    chunk/file-level `.shard(num_shards, index)` lands it belongs here, so
-    that callers (the PyTorch dataset) need no change.
+    Every k-th item in compiled code (`chain.shard`, a ShardReader), which
+    works on any chain but makes every shard read the whole chain below; for
+    files, `open_files(..., shard=(rank, world))` splits by chunk instead.
     """
     if not isinstance(chain, ReaderBase):
         raise TypeError(f"expected a readerlib reader chain, got {type(chain).__name__}")
     if num_shards == 1:
         return chain
-    from readerlib.readers._stride import StrideReader
-    return StrideReader(chain, num_shards, index)
+    return chain.shard(num_shards, index)

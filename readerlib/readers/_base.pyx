@@ -502,10 +502,15 @@ cdef class ReaderBase:
         return False
 
     def __iter__(self):
+        """A new epoch's iterator (resetting the chain if it was read from).
+
+        Like a tf.data Dataset: every `iter(reader)` / `for` starts an epoch,
+        and iterating the returned iterator again continues it.
+        """
         self._check_open()
         if self._started:
             self.reset()
-        return self
+        return _EpochIterator(self)
 
     def __next__(self):
         item = self.read_next()
@@ -526,11 +531,33 @@ cdef class ReaderBase:
         """`MultiPassReader(self, num_passes)`."""
         return MultiPassReader(self, num_passes)
 
+    def shard(self, num_shards, index):
+        """`ShardReader(self, num_shards, index)`: every `num_shards`-th item from `index`."""
+        from readerlib.readers._multifile import ShardReader
+        return ShardReader(self, num_shards, index)
+
     def prefetch(self, capacity=2, device=None, timeout=None):
         """`PrefetchReader(self, capacity, device, timeout)`: a background thread keeps
         up to `capacity` items ready (on the GPU with device="cuda")."""
         from readerlib.readers._prefetch import PrefetchReader
         return PrefetchReader(self, capacity, device=device, timeout=timeout)
+
+
+cdef class _EpochIterator:
+    """What iter(reader) returns: yields the rest of the epoch; iter() of it is itself."""
+    cdef ReaderBase reader
+
+    def __init__(self, ReaderBase reader):
+        self.reader = reader
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = self.reader.read_next()
+        if item is None:
+            raise StopIteration
+        return item
 
 
 cdef class FileReader(ReaderBase):
