@@ -24,7 +24,7 @@ from readerlib.readers._base cimport (
     ReaderBase, FileReader, ArrayReader, layout_from_schema, rl_block, rl_record, rl_layout, rl_columns,
     rl_block_incref, rl_block_decref, rl_block_new, rl_crc32c, rl_crc32c_init,
     rl_load_u32, rl_load_u64, rl_store_u32, rl_store_u64,
-    layout_parse, columns_encoded_size, columns_encode, encode_instance,
+    layout_parse, crc32c_parallel, columns_encoded_size, columns_encode, encode_instance,
     ITEM_INSTANCE, RL_MAX_FIELDS)
 from readerlib.readers._base import _check_positive_int
 from readerlib.tensor import Schema
@@ -598,7 +598,7 @@ cdef class RecordIOReader(FileReader):
             return CK_COMPRESSOR
         if stored != limit - off - CHUNK_HEADER:
             return CK_TRUNC_BODY
-        if rl_crc32c(0, h + CHUNK_HEADER, stored) != rl_load_u32(h + 12):
+        if crc32c_parallel(h + CHUNK_HEADER, stored) != rl_load_u32(h + 12):
             self.err_off = off + CHUNK_HEADER
             return CK_BODY_CRC
         if comp == 0:

@@ -37,6 +37,7 @@ cdef extern from "rl_core.h":
     void rl_crc32c_init()
     uint32_t rl_crc32c(uint32_t crc, const void *buf, size_t length) nogil
     uint32_t rl_crc32c_mask(uint32_t crc) nogil
+    uint32_t rl_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2) nogil
     void rl_rng_seed(rl_rng *r, uint64_t seed, uint64_t stream) nogil
     uint64_t rl_rng_next(rl_rng *r) nogil
     uint64_t rl_rng_below(rl_rng *r, uint64_t n) nogil
@@ -73,6 +74,10 @@ cdef int64_t columns_encoded_size(const rl_layout *L, const rl_columns *C, int64
 cdef int64_t columns_encode(const rl_layout *L, const rl_columns *C, int64_t i, char *out) noexcept nogil
 
 cdef int layout_from_schema(rl_layout *L, object schema) except -1
+
+# CRC-32C of a large buffer, split over the worker threads (READERLIB_NUM_THREADS).
+cdef uint32_t crc32c_parallel(const char *p, int64_t n) noexcept nogil
+cdef int num_threads() noexcept nogil
 
 # Split an encoded instance into per-field (pointer, rows); -1 if malformed.
 cdef int layout_parse(const rl_layout *L, const char *data, int64_t size,

@@ -23,6 +23,7 @@ cimport numpy as cnp
 from cpython.ref cimport PyObject
 from libc.stdlib cimport malloc, free, calloc, realloc
 from libc.string cimport memcpy, memset
+from cython.parallel cimport prange
 
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
 from readerlib.tensor import Field, LoDTensor, Schema
@@ -30,7 +31,61 @@ from readerlib.tensor import Field, LoDTensor, Schema
 cnp.import_array()
 rl_crc32c_init()
 
-__all__ = ["ReaderBase", "FileReader", "DecoratedReader", "ReaderHolder",
+
+def _threads_from_env():
+    v = os.environ.get("READERLIB_NUM_THREADS", "")
+    try:
+        n = int(v) if v else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                               else os.cpu_count() or 1)
+    except ValueError:
+        raise ValueError(f"READERLIB_NUM_THREADS must be an int, got {v!r}") from None
+    return max(1, min(n, 64))
+
+
+cdef int _num_threads = _threads_from_env()
+DEF PAR_MIN_BYTES = 262144      # below this, a second thread costs more than it saves
+
+
+cdef int num_threads() noexcept nogil:
+    return _num_threads
+
+
+def set_num_threads(int n):
+    """Threads readerlib's compiled readers may use for one large chunk or batch
+    (checksums, batch copies).  Default: the CPUs this process may run on, or
+    READERLIB_NUM_THREADS."""
+    global _num_threads
+    if n < 1:
+        raise ValueError(f"num_threads must be >= 1, got {n}")
+    _num_threads = n
+
+
+def get_num_threads():
+    return _num_threads
+
+
+cdef uint32_t crc32c_parallel(const char *p, int64_t n) noexcept nogil:
+    cdef uint32_t parts[2]
+    cdef int64_t half = (n // 2) & ~(<int64_t>63)
+    cdef int i
+    if n < PAR_MIN_BYTES or _num_threads < 2:
+        return rl_crc32c(0, p, n)
+    for i in prange(2, schedule='static', num_threads=2):
+        if i == 0:
+            parts[0] = rl_crc32c(0, p, half)
+        else:
+            parts[1] = rl_crc32c(0, p + half, n - half)
+    return rl_crc32c_combine(parts[0], parts[1], n - half)
+
+
+def _crc32c_parallel_py(data):
+    """Test hook: crc32c_parallel over a bytes-like object."""
+    cdef const unsigned char[::1] view = memoryview(data).cast("B")
+    if view.shape[0] == 0:
+        return 0
+    return crc32c_parallel(<const char *>&view[0], view.shape[0])
+
+__all__ = ["set_num_threads", "get_num_threads", "ReaderBase", "FileReader", "DecoratedReader", "ReaderHolder",
            "ShuffleReader", "BatchReader", "MultiPassReader", "ArrayReader",
            "RandomDataGenerator", "PythonReader", "crc32c"]
 
@@ -972,6 +1027,8 @@ cdef class BatchReader(DecoratedReader):
                 raise MemoryError(f"batch of {pos} bytes")
         cdef char *base = b.data
         rb = L.row_bytes[0]
+        if nf == 1 and rb >= 32768 and _num_threads > 1:
+            return self._next_fixed_parallel(out, b, doff[0], pos)
         while n < B:
             r = self.reader.c_next(&rec)
             if r < 0:
@@ -1005,6 +1062,50 @@ cdef class BatchReader(DecoratedReader):
         out.block = b
         out.data = base
         out.size = pos
+        self.hold = b
+        return 1
+
+    cdef int _next_fixed_parallel(self, rl_record *out, rl_block *b, int64_t doff, int64_t size) except -1 nogil:
+        """One big fixed field: gather the batch's records, then copy them on
+        several threads (one core's copy does not reach the memory bandwidth)."""
+        cdef int64_t n = 0, i, B = self.batch_size, rb = self.layout.row_bytes[0]
+        cdef int r
+        cdef rl_record rec
+        cdef char *base = b.data
+        while n < B:
+            r = self.reader.c_next(&rec)
+            if r < 0:
+                self._release()
+                rl_block_decref(b)
+                return -1
+            if r == 0:
+                break
+            if rec.size != rb:
+                self._release()
+                rl_block_decref(b)
+                with gil:
+                    raise ValueError(f"BatchReader: instance {n} of the batch has {rec.size} bytes, "
+                                     f"the schema needs {rb}")
+            rl_block_incref(rec.block)
+            self.recs[n] = rec
+            n += 1
+            self.nrecs = n
+        if n == 0 or (n < B and self.drop_last):
+            self._release()
+            rl_block_decref(b)
+            return 0
+        for i in prange(n, schedule='static', num_threads=_num_threads):
+            rl_copy_big(base + doff + i * rb, self.recs[i].data, rb)
+        rl_copy_fence()
+        self._release()
+        rl_store_i64(base, n)
+        rl_store_i64(base + 8, 1)
+        rl_store_i64(base + 16, n)
+        rl_store_i64(base + 24, doff)
+        rl_store_i64(base + 32, -1)
+        out.block = b
+        out.data = base
+        out.size = size
         self.hold = b
         return 1
 
