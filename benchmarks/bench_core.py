@@ -90,6 +90,10 @@ def fixed_case(kind, n_records, rec_bytes, tmp, repeat, rows, peers):
     copy = copy_gbps(min(payload, 1 << 30))
     row = {"case": f"{kind}: {n_records:,} x {rec_bytes} B", "readerlib_rec_s": n / dt,
            "readerlib_GB_s": payload / dt / 1e9, "copy_GB_s": copy}
+    if rec_bytes >= 32768:              # the speed side of the memory trade-off
+        n2, dt2 = best_of(lambda: bench.time_readerlib(path, low_memory=False), repeat)
+        rows.append({"case": f"{kind}: {n_records:,} x {rec_bytes} B, low_memory=False",
+                     "readerlib_rec_s": n2 / dt2, "readerlib_GB_s": payload / dt2 / 1e9, "copy_GB_s": copy})
     limit = min(n_records, 400_000)
     schema = rl.RecordIOReader(path).schema
     pn, pdt = bench.time_python(path, schema, limit=limit)
@@ -138,7 +142,7 @@ def status():
             d[k] = int(v.split()[0]) / 1024
     return d
 base = status()['VmRSS']
-r = rl.RecordIOReader(path).shuffle(10000, seed=0).batch(256)
+r = rl.RecordIOReader(path, low_memory=sys.argv[2] == "1").shuffle(10000, seed=0).batch(256)
 peak_anon = peak_file = peak_rss = 0
 n = 0
 for i, (x,) in enumerate(r):
@@ -159,12 +163,15 @@ def memory_case(tmp, gb, rows_out):
     with rl.RecordIOWriter(path, rl.Schema([rl.Field("x", "uint8", (rec,))])) as w:
         for s in range(0, n, 1024):
             w.write_batch({"x": rng.integers(0, 256, size=(min(1024, n - s), rec), dtype=np.uint8)})
-    out = subprocess.run([sys.executable, "-c", MEMORY_CHILD, path], capture_output=True, text=True, check=True)
-    cnt, base, hwm, peak_rss, peak_anon, peak_file = map(float, out.stdout.split())
-    buffer_mb = BUFFER * rec / (1 << 20)
-    rows_out.append({"file_GB": os.path.getsize(path) / 1e9, "records": int(cnt), "baseline_MB": base,
-                     "peak_rss_MB": hwm, "peak_anon_MB": peak_anon, "peak_file_MB": peak_file,
-                     "buffer_MB": buffer_mb, "limit_MB": buffer_mb + 64 + base})
+    for low in ("1", "0"):
+        out = subprocess.run([sys.executable, "-c", MEMORY_CHILD, path, low], capture_output=True, text=True,
+                             check=True)
+        cnt, base, hwm, peak_rss, peak_anon, peak_file = map(float, out.stdout.split())
+        buffer_mb = BUFFER * rec / (1 << 20)
+        rows_out.append({"file_GB": os.path.getsize(path) / 1e9, "records": int(cnt), "baseline_MB": base,
+                         "peak_rss_MB": hwm, "peak_anon_MB": peak_anon, "peak_file_MB": peak_file,
+                         "buffer_MB": buffer_mb, "limit_MB": buffer_mb + 64 + base,
+                         "low_memory": low == "1"})
     os.unlink(path)
 
 
@@ -202,10 +209,12 @@ def main():
         lines.append(f"| {r['case']} | {fmt(rr)} | {r['readerlib_GB_s']:.2f} | {r['copy_GB_s']:.2f} | "
                      f"{fmt(r.get('python_rec_s'))} | {fmt(r.get('tf_rec_s'))} | {fmt(r.get('torch_rec_s'))} | "
                      f"{ratio('python_rec_s')} | {ratio('tf_rec_s')} | {ratio('torch_rec_s')} |")
-    for m in mem:
+    if mem:
         lines += ["", "| pass over file | records | baseline RSS MB | peak RSS MB | peak anon MB | peak file-backed MB "
-                  "| shuffle buffer MB | limit (buffer + 64 MB + baseline) |", "|---|---|---|---|---|---|---|---|",
-                  f"| {m['file_GB']:.2f} GB, 64 KiB records | {m['records']:,} | {m['baseline_MB']:.0f} | "
+                  "| shuffle buffer MB | limit (buffer + 64 MB + baseline) |", "|---|---|---|---|---|---|---|---|"]
+    for m in mem:
+        lines += [f"| {m['file_GB']:.2f} GB, 64 KiB records, low_memory={m['low_memory']} | {m['records']:,} | "
+                  f"{m['baseline_MB']:.0f} | "
                   f"{m['peak_rss_MB']:.0f} | {m['peak_anon_MB']:.0f} | {m['peak_file_MB']:.0f} | "
                   f"{m['buffer_MB']:.0f} | {m['limit_MB']:.0f} |"]
     text = "\n".join(lines)

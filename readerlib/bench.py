@@ -84,9 +84,10 @@ def make_dataset(path, kind, num_records, seed=0, chunk_size=1 << 20, progress=N
     return schema, payload
 
 
-def time_readerlib(path, buffer_size=10_000, batch_size=256, seed=0, epochs=1, progress=None):
+def time_readerlib(path, buffer_size=10_000, batch_size=256, seed=0, epochs=1, progress=None,
+                   low_memory=True):
     """(records, seconds) for `epochs` passes of file -> shuffle -> batch."""
-    reader = RecordIOReader(path)
+    reader = RecordIOReader(path, low_memory=low_memory)
     chain = reader.shuffle(buffer_size, seed=seed).batch(batch_size)
     n = 0
     t0 = time.perf_counter()

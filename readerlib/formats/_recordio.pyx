@@ -346,6 +346,13 @@ cdef class RecordIOReader(FileReader):
         no footer).
     skipped_chunks : int
         Chunks skipped so far (on_error="skip").
+    low_memory : bool
+        True (default): the pages of a record of 32 KiB or more leave this
+        process as soon as a batch has copied it, so a shuffle over big
+        records holds about its buffer's worth of file pages.  False: pages
+        go when their whole chunk has been consumed -- faster (one madvise
+        per chunk, not per record), but a shuffle buffer can then keep most
+        of a file's chunks, and their pages, alive.
     """
     cdef readonly str path
     cdef rl_block *mapping
@@ -364,6 +371,7 @@ cdef class RecordIOReader(FileReader):
     cdef const char *cur_payload
     cdef int64_t cur_n, cur_i, cur_pos
     cdef bint skip_errors
+    cdef readonly bint low_memory
     cdef readonly int64_t skipped_chunks
     cdef readonly bint has_index
     cdef readonly int64_t data_start
@@ -375,9 +383,10 @@ cdef class RecordIOReader(FileReader):
     def __cinit__(self):
         self.mapping = NULL
 
-    def __init__(self, path, on_error="raise"):
+    def __init__(self, path, on_error="raise", low_memory=True):
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        self.low_memory = bool(low_memory)
         self.skip_errors = on_error == "skip"
         self.path = os.fspath(path)
         if not isinstance(self.path, str):
@@ -604,7 +613,7 @@ cdef class RecordIOReader(FileReader):
         if comp == 0:
             if raw != stored:
                 return CK_SIZES
-            blk = rl_chunkview_new(self.mapping, <char *>h + CHUNK_HEADER, stored, 1)
+            blk = rl_chunkview_new(self.mapping, <char *>h + CHUNK_HEADER, stored, 2 if self.low_memory else 1)
             if blk == NULL:
                 return CK_NOMEM
         else:

@@ -25,6 +25,9 @@ typedef struct rl_block rl_block;
 struct rl_block {
     int64_t refcnt;
     void (*release)(rl_block *self);   /* called once when refcnt hits 0 */
+    /* optional: a final consumer copied [p, p + n) out of this block and will
+     * not read it again (memory-mapped chunks drop those pages early) */
+    void (*consumed)(rl_block *self, const char *p, int64_t n);
     char *data;
     int64_t size;
     void *ctx;                         /* owner-specific (mapping, ...) */
@@ -108,6 +111,7 @@ static inline rl_block *rl_block_new(int64_t size) {
     void *p = NULL;
     if (posix_memalign(&p, 64, size > 0 ? (size_t)size : 64) != 0) { free(b); return NULL; }
     b->refcnt = 1;
+    b->consumed = NULL;
     b->release = size >= RL_POOL_MIN_BYTES ? rl_block_release_pooled : rl_block_free_malloced;
     b->data = (char *)p;
     b->size = size;
@@ -124,6 +128,7 @@ static inline rl_block *rl_block_wrap(char *data, int64_t size, void (*release)(
     rl_block *b = (rl_block *)malloc(sizeof(rl_block));
     if (!b) return NULL;
     b->refcnt = 1;
+    b->consumed = NULL;
     b->release = release;
     b->data = data;
     b->size = size;
@@ -142,6 +147,14 @@ typedef struct {
     const char *data;
     int64_t size;
 } rl_record;
+
+/* Records at least this big tell their block when they have been copied out. */
+#define RL_CONSUMED_MIN (32 * 1024)
+
+static inline void rl_record_consumed(const rl_record *r) {
+    if (r->size >= RL_CONSUMED_MIN && r->block->consumed)
+        r->block->consumed(r->block, r->data, r->size);
+}
 
 /* --------------------------------------------------------- little endian */
 static inline uint32_t rl_load_u32(const char *p) { uint32_t v; memcpy(&v, p, 4); return v; }

@@ -19,21 +19,35 @@ static inline rl_block *rl_mapping_new(char *data, int64_t size) {
     return rl_block_wrap(data, size, rl_mapping_release, NULL, 0);
 }
 
+/* Drop the whole pages inside [p, p + n) from this process. */
+static void rl_drop_pages(const char *p, int64_t n) {
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t lo = ((uintptr_t)p + page - 1) & ~(page - 1);
+    uintptr_t hi = ((uintptr_t)p + (uintptr_t)n) & ~(page - 1);
+    if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
+}
+
+/* A big record was copied out: its pages can go now, not when the whole
+ * chunk is released (a shuffle keeps a chunk alive until its last record
+ * leaves the buffer, which for big records means most of the file). */
+static void rl_chunkview_consumed(rl_block *b, const char *p, int64_t n) {
+    (void)b;
+    rl_drop_pages(p, n);
+}
+
 static void rl_chunkview_release(rl_block *b) {
     rl_block *m = (rl_block *)b->ctx;
-    if (b->aux) {
-        uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
-        uintptr_t lo = ((uintptr_t)b->data + page - 1) & ~(page - 1);
-        uintptr_t hi = ((uintptr_t)b->data + (uintptr_t)b->size) & ~(page - 1);
-        if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
-    }
+    if (b->aux) rl_drop_pages(b->data, b->size);
     rl_block_decref(m);
     free(b);
 }
 
 static inline rl_block *rl_chunkview_new(rl_block *mapping, char *data, int64_t size, int drop_pages) {
     rl_block *b = rl_block_wrap(data, size, rl_chunkview_release, mapping, drop_pages);
-    if (b) rl_block_incref(mapping);
+    if (b) {
+        rl_block_incref(mapping);
+        if (drop_pages > 1) b->consumed = rl_chunkview_consumed;   /* 2: per record too */
+    }
     return b;
 }
 #endif

@@ -28,6 +28,7 @@ cdef extern from "rl_core.h":
         int64_t size
     ctypedef struct rl_rng:
         uint64_t s[4]
+    void rl_record_consumed(const rl_record *r) nogil
     void rl_block_incref(rl_block *b) nogil
     void rl_block_decref(rl_block *b) nogil
     rl_block *rl_block_new(int64_t size) nogil

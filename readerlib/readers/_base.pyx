@@ -1048,6 +1048,7 @@ cdef class BatchReader(DecoratedReader):
                 for f in range(nf):
                     rl_copy_big(base + doff[f] + n * L.row_bytes[f], rec.data + L.fixed_offset[f],
                                 L.row_bytes[f])
+            rl_record_consumed(&rec)
             n += 1
         rl_copy_fence()
         if n == 0 or (n < B and self.drop_last):
@@ -1096,6 +1097,7 @@ cdef class BatchReader(DecoratedReader):
             return 0
         for i in prange(n, schedule='static', num_threads=_num_threads):
             rl_copy_big(base + doff + i * rb, self.recs[i].data, rb)
+            rl_record_consumed(&self.recs[i])
         rl_copy_fence()
         self._release()
         rl_store_i64(base, n)
@@ -1189,6 +1191,7 @@ cdef class BatchReader(DecoratedReader):
                         (<int64_t *>(base + loff[f]))[i + 1] = total_rows[f]
                     else:
                         memcpy(base + doff[f] + i * rb, ptrs[f], rb)
+                rl_record_consumed(&self.recs[i])
         rl_copy_fence()
         out.block = b
         out.data = b.data
