@@ -2,7 +2,16 @@ import os
 
 import pytest
 
+import readerlib
 from readerlib.gpu import cupy_available
+
+# Child interpreters started by tests (python -c ...) must import the readerlib
+# under test -- the installed one in CI, the in-place build in development --
+# never the uncompiled source tree that the current directory may hold.
+_PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(readerlib.__file__)))
+os.environ["PYTHONSAFEPATH"] = "1"
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_PKG_PARENT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 _HAS_GPU = None
 

@@ -326,7 +326,7 @@ def test_ranks_in_separate_processes_see_every_record_once(tmp_path, equal):
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
-                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+                   PYTHONPATH=os.environ.get("PYTHONPATH", ""))
         procs.append(subprocess.Popen([sys.executable, "-c", _WORKER, pattern, "1" if equal else "0"],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     results = []

@@ -720,7 +720,7 @@ def test_one_reader_read_from_several_threads():
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-c", _THREADS], capture_output=True, text=True, env=env,
                        cwd=root, timeout=300)
     assert p.returncode == 0 and p.stdout.strip() == "ok", (p.returncode, p.stdout[-500:], p.stderr[-1500:])

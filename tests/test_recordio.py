@@ -288,7 +288,7 @@ def test_reader_close_and_context_manager(tmp_path):
 
 
 def _run_py(code):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=120)
 
@@ -588,7 +588,7 @@ def test_crc32c_software_path_equals_hardware_path():
         print(" ".join(str(rl.crc32c(mv[a:a + n])) for n in {lengths!r} for a in (0, 1, 3, 7)))
         """
     env_sw = dict(os.environ, READERLIB_NO_HW_CRC="1",
-                  PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+                  PYTHONPATH=os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                        env=env_sw, cwd=ROOT, timeout=120)
     assert p.returncode == 0, p.stderr
