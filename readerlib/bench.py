@@ -111,11 +111,13 @@ def _python_records(path):
     (ioff,) = struct.unpack_from("<Q", data, len(data) - 16)
     mv = memoryview(data)
     while pos < ioff:
-        _magic, n, _comp, _crc, stored, _raw, _hcrc = struct.unpack_from("<IIIIQII", data, pos)
+        _magic, n, comp, _crc, stored, _raw, _hcrc = struct.unpack_from("<IIIIQII", data, pos)
         body = pos + 32
         sizes = struct.unpack_from(f"<{n}I", data, body)
         p = body + 4 * n
         for s in sizes:
+            if comp & 0x100:                      # page-aligned records
+                p += -p % 4096
             yield mv[p:p + s]
             p += s
         pos = body + stored

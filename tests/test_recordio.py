@@ -704,3 +704,50 @@ def test_low_memory_drops_pages_without_changing_data(tmp_path):
                                       outs[0][np.argsort([bytes(v) for v in outs[0]])])
     np.testing.assert_array_equal(outs[0], outs[2])       # same seed and epoch -> same order
     assert sorted(map(bytes, outs[0])) == sorted(map(bytes, x))
+
+
+def _aligned_file(path, records, page_align=True):
+    s = rl.Schema([rl.Field("b", "uint8", (), lod_level=1)])
+    with rl.RecordIOWriter(path, s, chunk_size=3 * 4096, page_align=page_align) as w:
+        for r in records:
+            w.write((np.frombuffer(r, np.uint8),))
+    return s
+
+
+def test_page_aligned_records_start_on_file_pages_and_round_trip(tmp_path):
+    recs = [bytes([i + 1]) * n for i, n in enumerate([1, 100, 4096, 5000, 0, 70000, 3])]
+    path = tmp_path / "a.rio"
+    _aligned_file(path, recs)
+    data = path.read_bytes()
+    r = rl.RecordIOReader(path)
+    assert [bytes(x[0]) for x in r] == recs
+    offs, _ = r.chunk_table()
+    first = int(offs[0])
+    assert int.from_bytes(data[first + 8:first + 12], "little") == 0x100      # aligned flag
+    # every record (its int64 row count, then its bytes) starts at a multiple of 4096
+    for rec in recs:
+        if len(rec) >= 100:
+            pos = data.find(len(rec).to_bytes(8, "little") + rec)
+            assert pos > 0 and pos % 4096 == 0, (len(rec), pos)
+    # auto: small records are not padded, big ones are
+    _aligned_file(tmp_path / "b.rio", [b"x" * 10] * 5, page_align="auto")
+    assert (tmp_path / "b.rio").stat().st_size < 4096
+
+
+def test_every_byte_of_a_page_aligned_file_is_checked(tmp_path):
+    recs = [bytes([i + 1]) * n for i, n in enumerate([10, 300, 7])]
+    path = tmp_path / "a.rio"
+    _aligned_file(path, recs)
+    good = path.read_bytes()
+    bad_path = tmp_path / "bad.rio"
+    for i in range(0, len(good)):
+        flipped = bytearray(good)
+        flipped[i] ^= 0x5A
+        bad_path.write_bytes(bytes(flipped))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                got = [bytes(x[0]) for x in rl.RecordIOReader(bad_path)]
+        except rl.RecordIOError:
+            continue
+        raise AssertionError(f"flip at byte {i} of {len(good)} went undetected: {got != recs}")

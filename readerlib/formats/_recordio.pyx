@@ -53,6 +53,9 @@ cdef uint32_t CHUNK_MAGIC = 0x4B484352      # b"RCHK" little endian
 cdef uint32_t INDEX_MAGIC = 0x58444952      # b"RIDX"
 cdef uint32_t TRAILER_MAGIC = 0x31584952    # b"RIX1"
 COMPRESSORS = {"none": 0, "zlib": 1}
+DEF PAGE = 4096
+DEF FLAG_ALIGNED = 0x100            # compressor field: records start on page boundaries
+DEF ALIGN_MIN_RECORD = 32768        # page_align="auto": mean record size that turns it on
 
 # error codes of a chunk check (messages in _CHUNK_ERRORS)
 cdef enum:
@@ -104,6 +107,11 @@ cdef class RecordIOWriter:
         record).  Chunks are the unit of checksumming, seeking and sharding.
     compressor : {"none", "zlib"}
     compression_level : int
+    page_align : {"auto", True, False}
+        Start every record of an uncompressed chunk on a page of the file
+        (zero padding).  "auto": when a chunk's records average >= 32 KiB, so
+        that readers can release a big record's memory as soon as it is
+        copied.
 
     Examples
     --------
@@ -126,11 +134,13 @@ cdef class RecordIOWriter:
     cdef readonly int64_t num_records
     cdef bint _closed
     cdef uint32_t salt
+    cdef object page_align
 
     def __cinit__(self):
         self._closed = True
 
-    def __init__(self, path, schema, chunk_size=1 << 20, compressor="none", compression_level=6):
+    def __init__(self, path, schema, chunk_size=1 << 20, compressor="none", compression_level=6,
+                 page_align="auto"):
         self.schema = Schema.coerce(schema)
         if compressor not in COMPRESSORS:
             raise ValueError(f"compressor must be one of {sorted(COMPRESSORS)}, got {compressor!r}")
@@ -140,6 +150,9 @@ cdef class RecordIOWriter:
         layout_from_schema(&self.layout, self.schema)
         self.compressor = COMPRESSORS[compressor]
         self.level = compression_level
+        if page_align not in ("auto", True, False):
+            raise ValueError(f"page_align must be 'auto', True or False, got {page_align!r}")
+        self.page_align = page_align
         self.path = os.fspath(path)
         self._f = open(self.path, "wb")
         self._closed = False
@@ -248,6 +261,9 @@ cdef class RecordIOWriter:
         cdef bytes body_c
         cdef uint32_t body_crc
         cdef int64_t raw_size = 4 * n + self.payload_len
+        if self.compressor == 0 and (self.page_align is True or (
+                self.page_align == "auto" and self.payload_len >= ALIGN_MIN_RECORD * n)):
+            return self._write_aligned_chunk()
         if self.compressor == 1:
             body_c = _pyzlib.compress(bytes(sizes_mv) + bytes(payload_mv), self.level)
             body_crc = rl_crc32c(0, <const char *>body_c, len(body_c))
@@ -276,6 +292,43 @@ cdef class RecordIOWriter:
                 self._f.write(payload_mv)
         self._index.append((self._pos, n))
         self._pos += 32 + stored
+        self.nsizes = 0
+        self.payload_len = 0
+        return 0
+
+    cdef int _write_aligned_chunk(self) except -1:
+        """Uncompressed chunk whose records each start on a page boundary of the
+        file (zero padding between them): a reader can then drop each big
+        record's pages, all of them, as soon as it has been copied."""
+        cdef int64_t n = self.nsizes, i, pos, src = 0, pad
+        cdef int64_t payload_abs = self._pos + CHUNK_HEADER + 4 * n
+        sizes_mv = <char[:n * 4]><char *>self.sizes
+        pieces = [bytes(sizes_mv)]
+        pos = 0                                   # bytes of payload area written so far
+        for i in range(n):
+            pad = (-(payload_abs + pos)) & (PAGE - 1)
+            if pad:
+                pieces.append(bytes(pad))
+            if self.sizes[i]:
+                pieces.append((<char *>self.payload)[src:src + self.sizes[i]])
+            pos += pad + self.sizes[i]
+            src += self.sizes[i]
+        body = b"".join(pieces)
+        if len(body) > 0xFFFFFFFF:
+            raise ValueError("chunk over 4 GiB; lower chunk_size")
+        head = bytearray(32)
+        cdef char *h = <char *>head
+        rl_store_u32(h, CHUNK_MAGIC)
+        rl_store_u32(h + 4, <uint32_t>n)
+        rl_store_u32(h + 8, <uint32_t>FLAG_ALIGNED)
+        rl_store_u32(h + 12, rl_crc32c(0, <const char *>body, len(body)))
+        rl_store_u64(h + 16, <uint64_t>len(body))
+        rl_store_u32(h + 24, <uint32_t>len(body))
+        rl_store_u32(h + 28, _chunk_header_crc(self.salt, h))
+        self._f.write(head)
+        self._f.write(body)
+        self._index.append((self._pos, n))
+        self._pos += 32 + len(body)
         self.nsizes = 0
         self.payload_len = 0
         return 0
@@ -370,6 +423,8 @@ cdef class RecordIOReader(FileReader):
     cdef const char *cur_sizes
     cdef const char *cur_payload
     cdef int64_t cur_n, cur_i, cur_pos
+    cdef bint cur_aligned
+    cdef int64_t cur_payload_abs
     cdef bint skip_errors
     cdef readonly bint low_memory
     cdef readonly int64_t skipped_chunks
@@ -589,6 +644,8 @@ cdef class RecordIOReader(FileReader):
         cdef const char *ptrs[RL_MAX_FIELDS]
         cdef int64_t rows[RL_MAX_FIELDS]
         cdef uLongf dest_len
+        cdef bint aligned
+        cdef int64_t payload_abs
         self.err_off = off
         self.err_record = -1
         if limit - off < CHUNK_HEADER:
@@ -599,6 +656,10 @@ cdef class RecordIOReader(FileReader):
             return CK_HEADER_CRC
         n = rl_load_u32(h + 4)
         comp = rl_load_u32(h + 8)
+        aligned = (comp & FLAG_ALIGNED) != 0
+        comp &= ~(<uint32_t>FLAG_ALIGNED)
+        if aligned and comp != 0:
+            return CK_COMPRESSOR
         stored = <int64_t>rl_load_u64(h + 16)
         raw = rl_load_u32(h + 24)
         if n != self.chunk_nrec[c]:
@@ -613,7 +674,8 @@ cdef class RecordIOReader(FileReader):
         if comp == 0:
             if raw != stored:
                 return CK_SIZES
-            blk = rl_chunkview_new(self.mapping, <char *>h + CHUNK_HEADER, stored, 2 if self.low_memory else 1)
+            blk = rl_chunkview_new(self.mapping, <char *>h + CHUNK_HEADER, stored,
+                                   (3 if aligned else 2) if self.low_memory else 1)
             if blk == NULL:
                 return CK_NOMEM
         else:
@@ -629,26 +691,31 @@ cdef class RecordIOReader(FileReader):
         if 4 * n > raw:
             rl_block_decref(blk)
             return CK_SIZES
-        total = 4 * n
+        # payload_abs: file offset of the payload (alignment is to file pages)
+        payload_abs = off + CHUNK_HEADER + 4 * n
+        total = 0
         for i in range(n):
+            if aligned:
+                total += (-(payload_abs + total)) & (PAGE - 1)
             total += rl_load_u32(blk.data + 4 * i)
-        if total != raw:
+        if 4 * n + total != raw:
             rl_block_decref(blk)
             return CK_SIZES
-        pos = 4 * n
-        if self.layout.n_lod == 0:
-            for i in range(n):
+        pos = 0
+        for i in range(n):
+            if aligned:
+                pos += (-(payload_abs + pos)) & (PAGE - 1)
+            if self.layout.n_lod == 0:
                 if rl_load_u32(blk.data + 4 * i) != self.layout.fixed_size:
                     self.err_record = i
                     rl_block_decref(blk)
                     return CK_RECORD
-        else:
-            for i in range(n):
-                if layout_parse(&self.layout, blk.data + pos, rl_load_u32(blk.data + 4 * i), ptrs, rows) != 0:
-                    self.err_record = i
-                    rl_block_decref(blk)
-                    return CK_RECORD
-                pos += rl_load_u32(blk.data + 4 * i)
+            elif layout_parse(&self.layout, blk.data + 4 * n + pos, rl_load_u32(blk.data + 4 * i),
+                              ptrs, rows) != 0:
+                self.err_record = i
+                rl_block_decref(blk)
+                return CK_RECORD
+            pos += rl_load_u32(blk.data + 4 * i)
         self._release_cur()
         self.cur = blk
         self.cur_sizes = blk.data
@@ -656,6 +723,8 @@ cdef class RecordIOReader(FileReader):
         self.cur_n = n
         self.cur_i = 0
         self.cur_pos = 0
+        self.cur_aligned = aligned
+        self.cur_payload_abs = payload_abs
         return CK_OK
 
     cdef int c_next(self, rl_record *out) except -1 nogil:
@@ -676,6 +745,8 @@ cdef class RecordIOReader(FileReader):
                 with gil:
                     self._chunk_error(code, self.order[self.iorder - 1])
         s = rl_load_u32(self.cur_sizes + 4 * self.cur_i)
+        if self.cur_aligned:
+            self.cur_pos += (-(self.cur_payload_abs + self.cur_pos)) & (PAGE - 1)
         out.block = self.cur
         out.data = self.cur_payload + self.cur_pos
         out.size = s

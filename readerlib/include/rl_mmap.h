@@ -35,6 +35,16 @@ static void rl_chunkview_consumed(rl_block *b, const char *p, int64_t n) {
     rl_drop_pages(p, n);
 }
 
+/* The same for page-aligned records (each starts a page and owns its last,
+ * partial page up to the next record's padding): every page can go. */
+static void rl_chunkview_consumed_aligned(rl_block *b, const char *p, int64_t n) {
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    (void)b;
+    uintptr_t lo = (uintptr_t)p & ~(page - 1);
+    uintptr_t hi = ((uintptr_t)p + (uintptr_t)n + page - 1) & ~(page - 1);
+    if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
+}
+
 static void rl_chunkview_release(rl_block *b) {
     rl_block *m = (rl_block *)b->ctx;
     if (b->aux) rl_drop_pages(b->data, b->size);
@@ -46,7 +56,10 @@ static inline rl_block *rl_chunkview_new(rl_block *mapping, char *data, int64_t 
     rl_block *b = rl_block_wrap(data, size, rl_chunkview_release, mapping, drop_pages);
     if (b) {
         rl_block_incref(mapping);
-        if (drop_pages > 1) b->consumed = rl_chunkview_consumed;   /* 2: per record too */
+        /* 2: drop each big record's interior pages once copied; 3: records are
+         * page-aligned, drop all of their pages */
+        if (drop_pages == 2) b->consumed = rl_chunkview_consumed;
+        else if (drop_pages == 3) b->consumed = rl_chunkview_consumed_aligned;
     }
     return b;
 }
