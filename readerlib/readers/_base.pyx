@@ -202,17 +202,23 @@ def _check_int_range(arr, field, what):
                              f"{lo if lo < info.min else hi}")
 
 
+def _cast_to_field(arr, field, what):
+    """`arr` in the field's dtype: same-kind casts and bool/int -> int/float,
+    with integers range-checked; anything else is a TypeError naming the field."""
+    if arr.dtype == field.dtype:
+        return arr
+    if arr.dtype.kind == "O":
+        raise TypeError(f"{what}: field {field.name!r} got an object array, expected {field.dtype}")
+    if not np.can_cast(arr.dtype, field.dtype, casting="same_kind") and not (
+            arr.dtype.kind in "iub" and field.dtype.kind in "iuf"):
+        raise TypeError(f"{what}: field {field.name!r} has dtype {field.dtype}, got {arr.dtype}")
+    _check_int_range(arr, field, what)
+    return arr.astype(field.dtype)
+
+
 cdef object _as_field_array(object value, object field, str what):
     """One instance's value for `field` as a C-contiguous array of the right dtype/shape."""
-    arr = np.asarray(value)
-    if arr.dtype != field.dtype:
-        if arr.dtype.kind == "O":
-            raise TypeError(f"{what}: field {field.name!r} got an object array, expected {field.dtype}")
-        if not np.can_cast(arr.dtype, field.dtype, casting="same_kind") and not (
-                arr.dtype.kind in "iub" and field.dtype.kind in "iuf"):
-            raise TypeError(f"{what}: field {field.name!r} has dtype {field.dtype}, got {arr.dtype}")
-        _check_int_range(arr, field, what)
-        arr = arr.astype(field.dtype)
+    arr = _cast_to_field(np.asarray(value), field, what)
     if field.lod_level:
         if arr.ndim == len(field.shape):            # a single step given without the time axis
             raise ValueError(f"{what}: field {field.name!r} is a sequence (lod_level=1) of steps "
@@ -1382,12 +1388,7 @@ cdef class ArrayReader(_ChunkedSource):
                 if a.shape[1:] != f.shape:
                     raise ValueError(f"ArrayReader: field {f.name!r} has shape {f.shape}, "
                                      f"array rows have shape {a.shape[1:]}")
-                if a.dtype != f.dtype:
-                    if not np.can_cast(a.dtype, f.dtype, casting="same_kind"):
-                        raise TypeError(f"ArrayReader: field {f.name!r} has dtype {f.dtype}, "
-                                        f"array has {a.dtype}")
-                    _check_int_range(a, f, "ArrayReader")
-                    a = a.astype(f.dtype)
+                a = _cast_to_field(a, f, "ArrayReader")
                 fixed.append((a, off))
             cols = fixed
         counts = [(len(off) - 1 if off is not None else a.shape[0]) for a, off in cols]
