@@ -1583,6 +1583,10 @@ cdef class PythonReader(FileReader):
             item = next(self._it)
         except StopIteration:
             return 0
+        except BaseException as e:
+            if hasattr(e, "add_note"):
+                e.add_note(f"raised by the iterator of {self!r} at instance {self.index}")
+            raise
         try:
             self.cur = encode_instance(self.schema, &self.layout, item)
         except (TypeError, ValueError) as e:
@@ -1600,6 +1604,10 @@ cdef class PythonReader(FileReader):
         self._it = None
         self.index = 0
         return 0
+
+    def __repr__(self):
+        name = getattr(self.make_iterator, "__qualname__", type(self.make_iterator).__name__)
+        return f"PythonReader({name}, {self.schema})"
 
     cdef int c_close(self) except -1:
         return self.c_reset()
