@@ -388,6 +388,9 @@ import numpy as np
 import readerlib as rl
 from readerlib.readers._prefetch import PrefetchReader
 X = rl.Schema([rl.Field("x", "int64")])
+# A process started from a non-interactive shell's background job inherits
+# SIGINT ignored, and Python then installs no handler: install it explicitly.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 def stalling():
     yield np.int64(0)
     time.sleep(600)
