@@ -12,6 +12,7 @@ JAX through DLPack without a copy.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import numbers
 
@@ -379,21 +380,13 @@ class LoDTensor:
         from .gpu import require_cupy
         cp = require_cupy()
         dev = int(str(device).split(":")[1]) if ":" in str(device) else None
-        with (cp.cuda.Device(dev) if dev is not None else _nullcontext()):
+        with (cp.cuda.Device(dev) if dev is not None else contextlib.nullcontext()):
             return LoDTensor(cp.asarray(self.data), [cp.asarray(lvl) for lvl in self.lod])
 
     def __repr__(self):
         lod = ", lod=[" + ", ".join(str(list(map(int, l[:6]))) + ("..." if l.shape[0] > 6 else "")
                                      for l in self.lod) + "]" if self.lod else ""
         return f"LoDTensor(shape={tuple(self.data.shape)}, dtype={self.data.dtype}{lod}, device={self.device})"
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 class SparseTensor:

@@ -746,7 +746,6 @@ cdef class ShuffleReader(DecoratedReader):
     cdef rl_rng rng
     cdef readonly uint64_t seed
     cdef readonly int64_t epoch
-    cdef readonly int64_t position
 
     def __init__(self, reader, buffer_size, seed=None):
         _check_reader(reader, "ShuffleReader")
@@ -836,7 +835,6 @@ cdef class ShuffleReader(DecoratedReader):
         self._drop()
         self.filled = False
         self.upstream_done = False
-        self.position = 0
         self.next_j = -1
         rl_rng_seed(&self.rng, self.seed, <uint64_t>self.epoch)
 
@@ -880,7 +878,6 @@ cdef class ShuffleReader(DecoratedReader):
         self.next_j = -1
         out[0] = self.slots[j]
         self.hold = self.slot_ref[j]        # the slot's reference moves to `hold`
-        self.position += 1
         if not self.upstream_done:
             r = self.reader.c_next(&rec)
             if r < 0:
