@@ -953,6 +953,8 @@ cdef class BatchReader(DecoratedReader):
     cdef rl_record *recs
     cdef int64_t nrecs
     cdef rl_block *hold
+    cdef const char **parsed_ptrs
+    cdef int64_t *parsed_rows
 
     def __init__(self, reader, batch_size, drop_last=False):
         _check_reader(reader, "BatchReader")
@@ -969,6 +971,12 @@ cdef class BatchReader(DecoratedReader):
         self.recs = <rl_record *>calloc(bs, sizeof(rl_record))
         if self.recs == NULL:
             raise MemoryError()
+        if self.layout.n_lod:
+            # per-record parse of a sequence batch, kept between sizing and copying
+            self.parsed_ptrs = <const char **>calloc(bs * self.layout.nfields, sizeof(char *))
+            self.parsed_rows = <int64_t *>calloc(bs * self.layout.nfields, sizeof(int64_t))
+            if self.parsed_ptrs == NULL or self.parsed_rows == NULL:
+                raise MemoryError()
 
     cdef void _release(self) noexcept nogil:
         cdef int64_t i
@@ -977,6 +985,8 @@ cdef class BatchReader(DecoratedReader):
         self.nrecs = 0
 
     def __dealloc__(self):
+        free(self.parsed_ptrs)
+        free(self.parsed_rows)
         if self.recs != NULL:
             self._release()
             free(self.recs)
@@ -1115,38 +1125,30 @@ cdef class BatchReader(DecoratedReader):
         return 1
 
     cdef int _assemble(self, int64_t n, rl_record *out) except -1 nogil:
+        """Sequence schemas: parse each held record once, size the batch, copy."""
         cdef const rl_layout *L = &self.layout
         cdef int nf = L.nfields
         cdef int f
-        cdef int64_t i, k
-        cdef const char *ptrs[RL_MAX_FIELDS]
-        cdef int64_t rows[RL_MAX_FIELDS]
+        cdef int64_t i, pos, size, rb
+        cdef const char **ptrs
+        cdef int64_t *rows
         cdef int64_t total_rows[RL_MAX_FIELDS]
         cdef int64_t doff[RL_MAX_FIELDS]
         cdef int64_t loff[RL_MAX_FIELDS]
-        cdef int64_t pos, size, rb
         cdef char *base
-        cdef int64_t *offs
-        cdef char *dst
         for f in range(nf):
             total_rows[f] = 0 if L.lod[f] else n
-        if L.n_lod:
-            for i in range(n):
-                if layout_parse(L, self.recs[i].data, self.recs[i].size, ptrs, rows) != 0:
-                    with gil:
-                        raise ValueError(
-                            f"BatchReader: instance {i} of the batch is malformed "
-                            f"({self.recs[i].size} bytes) for schema {self.schema}")
-                for f in range(nf):
-                    if L.lod[f]:
-                        total_rows[f] += rows[f]
-        else:
-            for i in range(n):
-                if self.recs[i].size != L.fixed_size:
-                    with gil:
-                        raise ValueError(
-                            f"BatchReader: instance {i} of the batch has {self.recs[i].size} bytes, "
-                            f"the schema needs {L.fixed_size}")
+        for i in range(n):
+            ptrs = self.parsed_ptrs + i * nf
+            rows = self.parsed_rows + i * nf
+            if layout_parse(L, self.recs[i].data, self.recs[i].size, ptrs, rows) != 0:
+                with gil:
+                    raise ValueError(
+                        f"BatchReader: instance {i} of the batch is malformed "
+                        f"({self.recs[i].size} bytes) for schema {self.schema}")
+            for f in range(nf):
+                if L.lod[f]:
+                    total_rows[f] += rows[f]
         pos = _align64(16 + 24 * nf)
         for f in range(nf):
             doff[f] = pos
@@ -1168,33 +1170,21 @@ cdef class BatchReader(DecoratedReader):
             rl_store_i64(base + 16 + 24 * f, total_rows[f])
             rl_store_i64(base + 24 + 24 * f, doff[f])
             rl_store_i64(base + 32 + 24 * f, loff[f])
-        if L.n_lod == 0:
-            if nf == 1:
-                rb = L.row_bytes[0]
-                dst = base + doff[0]
-                for i in range(n):
-                    memcpy(dst + i * rb, self.recs[i].data, rb)
-            else:
-                for i in range(n):
-                    for f in range(nf):
-                        rb = L.row_bytes[f]
-                        memcpy(base + doff[f] + i * rb, self.recs[i].data + L.fixed_offset[f], rb)
-        else:
-            for f in range(nf):
+            if L.lod[f]:
                 total_rows[f] = 0
+                (<int64_t *>(base + loff[f]))[0] = 0
+        for i in range(n):
+            ptrs = self.parsed_ptrs + i * nf
+            rows = self.parsed_rows + i * nf
+            for f in range(nf):
+                rb = L.row_bytes[f]
                 if L.lod[f]:
-                    (<int64_t *>(base + loff[f]))[0] = 0
-            for i in range(n):
-                layout_parse(L, self.recs[i].data, self.recs[i].size, ptrs, rows)
-                for f in range(nf):
-                    rb = L.row_bytes[f]
-                    if L.lod[f]:
-                        rl_copy_big(base + doff[f] + total_rows[f] * rb, ptrs[f], rows[f] * rb)
-                        total_rows[f] += rows[f]
-                        (<int64_t *>(base + loff[f]))[i + 1] = total_rows[f]
-                    else:
-                        memcpy(base + doff[f] + i * rb, ptrs[f], rb)
-                rl_record_consumed(&self.recs[i])
+                    rl_copy_big(base + doff[f] + total_rows[f] * rb, ptrs[f], rows[f] * rb)
+                    total_rows[f] += rows[f]
+                    (<int64_t *>(base + loff[f]))[i + 1] = total_rows[f]
+                else:
+                    memcpy(base + doff[f] + i * rb, ptrs[f], rb)
+            rl_record_consumed(&self.recs[i])
         rl_copy_fence()
         out.block = b
         out.data = b.data
