@@ -300,35 +300,38 @@ cdef class RecordIOWriter:
         """Uncompressed chunk whose records each start on a page boundary of the
         file (zero padding between them): a reader can then drop each big
         record's pages, all of them, as soon as it has been copied."""
-        cdef int64_t n = self.nsizes, i, pos, src = 0, pad
+        cdef int64_t n = self.nsizes, i, pos = 0, src = 0, pad
         cdef int64_t payload_abs = self._pos + CHUNK_HEADER + 4 * n
-        sizes_mv = <char[:n * 4]><char *>self.sizes
-        pieces = [bytes(sizes_mv)]
-        pos = 0                                   # bytes of payload area written so far
+        cdef uint32_t crc = rl_crc32c(0, self.sizes, n * 4)
+        cdef bytes zeros = bytes(PAGE)
+        payload_mv = memoryview(<char[:max(self.payload_len, 1)]>self.payload)
+        pieces = [memoryview(<char[:n * 4]><char *>self.sizes)]     # views: no copy of the payload
         for i in range(n):
             pad = (-(payload_abs + pos)) & (PAGE - 1)
             if pad:
-                pieces.append(bytes(pad))
+                pieces.append(zeros[:pad])
+                crc = rl_crc32c(crc, <const char *>zeros, pad)
             if self.sizes[i]:
-                pieces.append((<char *>self.payload)[src:src + self.sizes[i]])
+                pieces.append(payload_mv[src:src + self.sizes[i]])
+                crc = rl_crc32c(crc, self.payload + src, self.sizes[i])
             pos += pad + self.sizes[i]
             src += self.sizes[i]
-        body = b"".join(pieces)
-        if len(body) > 0xFFFFFFFF:
+        cdef int64_t stored = 4 * n + pos
+        if stored > 0xFFFFFFFF:
             raise ValueError("chunk over 4 GiB; lower chunk_size")
         head = bytearray(32)
         cdef char *h = <char *>head
         rl_store_u32(h, CHUNK_MAGIC)
         rl_store_u32(h + 4, <uint32_t>n)
         rl_store_u32(h + 8, <uint32_t>FLAG_ALIGNED)
-        rl_store_u32(h + 12, rl_crc32c(0, <const char *>body, len(body)))
-        rl_store_u64(h + 16, <uint64_t>len(body))
-        rl_store_u32(h + 24, <uint32_t>len(body))
+        rl_store_u32(h + 12, crc)
+        rl_store_u64(h + 16, <uint64_t>stored)
+        rl_store_u32(h + 24, <uint32_t>stored)
         rl_store_u32(h + 28, _chunk_header_crc(self.salt, h))
         self._f.write(head)
-        self._f.write(body)
+        self._f.writelines(pieces)
         self._index.append((self._pos, n))
-        self._pos += 32 + len(body)
+        self._pos += 32 + stored
         self.nsizes = 0
         self.payload_len = 0
         return 0
@@ -645,7 +648,7 @@ cdef class RecordIOReader(FileReader):
         cdef int64_t rows[RL_MAX_FIELDS]
         cdef uLongf dest_len
         cdef bint aligned
-        cdef int64_t payload_abs
+        cdef int64_t payload_abs, size_i
         self.err_off = off
         self.err_record = -1
         if limit - off < CHUNK_HEADER:
@@ -691,31 +694,31 @@ cdef class RecordIOReader(FileReader):
         if 4 * n > raw:
             rl_block_decref(blk)
             return CK_SIZES
-        # payload_abs: file offset of the payload (alignment is to file pages)
+        # One pass: each record (after its padding, for page-aligned chunks;
+        # payload_abs is the payload's file offset) must lie inside the body and
+        # parse against the schema, and together they must fill it exactly.
         payload_abs = off + CHUNK_HEADER + 4 * n
-        total = 0
-        for i in range(n):
-            if aligned:
-                total += (-(payload_abs + total)) & (PAGE - 1)
-            total += rl_load_u32(blk.data + 4 * i)
-        if 4 * n + total != raw:
-            rl_block_decref(blk)
-            return CK_SIZES
         pos = 0
         for i in range(n):
             if aligned:
                 pos += (-(payload_abs + pos)) & (PAGE - 1)
+            size_i = rl_load_u32(blk.data + 4 * i)
+            if 4 * n + pos + size_i > raw:
+                rl_block_decref(blk)
+                return CK_SIZES
             if self.layout.n_lod == 0:
-                if rl_load_u32(blk.data + 4 * i) != self.layout.fixed_size:
+                if size_i != self.layout.fixed_size:
                     self.err_record = i
                     rl_block_decref(blk)
                     return CK_RECORD
-            elif layout_parse(&self.layout, blk.data + 4 * n + pos, rl_load_u32(blk.data + 4 * i),
-                              ptrs, rows) != 0:
+            elif layout_parse(&self.layout, blk.data + 4 * n + pos, size_i, ptrs, rows) != 0:
                 self.err_record = i
                 rl_block_decref(blk)
                 return CK_RECORD
-            pos += rl_load_u32(blk.data + 4 * i)
+            pos += size_i
+        if 4 * n + pos != raw:
+            rl_block_decref(blk)
+            return CK_SIZES
         self._release_cur()
         self.cur = blk
         self.cur_sizes = blk.data
