@@ -86,6 +86,18 @@ def _check_reindex_dtype(a, what):
                         + ", ".join(str(d) for d in REINDEX_DTYPES))
 
 
+def _reindex_operand(a, what):
+    """(array, array module, on_gpu) for x / dy: a batch axis and a supported dtype."""
+    xp = _xp(a)
+    on_gpu = is_cupy_array(a)
+    if not hasattr(a, "dtype"):
+        a = np.asarray(a)
+    if a.ndim < 1:
+        raise ValueError(f"{what} must have a batch axis (ndim >= 1), got shape {tuple(a.shape)}")
+    _check_reindex_dtype(a, what)
+    return a, xp, on_gpu
+
+
 def _as_index(idx, xp):
     """1-D int32/int64 contiguous index array; TypeError / ValueError otherwise."""
     if not hasattr(idx, "dtype"):
@@ -185,13 +197,7 @@ def batch_reindex(x, idx, *, out=None, num_threads=None):
         if out is not None:
             raise TypeError("out= is not supported for LoDTensor input")
         return _batch_reindex_lod(x, idx, num_threads)
-    xp = _xp(x)
-    on_gpu = is_cupy_array(x)
-    if not hasattr(x, "dtype"):
-        x = np.asarray(x)
-    if x.ndim < 1:
-        raise ValueError(f"x must have a batch axis (ndim >= 1), got shape {tuple(x.shape)}")
-    _check_reindex_dtype(x, "x")
+    x, xp, on_gpu = _reindex_operand(x, "x")
     idx = _as_index(idx, xp)
     if on_gpu:
         if out is not None:
@@ -300,13 +306,7 @@ def batch_reindex_grad(dy, idx, num_rows, *, out=None, num_threads=None):
     >>> batch_reindex_grad(np.ones((3, 2)), [2, 0, 2], 3).tolist()
     [[1.0, 1.0], [0.0, 0.0], [2.0, 2.0]]
     """
-    xp = _xp(dy)
-    on_gpu = is_cupy_array(dy)
-    if not hasattr(dy, "dtype"):
-        dy = np.asarray(dy)
-    if dy.ndim < 1:
-        raise ValueError(f"dy must have a batch axis (ndim >= 1), got shape {tuple(dy.shape)}")
-    _check_reindex_dtype(dy, "dy")
+    dy, xp, on_gpu = _reindex_operand(dy, "dy")
     if not isinstance(num_rows, numbers.Integral) or isinstance(num_rows, bool):
         raise TypeError(f"num_rows must be an int, got {type(num_rows).__name__}")
     num_rows = int(num_rows)

@@ -81,6 +81,18 @@ __device__ __forceinline__ void block_argmax_logsoftmax(const T* __restrict__ x,
     __syncthreads();
 }
 
+// Append (label, frame, log-prob) to row b's alignment, if it has room.
+__device__ __forceinline__ void record_alignment(i64 b, i64 k, i64 t, double lp, i64* al_labels,
+                                                 i64* al_times, double* al_logp, i64* al_len, i64 al_cap) {
+    const i64 pos = al_len[b];
+    if (pos < al_cap) {
+        al_labels[b * al_cap + pos] = k;
+        al_times[b * al_cap + pos] = t;
+        al_logp[b * al_cap + pos] = lp;
+        al_len[b] = pos + 1;
+    }
+}
+
 template <typename T>
 __device__ void loop_labels_joint_step_impl(
         const T* __restrict__ logits, i64 V, const i64* __restrict__ rows, i64 n, i64 window,
@@ -107,15 +119,7 @@ __device__ void loop_labels_joint_step_impl(
                 labels[b] = k;
                 scores[b] = s_lp;
                 time_cur[b] = t;
-                if (record) {
-                    const i64 pos = al_len[b];
-                    if (pos < al_cap) {
-                        al_labels[b * al_cap + pos] = k;
-                        al_times[b * al_cap + pos] = t;
-                        al_logp[b * al_cap + pos] = s_lp;
-                        al_len[b] = pos + 1;
-                    }
-                }
+                if (record) record_alignment(b, k, t, s_lp, al_labels, al_times, al_logp, al_len, al_cap);
                 is_blank = k == blank;
                 int go = 0;
                 if (is_blank) {
@@ -158,15 +162,7 @@ __device__ void loop_frames_joint_step_impl(
         if (threadIdx.x == 0) {
             const i64 k = s_k;
             emitted[b] = 0;
-            if (record) {
-                const i64 pos = al_len[b];
-                if (pos < al_cap) {
-                    al_labels[b * al_cap + pos] = k;
-                    al_times[b * al_cap + pos] = t;
-                    al_logp[b * al_cap + pos] = s_lp;
-                    al_len[b] = pos + 1;
-                }
-            }
+            if (record) record_alignment(b, k, t, s_lp, al_labels, al_times, al_logp, al_len, al_cap);
             if (k == blank) {
                 done[b] = 1;
             } else {
