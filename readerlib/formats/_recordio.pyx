@@ -272,18 +272,7 @@ cdef class RecordIOWriter:
             body_crc = rl_crc32c(0, self.sizes, n * 4)
             body_crc = rl_crc32c(body_crc, self.payload, self.payload_len)
             stored = raw_size
-        if raw_size > 0xFFFFFFFF:
-            raise ValueError("chunk over 4 GiB; lower chunk_size")
-        head = bytearray(32)
-        cdef char *h = <char *>head
-        rl_store_u32(h, CHUNK_MAGIC)
-        rl_store_u32(h + 4, <uint32_t>n)
-        rl_store_u32(h + 8, <uint32_t>self.compressor)
-        rl_store_u32(h + 12, body_crc)
-        rl_store_u64(h + 16, <uint64_t>stored)
-        rl_store_u32(h + 24, <uint32_t>raw_size)
-        rl_store_u32(h + 28, _chunk_header_crc(self.salt, h))
-        self._f.write(head)
+        self._f.write(self._chunk_header(n, self.compressor, body_crc, stored, raw_size))
         if self.compressor == 1:
             self._f.write(body_c)
         else:
@@ -295,6 +284,21 @@ cdef class RecordIOWriter:
         self.nsizes = 0
         self.payload_len = 0
         return 0
+
+    cdef bytes _chunk_header(self, int64_t n, uint32_t flags, uint32_t body_crc, int64_t stored,
+                             int64_t raw_size):
+        if raw_size > 0xFFFFFFFF:
+            raise ValueError("chunk over 4 GiB; lower chunk_size")
+        head = bytearray(32)
+        cdef char *h = <char *>head
+        rl_store_u32(h, CHUNK_MAGIC)
+        rl_store_u32(h + 4, <uint32_t>n)
+        rl_store_u32(h + 8, flags)
+        rl_store_u32(h + 12, body_crc)
+        rl_store_u64(h + 16, <uint64_t>stored)
+        rl_store_u32(h + 24, <uint32_t>raw_size)
+        rl_store_u32(h + 28, _chunk_header_crc(self.salt, h))
+        return bytes(head)
 
     cdef int _write_aligned_chunk(self) except -1:
         """Uncompressed chunk whose records each start on a page boundary of the
@@ -317,18 +321,7 @@ cdef class RecordIOWriter:
             pos += pad + self.sizes[i]
             src += self.sizes[i]
         cdef int64_t stored = 4 * n + pos
-        if stored > 0xFFFFFFFF:
-            raise ValueError("chunk over 4 GiB; lower chunk_size")
-        head = bytearray(32)
-        cdef char *h = <char *>head
-        rl_store_u32(h, CHUNK_MAGIC)
-        rl_store_u32(h + 4, <uint32_t>n)
-        rl_store_u32(h + 8, <uint32_t>FLAG_ALIGNED)
-        rl_store_u32(h + 12, crc)
-        rl_store_u64(h + 16, <uint64_t>stored)
-        rl_store_u32(h + 24, <uint32_t>stored)
-        rl_store_u32(h + 28, _chunk_header_crc(self.salt, h))
-        self._f.write(head)
+        self._f.write(self._chunk_header(n, FLAG_ALIGNED, crc, stored, stored))
         self._f.writelines(pieces)
         self._index.append((self._pos, n))
         self._pos += 32 + stored
