@@ -213,7 +213,8 @@ def test_index_types_and_layouts():
     np.testing.assert_array_equal(batch_reindex(x1, [4, 4, 0]), [4, 4, 0])
 
 
-@pytest.mark.parametrize("bad, msg", [([0, -1, 2], NEG), ([0, 5], BIG), ([7, -3], NEG),
+@pytest.mark.parametrize("bad, msg", [([0, -1, 2], NEG), ([0, 5], BIG), ([7, -3], BIG), ([-3, 7], NEG),
+                                      ([0, 9, -1, 2], BIG),
                                       ([2**62], BIG), ([-(2**62)], NEG)])
 def test_caffe_index_errors(bad, msg):
     x = np.zeros((5, 2), np.float32)

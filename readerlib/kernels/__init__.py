@@ -117,12 +117,11 @@ def _as_index(idx, xp):
 
 
 def _check_bounds(idx, limit):
-    """Caffe's index checks in NumPy (the kernels repeat them in C)."""
-    if idx.shape[0]:
-        if int(idx.min()) < 0:
-            raise IndexError(_reindex.MSG_NEGATIVE)
-        if int(idx.max()) >= limit:
-            raise IndexError(_reindex.MSG_TOO_LARGE)
+    """Caffe's index checks in NumPy (the kernels repeat them in C): the first bad index,
+    in order, decides the message."""
+    if idx.shape[0] and (int(idx.min()) < 0 or int(idx.max()) >= limit):
+        first = int(np.argmax((idx < 0) | (idx >= limit)))
+        raise IndexError(_reindex.MSG_NEGATIVE if int(idx[first]) < 0 else _reindex.MSG_TOO_LARGE)
 
 
 def _xp(a):

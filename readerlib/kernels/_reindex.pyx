@@ -168,7 +168,12 @@ def openmp_enabled():
 
 
 cdef inline int _check_indices(const index_t* idx, intp_t n, intp_t limit) noexcept nogil:
-    """OK, or ERR_NEGATIVE / ERR_TOO_LARGE (negative wins) for ``idx`` against ``[0, limit)``."""
+    """OK, or ERR_NEGATIVE / ERR_TOO_LARGE for ``idx`` against ``[0, limit)``.
+
+    Caffe's check_batch_reindex loops in order, so the FIRST bad index decides the
+    message.  The common case (all good) is a branch-free min/max pass; only a
+    failing batch is scanned again for its first offender.
+    """
     cdef intp_t i
     cdef int64_t lo, hi, v
     if n == 0:
@@ -179,10 +184,14 @@ cdef inline int _check_indices(const index_t* idx, intp_t n, intp_t limit) noexc
         v = idx[i]
         lo = v if v < lo else lo
         hi = v if v > hi else hi
-    if lo < 0:
-        return ERR_NEGATIVE
-    if hi >= limit:
-        return ERR_TOO_LARGE
+    if lo >= 0 and hi < limit:
+        return OK
+    for i in range(n):
+        v = idx[i]
+        if v < 0:
+            return ERR_NEGATIVE
+        if v >= limit:
+            return ERR_TOO_LARGE
     return OK
 
 
