@@ -13,8 +13,12 @@ with no CUDA driver.  Each RawKernel is replaced by
 * an **emulator**: the kernel's contract written in NumPy, so the launcher's
   later steps see the outputs they expect.
 
-What this does NOT test: the CUDA code itself.  That needs a GPU
-(tests/test_gpu_kernels.py, benchmarks/gpu_check.py).
+With ``run_cuda=True`` (what tests/conftest.py's ``xp_gpu`` uses on a machine
+without a GPU) the emulator step is replaced by the kernel's real CUDA code,
+compiled for the CPU by tests/cuda_emu.py: then the launchers AND the kernels run,
+and the GPU tests compare real kernel output with the CPU kernels.  What that still
+does not test is the hardware: timing, memory races between blocks, NVRTC itself,
+and the four inline-PTX helpers of common.cuh (their C++ twins run instead).
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ import subprocess
 import types
 
 import numpy as np
+
+from readerlib.kernels import _cuda_loader
 
 try:
     import ml_dtypes
@@ -136,11 +142,13 @@ def preprocessor():
 
 
 def kernel_signatures(source_text):
-    """``{name: [param type strings]}`` of every ``extern "C" __global__`` function."""
+    """``{name: [param type strings]}`` of every ``__global__`` function (all are
+    ``extern "C"``: one by one, or inside an ``extern "C" { }`` block)."""
     out = subprocess.run([preprocessor(), "-P", "-x", "c++", "-std=c++17", "-"],
                          input=source_text, capture_output=True, text=True, check=True).stdout
     sigs = {}
-    for m in re.finditer(r'extern "C" __global__ void (\w+)\s*\(([^)]*)\)', out):
+    for m in re.finditer(r'__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?'
+                         r'(\w+)\s*\(([^)]*)\)', out):
         params = []
         for p in m.group(2).split(","):
             p = " ".join(p.replace("__restrict__", " ").replace("const ", " ").split())
@@ -153,6 +161,7 @@ _POINTEE = {
     "float": {np.dtype(np.float32)}, "double": {np.dtype(np.float64)},
     "int": {np.dtype(np.int32)}, "i64": {np.dtype(np.int64)}, "long long": {np.dtype(np.int64)},
     "u64": {np.dtype(np.uint64), np.dtype(np.int64)}, "unsigned char": {np.dtype(np.uint8)},
+    "u8": {np.dtype(np.uint8)},
     "rl::half_t": {np.dtype(np.float16)}, "rl::bf16_t": {BFLOAT16},
     "rl::Acc<rl::half_t>::type": {np.dtype(np.float32)},
     "rl::Acc<rl::bf16_t>::type": {np.dtype(np.float32)},
@@ -406,9 +415,18 @@ def emulator(name):
 
 
 class FakeKernel:
-    def __init__(self, name, params, log):
+    def __init__(self, name, params, log, source=None):
+        """``source`` given: run the real kernel of that .cu file (tests/cuda_emu.py);
+        otherwise its NumPy emulator above."""
         self.name, self.params, self.log = name, params, log
-        self.run = emulator(name)
+        if source is None:
+            self.run = emulator(name)
+        else:
+            import cuda_emu
+            lib = cuda_emu.build(source)
+            self.run = None
+            self.launch = lambda grid, block, args, shared_mem: cuda_emu.launch(
+                lib, name, grid, block, args, shared_mem)
 
     def __call__(self, grid, block, args, shared_mem=0):
         check_args(self.name, self.params, tuple(grid), tuple(block), tuple(args))
@@ -416,13 +434,88 @@ class FakeKernel:
         if self.name.startswith("reindex_sort_small_"):   # extern __shared__ i64[p]
             assert grid == (1,) and shared_mem == 8 * int(args[-1]), (grid, shared_mem)
         self.log.append((self.name, tuple(grid), tuple(block)))
-        self.run(*args)
+        if self.run is None:
+            self.launch(tuple(grid), tuple(block), tuple(args), shared_mem)
+        else:
+            self.run(*args)
 
 
-def make_get_kernel(signatures, log):
-    """A drop-in for readerlib.kernels._cuda_loader.get_kernel."""
+def make_get_kernel(signatures, log, run_cuda=False):
+    """A drop-in for readerlib.kernels._cuda_loader.get_kernel.
+
+    ``signatures`` maps a source name to its kernel signatures; sources missing from
+    it (the RNN-T kernels, named by absolute path) are read on first use.
+    """
+    kernels = {}
+
     def get_kernel(source, name):
+        if source not in signatures:
+            signatures[source] = kernel_signatures(_cuda_loader.read_source(source))
         sigs = signatures[source]
         assert name in sigs, f"{source} has no kernel {name!r}"
+        if run_cuda:   # one compiled library per source; the kernel object is reusable
+            key = (source, name)
+            if key not in kernels:
+                kernels[key] = FakeKernel(name, sigs[name], log, source)
+            return kernels[key]
         return FakeKernel(name, sigs[name], log)
     return get_kernel
+
+
+# ---- the whole stand-in, as the GPU tests' xp_gpu fixture ------------------------------
+
+_signatures = {}
+
+
+def _wrap_numpy(fn):
+    def call(*args, **kwargs):
+        args = [np.asarray(a).view(np.ndarray) if isinstance(a, FakeArray) else a for a in args]
+        out = fn(*args, **kwargs)
+        if isinstance(out, np.ndarray) and not isinstance(out, FakeArray):
+            return _fake(out)
+        if isinstance(out, tuple):
+            return tuple(_fake(o) if isinstance(o, np.ndarray) else o for o in out)
+        return out
+    call.__name__ = getattr(fn, "__name__", "fn")
+    return call
+
+
+def install(monkeypatch, run_cuda):
+    """Make readerlib see this module as CuPy for one test; returns the module.
+
+    ``run_cuda``: launches execute the real CUDA code on the CPU (tests/cuda_emu.py)
+    instead of the NumPy emulators.  Everything else CuPy would do (array functions,
+    ``cupy.sort``, ``cupy.cumsum``, matrix products) is NumPy's.
+    """
+    import contextlib
+    import sys
+    import threading
+
+    import readerlib.tensor as _tensor
+    from readerlib import gpu as _rl_gpu
+    from readerlib.kernels import _gpu
+
+    mod = make_module()
+    mod.launches = []
+    mod.cuda.Stream = lambda non_blocking=False: contextlib.nullcontext()
+    mod.cuda.Device = lambda dev=None: contextlib.nullcontext()
+
+    def fallback(attr):   # cupy.<anything else> -> numpy's, returning device arrays
+        value = getattr(np, attr)
+        if callable(value) and not isinstance(value, type):
+            return _wrap_numpy(value)
+        return value
+    mod.__getattr__ = fallback
+    mod.asnumpy = lambda a: np.asarray(a).view(np.ndarray).copy()
+    monkeypatch.setattr(FakeArray, "__module__", "cupy._fake")   # readerlib: a device array
+    monkeypatch.setitem(sys.modules, "cupy", mod)
+    monkeypatch.setattr(_rl_gpu, "_cupy", mod)
+    monkeypatch.setattr(_cuda_loader, "get_kernel",
+                        make_get_kernel(_signatures, mod.launches, run_cuda))
+    monkeypatch.setattr(_gpu, "get_kernel", _cuda_loader.get_kernel)
+    monkeypatch.setattr(_gpu, "_sm_counts", {})
+    monkeypatch.setattr(_gpu, "_local", threading.local())
+    array_module = _tensor._array_module
+    monkeypatch.setattr(_tensor, "_array_module",
+                        lambda a: mod if isinstance(a, FakeArray) else array_module(a))
+    return mod

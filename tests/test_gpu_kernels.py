@@ -13,7 +13,7 @@ import kernel_reference as ref
 from readerlib.kernels import _gpu
 from readerlib.tensor import LoDTensor
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.cuda_emu]
 
 try:
     import readerlib.kernels as _public

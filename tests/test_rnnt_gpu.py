@@ -8,7 +8,7 @@ import pytest
 from readerlib.rnnt import RNNTModel, rnnt_greedy_decode
 from readerlib.tensor import LoDTensor
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.cuda_emu]
 
 
 def _assert_same(ref, out, tol):

@@ -57,6 +57,13 @@ __device__ __forceinline__ void store_pack(Pack<T, N>* __restrict__ p, const Pac
 
 // ---- exact float helpers (never flush subnormals, whatever -ftz says) ---------
 
+#ifdef READERLIB_CUDA_EMULATION
+// tests/cuda_emu runs these sources on the CPU (g++, x86-64 SSE: IEEE round to nearest,
+// no flush-to-zero), where the plain operators are exactly what the PTX below does.
+__device__ __forceinline__ float f32_add(float a, float b) { return a + b; }
+__device__ __forceinline__ bool f32_gt(float a, float b) { return a > b; }
+__device__ __forceinline__ bool f32_eq(float a, float b) { return a == b; }
+#else
 __device__ __forceinline__ float f32_add(float a, float b) {
     float r;
     asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
@@ -76,6 +83,7 @@ __device__ __forceinline__ bool f32_eq(float a, float b) {
         : "=r"(r) : "f"(a), "f"(b));
     return r != 0;
 }
+#endif
 
 // Bit tests, not compares: nothing here may carry .ftz.
 __device__ __forceinline__ bool is_nan(float a) {
@@ -125,9 +133,15 @@ template <> struct Acc<unsigned char> { typedef unsigned type; };
 __device__ __forceinline__ float to_acc(float x) { return x; }
 __device__ __forceinline__ double to_acc(double x) { return x; }
 __device__ __forceinline__ float to_acc(half_t x) {
+#ifdef READERLIB_CUDA_EMULATION
+    _Float16 h;  // GCC's IEEE binary16: the conversions round as cvt does
+    __builtin_memcpy(&h, &x.bits, 2);
+    return static_cast<float>(h);
+#else
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
     return f;
+#endif
 }
 __device__ __forceinline__ float to_acc(bf16_t x) {
     return __uint_as_float(static_cast<unsigned>(x.bits) << 16);
@@ -141,7 +155,12 @@ template <> __device__ __forceinline__ float from_acc<float>(float a) { return a
 template <> __device__ __forceinline__ double from_acc<double>(double a) { return a; }
 template <> __device__ __forceinline__ half_t from_acc<half_t>(float a) {
     half_t h;
+#ifdef READERLIB_CUDA_EMULATION
+    const _Float16 v = static_cast<_Float16>(a);
+    __builtin_memcpy(&h.bits, &v, 2);
+#else
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(a));
+#endif
     return h;
 }
 template <> __device__ __forceinline__ int from_acc<int>(unsigned a) { return static_cast<int>(a); }

@@ -1,0 +1,400 @@
+// tests/cuda_emu/emu.h -- run readerlib's CUDA kernels on the CPU, for tests.
+//
+// tests/cuda_emu.py compiles a .cu file (as readerlib/kernels/_cuda_loader.py gives it
+// to NVRTC) with g++ and `-include emu.h`, so the kernel code itself -- index
+// arithmetic, warp shuffles, block barriers, shared memory, atomics -- executes on
+// this machine, on host memory, and its output can be compared with the NumPy
+// references without a GPU.  What runs is the real source; only common.cuh's four
+// inline-PTX helpers have plain C++ twins (under READERLIB_CUDA_EMULATION).
+//
+// Model:
+//   * one block at a time; its threads are fibers (ucontext) on one OS thread, so a
+//     launch is deterministic and `__shared__` can simply be `static`;
+//   * a fiber runs until it reaches __syncthreads() or a __shfl_*_sync(); the
+//     scheduler releases a barrier when every live thread of the block waits at it,
+//     and a shuffle when every lane named in its mask waits at it (values are
+//     exchanged at release, as the hardware does);
+//   * what real hardware leaves undefined is reported as a launch error instead of
+//     being papered over: threads of one block waiting at different barriers, lanes
+//     of one warp at different shuffles or with different masks, a shuffle reading a
+//     lane that has exited or does not exist, and deadlock.
+//   * between two sync points the threads of a block run one after another, first
+//     to last in even blocks and last to first in odd ones, so a missing barrier
+//     (reading another thread's shared-memory write too early) shows as a wrong
+//     result in one of the two orders.
+// Not modelled: concurrency between blocks (blocks run in order, so a kernel that
+// spins waiting for a later block would deadlock -- none of ours does), finer
+// interleavings within a block, and out-of-bounds accesses (nothing checks
+// addresses beyond what the host arrays give).
+#pragma once
+
+#include <sys/mman.h>
+#include <ucontext.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#define READERLIB_CUDA_EMULATION 1
+#define __device__
+#define __global__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+
+struct dim3 {
+    unsigned x, y, z;
+};
+typedef dim3 uint3;
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+
+namespace rl_emu {
+
+enum State { RUNNABLE, AT_BARRIER, AT_SHUFFLE, DONE };
+enum ShflKind { SHFL_XOR, SHFL_UP, SHFL_DOWN, SHFL_IDX };
+
+struct Fiber {
+    ucontext_t ctx;
+    uint3 tid;
+    State state;
+    const char* file;  // source file and line of the barrier / shuffle it waits at
+    int line;
+    // shuffle request and result
+    uint64_t value, result;
+    int kind, arg, width;
+    unsigned mask;
+};
+
+inline Fiber* cur = nullptr;
+inline dim3 block_idx, block_dim, grid_dim;
+inline ucontext_t sched;
+inline std::vector<Fiber> fibers;
+inline char* stacks = nullptr;
+inline size_t stacks_count = 0;
+constexpr size_t kStack = 128 * 1024;
+inline std::vector<unsigned char> dyn_shared;
+inline void (*thunk)(void**) = nullptr;
+inline void** thunk_args = nullptr;
+inline std::mutex launch_mutex;
+inline unsigned launch_count = 0;
+
+inline void yield() { swapcontext(&cur->ctx, &sched); }
+
+inline void syncthreads(const char* file, int line) {
+    cur->state = AT_BARRIER;
+    cur->file = file;
+    cur->line = line;
+    yield();
+}
+
+struct ShflAt {
+    const char* file;
+    int line, kind;
+    template <typename T>
+    T call(unsigned mask, T v, int arg, int width = 32) {
+        static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value, "shuffle type");
+        uint64_t bits = 0;
+        std::memcpy(&bits, &v, sizeof(T));
+        cur->value = bits;
+        cur->kind = kind;
+        cur->arg = arg;
+        cur->width = width;
+        cur->mask = mask;
+        cur->file = file;
+        cur->line = line;
+        cur->state = AT_SHUFFLE;
+        yield();
+        T r;
+        std::memcpy(&r, &cur->result, sizeof(T));
+        return r;
+    }
+};
+
+// "reindex.cu:123" for messages.
+inline std::string site(const char* file, int line) {
+    std::string f = file ? file : "?";
+    const size_t slash = f.rfind('/');
+    if (slash != std::string::npos) f = f.substr(slash + 1);
+    return f + ":" + std::to_string(line);
+}
+
+inline std::string hex(unsigned v) {
+    char buf[16];
+    std::snprintf(buf, sizeof buf, "%#x", v);
+    return buf;
+}
+
+inline void* dynamic_shared() { return dyn_shared.data(); }
+
+inline void entry() {
+    thunk(thunk_args);
+    cur->state = DONE;
+}  // returns to `sched` through uc_link
+
+inline const char* state_name(State s) {
+    switch (s) {
+        case RUNNABLE: return "runnable";
+        case AT_BARRIER: return "__syncthreads";
+        case AT_SHUFFLE: return "shuffle";
+        default: return "exited";
+    }
+}
+
+// Release the shuffle warp `w` waits at, if every lane it names is there.
+// Returns 1 if released, 0 if not ready, -1 on an error (message in err).
+inline int try_release_warp(int w, int n, std::string& err) {
+    const int lo = 32 * w, hi = lo + 32 < n ? lo + 32 : n;
+    unsigned waiting = 0, mask = 0;
+    int line = -1, kind = -1, first = -1;
+    for (int i = lo; i < hi; ++i) {
+        if (fibers[i].state != AT_SHUFFLE) continue;
+        waiting |= 1u << (i - lo);
+        if (first < 0) {
+            first = i;
+            line = fibers[i].line;
+            kind = fibers[i].kind;
+            mask = fibers[i].mask;
+        } else if (fibers[i].line != line || std::strcmp(fibers[i].file, fibers[first].file) ||
+                   fibers[i].kind != kind || fibers[i].mask != mask) {
+            err = "warp " + std::to_string(w) + ": lanes at different shuffles (lane " +
+                  std::to_string(first - lo) + " at " + site(fibers[first].file, line) +
+                  " mask " + hex(mask) + ", lane " + std::to_string(i - lo) + " at " +
+                  site(fibers[i].file, fibers[i].line) + " mask " +
+                  hex(fibers[i].mask) + ")";
+            return -1;
+        }
+    }
+    if (!waiting) return 0;
+    if (!(mask & (1u << (first - lo)))) {
+        err = "warp " + std::to_string(w) + ": a lane shuffles with a mask that omits itself";
+        return -1;
+    }
+    for (int i = lo; i < lo + 32; ++i) {
+        if (!(mask & (1u << (i - lo)))) continue;
+        if (i >= hi) {
+            err = site(fibers[first].file, line) + ": shuffle mask " + hex(mask) +
+                  " names lane " + std::to_string(i - lo) + ", which this block (" +
+                  std::to_string(n) + " threads) does not have";
+            return -1;
+        }
+        if (fibers[i].state == DONE) {
+            err = site(fibers[first].file, line) + ": shuffle mask " + hex(mask) +
+                  " names lane " + std::to_string(i - lo) + " of warp " + std::to_string(w) +
+                  ", which has exited";
+            return -1;
+        }
+        if (fibers[i].state != AT_SHUFFLE) return 0;  // still running, or stuck elsewhere
+    }
+    for (int i = lo; i < hi; ++i) {
+        if (!(waiting & (1u << (i - lo)))) continue;
+        Fiber& f = fibers[i];
+        const int lane = i - lo, width = f.width;
+        const int seg = lane & ~(width - 1);
+        int src = lane;
+        switch (f.kind) {
+            case SHFL_XOR: src = lane ^ f.arg; break;
+            case SHFL_UP: src = lane - f.arg; if (src < seg) src = lane; break;
+            case SHFL_DOWN: src = lane + f.arg; if (src >= seg + width) src = lane; break;
+            default: src = seg + (f.arg & (width - 1)); break;
+        }
+        if (src < 0 || src >= 32 || !(waiting & (1u << src))) {
+            err = site(f.file, f.line) + ": lane " + std::to_string(lane) + " of warp " +
+                  std::to_string(w) + " reads lane " + std::to_string(src) +
+                  ", which is not in the shuffle";
+            return -1;
+        }
+        f.result = fibers[lo + src].value;
+    }
+    for (int i = lo; i < hi; ++i)
+        if (waiting & (1u << (i - lo))) fibers[i].state = RUNNABLE;
+    return 1;
+}
+
+inline std::string where(int n) {
+    std::string s;
+    for (int i = 0; i < n && s.size() < 400; ++i) {
+        const Fiber& f = fibers[i];
+        if (f.state == DONE) continue;
+        s += " thread " + std::to_string(i) + ": " + state_name(f.state);
+        if (f.state != RUNNABLE) s += " at " + site(f.file, f.line);
+        s += ";";
+    }
+    return s;
+}
+
+// Run one block to completion.  Returns false with `err` set on an error.
+// `reverse`: run the threads last to first between sync points, so that a read of
+// another thread's write with no barrier between them sees the wrong value in one of
+// the two orders (odd blocks use the reverse order).
+inline bool run_block(int n, bool reverse, std::string& err) {
+    for (;;) {
+        bool ran = false;
+        for (int j = 0; j < n; ++j) {
+            const int i = reverse ? n - 1 - j : j;
+            if (fibers[i].state != RUNNABLE) continue;
+            cur = &fibers[i];
+            swapcontext(&sched, &fibers[i].ctx);
+            ran = true;
+        }
+        if (ran) continue;
+        bool released = false;
+        for (int w = 0; w * 32 < n; ++w) {
+            const int r = try_release_warp(w, n, err);
+            if (r < 0) return false;
+            released |= r > 0;
+        }
+        if (released) continue;
+        int live = 0, at_bar = 0, line = -1;
+        const char* file = nullptr;
+        for (int i = 0; i < n; ++i) {
+            if (fibers[i].state == DONE) continue;
+            ++live;
+            if (fibers[i].state == AT_BARRIER) {
+                if (at_bar && (fibers[i].line != line || std::strcmp(fibers[i].file, file))) {
+                    err = "threads of one block wait at different __syncthreads (" +
+                          site(file, line) + " and " + site(fibers[i].file, fibers[i].line) + ")";
+                    return false;
+                }
+                line = fibers[i].line;
+                file = fibers[i].file;
+                ++at_bar;
+            }
+        }
+        if (live == 0) return true;
+        if (at_bar == live) {
+            for (int i = 0; i < n; ++i)
+                if (fibers[i].state == AT_BARRIER) fibers[i].state = RUNNABLE;
+            continue;
+        }
+        err = "deadlock:" + where(n);
+        return false;
+    }
+}
+
+inline int launch(const unsigned* grid, const unsigned* block, size_t shmem,
+                  void (*kernel_thunk)(void**), void** args, char* errbuf, size_t errlen) {
+    std::lock_guard<std::mutex> guard(launch_mutex);
+    ++launch_count;  // alternates the thread order of single-block launches too
+    const size_t n = static_cast<size_t>(block[0]) * block[1] * block[2];
+    std::string err;
+    if (n == 0 || n > 1024 || grid[0] == 0 || grid[1] == 0 || grid[2] == 0) {
+        std::snprintf(errbuf, errlen, "bad launch shape grid (%u,%u,%u) block (%u,%u,%u)",
+                      grid[0], grid[1], grid[2], block[0], block[1], block[2]);
+        return 1;
+    }
+    if (stacks_count < n) {
+        if (stacks) munmap(stacks, stacks_count * kStack);
+        stacks = static_cast<char*>(mmap(nullptr, n * kStack, PROT_READ | PROT_WRITE,
+                                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
+        if (stacks == MAP_FAILED) {
+            stacks = nullptr;
+            stacks_count = 0;
+            std::snprintf(errbuf, errlen, "emulator: cannot map fiber stacks");
+            return 1;
+        }
+        stacks_count = n;
+    }
+    fibers.assign(n, Fiber());
+    thunk = kernel_thunk;
+    thunk_args = args;
+    grid_dim = dim3{grid[0], grid[1], grid[2]};
+    block_dim = dim3{block[0], block[1], block[2]};
+    for (unsigned bz = 0; bz < grid[2]; ++bz)
+        for (unsigned by = 0; by < grid[1]; ++by)
+            for (unsigned bx = 0; bx < grid[0]; ++bx) {
+                block_idx = dim3{bx, by, bz};
+                dyn_shared.assign(shmem ? shmem : 1, 0xA5);  // poison: unwritten reads show
+                for (size_t i = 0; i < n; ++i) {
+                    Fiber& f = fibers[i];
+                    getcontext(&f.ctx);
+                    f.ctx.uc_stack.ss_sp = stacks + i * kStack;
+                    f.ctx.uc_stack.ss_size = kStack;
+                    f.ctx.uc_link = &sched;
+                    makecontext(&f.ctx, entry, 0);
+                    f.tid = uint3{static_cast<unsigned>(i % block[0]),
+                                  static_cast<unsigned>((i / block[0]) % block[1]),
+                                  static_cast<unsigned>(i / (static_cast<size_t>(block[0]) * block[1]))};
+                    f.state = RUNNABLE;
+                }
+                const bool reverse = (bx + by + bz + launch_count) & 1;
+                if (!run_block(static_cast<int>(n), reverse, err)) {
+                    std::snprintf(errbuf, errlen, "block (%u,%u,%u): %s", bx, by, bz, err.c_str());
+                    return 1;
+                }
+            }
+    return 0;
+}
+
+template <typename... P, size_t... I>
+void call_impl(void (*f)(P...), void** a, std::index_sequence<I...>) {
+    f(*static_cast<std::remove_cv_t<P>*>(a[I])...);
+}
+template <typename... P>
+void call_with(void (*f)(P...), void** a) {
+    call_impl(f, a, std::index_sequence_for<P...>{});
+}
+
+template <typename T>
+inline T bit_cast(const void* p) {
+    T r;
+    std::memcpy(&r, p, sizeof(T));
+    return r;
+}
+
+}  // namespace rl_emu
+
+#define threadIdx (::rl_emu::cur->tid)
+#define blockIdx (::rl_emu::block_idx)
+#define blockDim (::rl_emu::block_dim)
+#define gridDim (::rl_emu::grid_dim)
+#define __syncthreads() ::rl_emu::syncthreads(__FILE__, __LINE__)
+#define __shfl_xor_sync(...) (::rl_emu::ShflAt{__FILE__, __LINE__, ::rl_emu::SHFL_XOR}.call(__VA_ARGS__))
+#define __shfl_up_sync(...) (::rl_emu::ShflAt{__FILE__, __LINE__, ::rl_emu::SHFL_UP}.call(__VA_ARGS__))
+#define __shfl_down_sync(...) (::rl_emu::ShflAt{__FILE__, __LINE__, ::rl_emu::SHFL_DOWN}.call(__VA_ARGS__))
+#define __shfl_sync(...) (::rl_emu::ShflAt{__FILE__, __LINE__, ::rl_emu::SHFL_IDX}.call(__VA_ARGS__))
+
+inline void __threadfence() {}  // blocks run one after another
+inline unsigned __float_as_uint(float x) { return rl_emu::bit_cast<unsigned>(&x); }
+inline int __float_as_int(float x) { return rl_emu::bit_cast<int>(&x); }
+inline float __uint_as_float(unsigned x) { return rl_emu::bit_cast<float>(&x); }
+inline float __int_as_float(int x) { return rl_emu::bit_cast<float>(&x); }
+inline long long __double_as_longlong(double x) { return rl_emu::bit_cast<long long>(&x); }
+inline double __longlong_as_double(long long x) { return rl_emu::bit_cast<double>(&x); }
+
+// One block runs at a time, so read-modify-write is atomic.
+template <typename T>
+inline T atomicAdd(T* p, T v) {
+    const T old = *p;
+    *p = old + v;
+    return old;
+}
+template <typename T>
+inline T atomicMax(T* p, T v) {
+    const T old = *p;
+    if (v > old) *p = v;
+    return old;
+}
+template <typename T>
+inline T atomicMin(T* p, T v) {
+    const T old = *p;
+    if (v < old) *p = v;
+    return old;
+}
+
+#define RLEMU_EXPORT(name)                                                                  \
+    extern "C" int rlemu_launch_##name(const unsigned* grid, const unsigned* block,         \
+                                       size_t shmem, void** args, char* err, size_t errlen) { \
+        return ::rl_emu::launch(grid, block, shmem,                                          \
+                                [](void** a) { ::rl_emu::call_with(&name, a); }, args, err,  \
+                                errlen);                                                     \
+    }
