@@ -30,7 +30,10 @@ CXX = os.environ.get("CXX", "g++")
 # the GPU's does (common.cuh's add.rn.f32), so results compare bitwise with the CPU.
 CXXFLAGS = ["-std=c++17", "-O1", "-g0", "-fPIC", "-shared", "-ffp-contract=off",
             "-fno-fast-math", "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-function",
-            "-Werror"]
+            "-Werror",
+            # each library keeps its own emulator state (GCC would otherwise unify
+            # the inline variables of every loaded library, process-wide)
+            "-fvisibility=hidden", "-fvisibility-inlines-hidden", "-fno-gnu-unique"]
 
 _GLOBAL = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(")
 _EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+([\w:<>]+(?:\s+[\w:<>]+)*)\s+(\w+)\s*\[\s*\]\s*;")
@@ -80,13 +83,15 @@ def build(name):
         return lib
 
 
-def build_text(source_text, stem):
+def build_text(source_text, stem, defines=()):
     """Compile CUDA source text (local includes already pasted in) for the CPU; the
-    library is cached on disk by content, under the temp directory."""
+    library is cached on disk by content, under the temp directory.  ``defines``:
+    extra ``-D`` macros (``RLEMU_UCONTEXT`` selects the portable fiber switch)."""
     text, names = emulation_source(source_text)
     with open(EMU_HEADER, "rb") as f:
         header = f.read()
-    key = hashlib.sha256(text.encode() + header + " ".join([CXX] + CXXFLAGS).encode())
+    flags = CXXFLAGS + [f"-D{d}" for d in defines]
+    key = hashlib.sha256(text.encode() + header + " ".join([CXX] + flags).encode())
     so = os.path.join(_cache_dir(), f"{stem}-{key.hexdigest()[:16]}.so")
     if not os.path.exists(so):
         tag = f"{os.getpid()}.{threading.get_ident()}"
@@ -94,7 +99,7 @@ def build_text(source_text, stem):
         with open(src, "w") as f:
             f.write(text)
         try:
-            proc = subprocess.run([CXX, *CXXFLAGS, "-include", EMU_HEADER, "-o", tmp, src],
+            proc = subprocess.run([CXX, *flags, "-include", EMU_HEADER, "-o", tmp, src],
                                   capture_output=True, text=True)
             if proc.returncode:
                 raise RuntimeError(f"compiling {stem} for the CPU emulator failed:\n"

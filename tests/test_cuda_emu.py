@@ -77,9 +77,11 @@ extern "C" __global__ void atomics(unsigned long long* c) {
 '''
 
 
-@pytest.fixture(scope="module")
-def lib():
-    return cuda_emu.build_text(SOURCE, "selftest")
+@pytest.fixture(scope="module", params=["x86-64 switch", "ucontext"])
+def lib(request):
+    """Both fiber switches: the assembly one (used on x86-64) and the portable one."""
+    return cuda_emu.build_text(SOURCE, "selftest",
+                               defines=("RLEMU_UCONTEXT",) if request.param == "ucontext" else ())
 
 
 def test_warp_shuffles_match_their_definitions(lib):

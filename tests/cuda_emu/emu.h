@@ -8,7 +8,9 @@
 // inline-PTX helpers have plain C++ twins (under READERLIB_CUDA_EMULATION).
 //
 // Model:
-//   * one block at a time; its threads are fibers (ucontext) on one OS thread, so a
+//   * one block at a time; its threads are fibers on one OS thread (a 20-line stack
+//     switch on x86-64, ucontext elsewhere: glibc's swapcontext makes a system
+//     call per switch, 30x slower), so a
 //     launch is deterministic and `__shared__` can simply be `static`;
 //   * a fiber runs until it reaches __syncthreads() or a __shfl_*_sync(); the
 //     scheduler releases a barrier when every live thread of the block waits at it,
@@ -60,11 +62,87 @@ struct alignas(16) uint4 {
 
 namespace rl_emu {
 
+inline void entry();
+
+#if defined(__x86_64__) && !defined(RLEMU_UCONTEXT)
+// A fiber is its saved stack pointer; the callee-saved registers, MXCSR and the x87
+// control word sit on its stack (System V x86-64 ABI).
+struct Context {
+    void* sp;
+};
+extern "C" void rlemu_switch(void** save_sp, void* load_sp);
+__asm__(R"(
+    .text
+    .p2align 4
+    .hidden rlemu_switch
+    .globl rlemu_switch
+    .type rlemu_switch, @function
+rlemu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size rlemu_switch, .-rlemu_switch
+)");
+
+inline Context* sched_ptr();
+[[noreturn]] inline void trampoline();
+
+inline void switch_to(Context* save, Context* load) { rlemu_switch(&save->sp, load->sp); }
+
+inline void make_context(Context* c, char* stack, size_t size) {
+    // Top of stack, 16-byte aligned; `ret` into trampoline leaves rsp = 8 mod 16, as a
+    // call would.  Below the return address: rbp, rbx, r12-r15 (zero) and the saved
+    // MXCSR / x87 control word (the current ones).
+    uintptr_t top = (reinterpret_cast<uintptr_t>(stack) + size) & ~static_cast<uintptr_t>(15);
+    uint64_t* sp = reinterpret_cast<uint64_t*>(top);
+    *--sp = 0;  // padding: trampoline's frame starts 16-aligned minus 8
+    *--sp = reinterpret_cast<uint64_t>(&trampoline);
+    for (int r = 0; r < 6; ++r) *--sp = 0;
+    uint32_t mxcsr;
+    uint16_t fpcw;
+    __asm__ volatile("stmxcsr %0" : "=m"(mxcsr));
+    __asm__ volatile("fnstcw %0" : "=m"(fpcw));
+    *--sp = static_cast<uint64_t>(mxcsr) | (static_cast<uint64_t>(fpcw) << 32);
+    c->sp = sp;
+}
+#else
+struct Context {
+    ucontext_t uc;
+};
+inline Context* sched_ptr();
+inline void switch_to(Context* save, Context* load) { swapcontext(&save->uc, &load->uc); }
+inline void make_context(Context* c, char* stack, size_t size) {
+    getcontext(&c->uc);
+    c->uc.uc_stack.ss_sp = stack;
+    c->uc.uc_stack.ss_size = size;
+    c->uc.uc_link = &sched_ptr()->uc;
+    makecontext(&c->uc, entry, 0);
+}
+#endif
+
 enum State { RUNNABLE, AT_BARRIER, AT_SHUFFLE, DONE };
 enum ShflKind { SHFL_XOR, SHFL_UP, SHFL_DOWN, SHFL_IDX };
 
 struct Fiber {
-    ucontext_t ctx;
+    Context ctx;
     uint3 tid;
     State state;
     const char* file;  // source file and line of the barrier / shuffle it waits at
@@ -77,7 +155,7 @@ struct Fiber {
 
 inline Fiber* cur = nullptr;
 inline dim3 block_idx, block_dim, grid_dim;
-inline ucontext_t sched;
+inline Context sched;
 inline std::vector<Fiber> fibers;
 inline char* stacks = nullptr;
 inline size_t stacks_count = 0;
@@ -88,7 +166,7 @@ inline void** thunk_args = nullptr;
 inline std::mutex launch_mutex;
 inline unsigned launch_count = 0;
 
-inline void yield() { swapcontext(&cur->ctx, &sched); }
+inline void yield() { switch_to(&cur->ctx, &sched); }
 
 inline void syncthreads(const char* file, int line) {
     cur->state = AT_BARRIER;
@@ -139,7 +217,17 @@ inline void* dynamic_shared() { return dyn_shared.data(); }
 inline void entry() {
     thunk(thunk_args);
     cur->state = DONE;
-}  // returns to `sched` through uc_link
+}
+
+inline Context* sched_ptr() { return &sched; }
+
+#if defined(__x86_64__) && !defined(RLEMU_UCONTEXT)
+[[noreturn]] inline void trampoline() {
+    entry();
+    switch_to(&cur->ctx, &sched);  // a finished fiber is never resumed
+    __builtin_unreachable();
+}
+#endif
 
 inline const char* state_name(State s) {
     switch (s) {
@@ -243,7 +331,7 @@ inline bool run_block(int n, bool reverse, std::string& err) {
             const int i = reverse ? n - 1 - j : j;
             if (fibers[i].state != RUNNABLE) continue;
             cur = &fibers[i];
-            swapcontext(&sched, &fibers[i].ctx);
+            switch_to(&sched, &fibers[i].ctx);
             ran = true;
         }
         if (ran) continue;
@@ -316,11 +404,7 @@ inline int launch(const unsigned* grid, const unsigned* block, size_t shmem,
                 dyn_shared.assign(shmem ? shmem : 1, 0xA5);  // poison: unwritten reads show
                 for (size_t i = 0; i < n; ++i) {
                     Fiber& f = fibers[i];
-                    getcontext(&f.ctx);
-                    f.ctx.uc_stack.ss_sp = stacks + i * kStack;
-                    f.ctx.uc_stack.ss_size = kStack;
-                    f.ctx.uc_link = &sched;
-                    makecontext(&f.ctx, entry, 0);
+                    make_context(&f.ctx, stacks + i * kStack, kStack);
                     f.tid = uint3{static_cast<unsigned>(i % block[0]),
                                   static_cast<unsigned>((i / block[0]) % block[1]),
                                   static_cast<unsigned>(i / (static_cast<size_t>(block[0]) * block[1]))};
@@ -391,10 +475,12 @@ inline T atomicMin(T* p, T v) {
     return old;
 }
 
-#define RLEMU_EXPORT(name)                                                                  \
-    extern "C" int rlemu_launch_##name(const unsigned* grid, const unsigned* block,         \
-                                       size_t shmem, void** args, char* err, size_t errlen) { \
-        return ::rl_emu::launch(grid, block, shmem,                                          \
-                                [](void** a) { ::rl_emu::call_with(&name, a); }, args, err,  \
-                                errlen);                                                     \
+// One exported C entry point per kernel (the only symbols the library exports).
+#define RLEMU_EXPORT(name)                                                                \
+    extern "C" __attribute__((visibility("default"))) int rlemu_launch_##name(            \
+        const unsigned* grid, const unsigned* block, size_t shmem, void** args, char* err, \
+        size_t errlen) {                                                                   \
+        return ::rl_emu::launch(                                                           \
+            grid, block, shmem, [](void** a) { ::rl_emu::call_with(&name, a); }, args, err, \
+            errlen);                                                                       \
     }
