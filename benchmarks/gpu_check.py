@@ -23,11 +23,14 @@ repeated calls after warm-up; inputs rotate over several buffers when one set
 would fit in L2.  "ours" is the public GPU path including its index check (one
 small device-to-host copy); "ours kernel" is the copy kernel alone.
 
-Two lighter modes:
+Three lighter modes:
 
     python benchmarks/gpu_check.py --smoke      # the equality table only
     python benchmarks/gpu_check.py --sanitize   # --smoke under compute-sanitizer
                                                 # memcheck and racecheck (~2 min)
+    python benchmarks/gpu_check.py --emulate    # the equality table with no GPU: the
+                                                # real CUDA code on the CPU emulator
+                                                # (tests/cuda_emu); no timings
 
 Exit status: 1 if the build, a GPU test, an equality check, a benchmark or a
 sanitizer pass failed; 0 otherwise (missed performance targets are reported,
@@ -555,6 +558,26 @@ def write_outputs(out):
                     f"{r['detail']} {r['extra']} |\n")
 
 
+def emulate(args):
+    """--emulate: the equality table, with CuPy replaced by tests/fake_cupy.py whose
+    kernel launches run the real .cu code compiled for the CPU (tests/cuda_emu.py)."""
+    import pytest
+    import fake_cupy
+    log("emulate: no GPU used -- CUDA kernels compiled with g++ and run by tests/cuda_emu")
+    RESULTS["device"] = "CPU emulator (tests/cuda_emu), not a GPU"
+    with pytest.MonkeyPatch.context() as mp:
+        cp = fake_cupy.install(mp, run_cuda=True)
+        _, gpu, ref, public, _ = import_stack()
+        try:
+            equality_table(cp, gpu, ref, public)
+        except Exception as e:
+            fail("equality table", f"{type(e).__name__}: {e}")
+            traceback.print_exc()
+    log(f"\nemulate ({elapsed():.0f} s): {len(FAILURES)} failure(s)")
+    write_outputs(args.out)
+    return 1 if FAILURES else 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json/.md")
@@ -565,7 +588,11 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="equality table only")
     ap.add_argument("--sanitize", action="store_true",
                     help="run --smoke under compute-sanitizer memcheck and racecheck, nothing else")
+    ap.add_argument("--emulate", action="store_true",
+                    help="no GPU: the equality table on the CPU emulator of the kernels")
     args = ap.parse_args()
+    if args.emulate:
+        return emulate(args)
 
     log(f"readerlib gpu_check: python {platform.python_version()}, numpy {np.__version__}, cwd {ROOT}")
     if args.sanitize:
