@@ -35,6 +35,14 @@ CXXFLAGS = ["-std=c++17", "-O1", "-g0", "-fPIC", "-shared", "-ffp-contract=off",
             # the inline variables of every loaded library, process-wide)
             "-fvisibility=hidden", "-fvisibility-inlines-hidden", "-fno-gnu-unique"]
 
+# RLEMU_SANITIZE=address builds the kernels with AddressSanitizer: an access outside
+# any NumPy array then stops the run with a report.  The interpreter must load the
+# runtime first:
+#   LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 \
+#   RLEMU_SANITIZE=address python -m pytest -m cuda_emu tests
+if os.environ.get("RLEMU_SANITIZE"):
+    CXXFLAGS += [f"-fsanitize={os.environ['RLEMU_SANITIZE']}", "-fno-omit-frame-pointer"]
+
 _GLOBAL = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(")
 _EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+([\w:<>]+(?:\s+[\w:<>]+)*)\s+(\w+)\s*\[\s*\]\s*;")
 
