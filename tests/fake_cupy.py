@@ -23,6 +23,7 @@ and the four inline-PTX helpers of common.cuh (their C++ twins run instead).
 from __future__ import annotations
 
 import ctypes
+import os
 import re
 import shutil
 import subprocess
@@ -116,7 +117,9 @@ class _Runtime:
 
     @staticmethod
     def getDeviceProperties(dev):
-        return {"multiProcessorCount": 4}  # small: grid-stride loops must loop
+        # small by default: grid-stride loops must loop.  RLEMU_SM_COUNT=132 (an H200)
+        # gives the launch geometry of the real device instead (CI's second pass).
+        return {"multiProcessorCount": int(os.environ.get("RLEMU_SM_COUNT", "4"))}
 
 
 def _alloc_pinned_memory(size):
