@@ -11,7 +11,9 @@ peers) PyTorch.  In order, and in under 5 minutes on an H200:
    the reference; nothing else is built (CuPy compiles the ``.cu`` files itself);
 2. runs the GPU tests: ``python -m pytest -m gpu -q tests``;
 3. prints a table of CUDA-vs-CPU equality for every kernel on random inputs
-   (bitwise for data, indices, values, shapes; relative error for neg_sum);
+   (bitwise for data, indices, values, shapes; relative error for neg_sum; for
+   RNN-T at the benchmark's model size, labels and timestamps exactly and scores
+   within 1e-4);
 4. times the issue's benchmarks against peers measured in the same run --
    ``torch.index_select`` / ``cupy.take`` (forward), ``index_add_`` atomic and
    deterministic (backward), a CTC greedy decoder written with PyTorch ops -- and
@@ -199,10 +201,10 @@ def equality_table(cp, gpu, ref, public):
     def cpu(name, *args, **kw):
         return getattr(public or ref, name)(*args, **kw)
 
-    def record(kernel, dtype, shape, ok, detail="", extra=""):
+    def record(kernel, dtype, shape, ok, detail="", extra="", equal="bitwise equal"):
         rows.append({"kernel": kernel, "dtype": dtype, "shape": shape, "equal": ok,
                      "detail": detail, "extra": extra})
-        log(f"  {kernel:<26} {dtype:<9} {shape:<22} {'bitwise equal' if ok else 'MISMATCH'}"
+        log(f"  {kernel:<26} {dtype:<9} {shape:<22} {equal if ok else 'MISMATCH'}"
             f" {detail} {extra}".rstrip())
         if not ok:
             fail(f"equality {kernel} {dtype} {shape}", detail)
@@ -305,6 +307,29 @@ def equality_table(cp, gpu, ref, public):
                "; ".join(d for _, d in oks if d), f"neg_sum rel err {rel:.1e}")
     except Exception as e:
         record("ctc_greedy_decoder_lod", "float32", "", False, f"{type(e).__name__}: {e}")
+
+    # RNN-T (issue 5): the benchmark's model size, every batched algorithm against the
+    # CPU's loop_labels; labels and timestamps exactly, scores within 1e-4 (float32).
+    try:
+        from readerlib.rnnt import RNNTModel, rnnt_greedy_decode
+        model = RNNTModel.random(1024, 640, 640, 640, blank_bias=1.25, dtype=np.float32, rng=0)
+        B, T = 32, 375
+        x = rng.standard_normal((B, T, 640)).astype(np.float32)
+        lengths = rng.integers(T // 2, T + 1, B)
+        want = rnnt_greedy_decode(model, x, lengths, algorithm="loop_labels")
+        gmodel, gx, gl = model.to(cp), cp.asarray(x), cp.asarray(lengths)
+        for alg, kw in (("loop_labels", {}), ("loop_labels", {"window": 1}), ("loop_frames", {})):
+            got = rnnt_greedy_decode(gmodel, gx, gl, algorithm=alg, **kw)
+            same = all(a.y_sequence.tolist() == b.y_sequence.tolist() and
+                       a.timestamps.tolist() == b.timestamps.tolist() for a, b in zip(want, got))
+            err = max(abs(a.score - b.score) for a, b in zip(want, got))
+            name = alg + ("_w1" if kw else "")
+            record(f"rnnt {name}", "float32", f"B={B} T={T} V=1025", same and err < 1e-4,
+                   "" if same else "labels/timestamps differ",
+                   f"{sum(len(h.y_sequence) for h in got)} labels, max score diff {err:.1e}",
+                   equal="labels+timestamps equal")
+    except Exception as e:
+        record("rnnt", "float32", "", False, f"{type(e).__name__}: {e}")
 
 
 # ---- 4. benchmarks ----------------------------------------------------------------
