@@ -4,9 +4,9 @@
     python benchmarks/gpu_check_dryrun.py
 
 Checks the script's own logic (sections, tables, peers, cross-checks, output
-files) before device time is spent on it.  Kernels are the NumPy emulators of
-tests/fake_cupy.py and "torch" is the CPU build if installed: every number it
-prints is meaningless, and passing says nothing about the CUDA code.
+files) before device time is spent on it.  Kernels run on the CPU emulator
+(tests/cuda_emu) and "torch" is the CPU build if installed: every number it prints
+is meaningless; the equality rows are real checks of the CUDA code.
 """
 import os
 import sys
@@ -27,15 +27,12 @@ from readerlib.kernels import _cuda_loader, _gpu  # noqa: E402
 
 
 def install_fake_cupy():
-    cp = fc.make_module()
+    import pytest
+    # fc.install: the stand-in module (NumPy behind every other cupy.* name), the
+    # real kernels on the CPU emulator (tests/cuda_emu), readerlib pointed at it;
+    # never undone (one process).
+    cp = fc.install(pytest.MonkeyPatch(), run_cuda=True)
     cp.__version__ = "stand-in"
-    fc.FakeArray.__module__ = "cupy._fake"
-    sigs = {n: fc.kernel_signatures(_cuda_loader.read_source(n)) for n in _cuda_loader.cuda_sources()}
-    _gpu.get_kernel = fc.make_get_kernel(sigs, [])
-    _gpu._local = threading.local()
-    rl_gpu._cupy = cp
-    array_module = tensor._array_module
-    tensor._array_module = lambda a: cp if isinstance(a, fc.FakeArray) else array_module(a)
     rng = np.random.default_rng(0)
     cp.random = types.SimpleNamespace(
         standard_normal=lambda shape, dtype=float: fc._fake(rng.standard_normal(shape).astype(dtype)),
@@ -56,11 +53,12 @@ def install_fake_cupy():
 
     cp.cuda.Event = Event
     cp.cuda.get_elapsed_time = lambda a, b: (b.t - a.t) * 1e3
-    cp.cuda.runtime.deviceSynchronize = staticmethod(lambda: None)
-    cp.cuda.runtime.getDeviceProperties = staticmethod(
-        lambda d: {"name": b"stand-in", "multiProcessorCount": 4, "l2CacheSize": 1 << 20})
+    cp.cuda.runtime = types.SimpleNamespace(**{k: getattr(cp.cuda.runtime, k) for k in dir(cp.cuda.runtime)
+                                               if not k.startswith("__")})
+    cp.cuda.runtime.deviceSynchronize = lambda: None
+    cp.cuda.runtime.getDeviceProperties = \
+        lambda d: {"name": b"stand-in", "multiProcessorCount": 4, "l2CacheSize": 1 << 20}
     fc._Ptr.copy_from_device_async = lambda self, src, n, stream=None: None
-    sys.modules["cupy"] = cp
     try:
         import torch
         zeros = torch.zeros
@@ -75,6 +73,7 @@ def main():
     gpu_check.REINDEX_SHAPES = ((40, 80, 20), (100, 100, 4), (3, 5, 1000))
     gpu_check.CTC_SHAPES = ((20, 3, 11), (10, 8, 5), (30, 2, 51), (30, 4, 51))
     gpu_check.COPY_BYTES = 1 << 20
+    gpu_check.RNNT_SHAPE = (4, 50)
     out = tempfile.mkdtemp(prefix="gpu_check_dryrun_")
     sys.argv = ["gpu_check.py", "--skip-tests", "--budget", "0.05", "--out", out]
     rc = gpu_check.main()
