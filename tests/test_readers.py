@@ -765,3 +765,28 @@ def test_python_reader_out_of_range_int_is_an_error_not_wrapped(value):
     r = rl.PythonReader(lambda: iter([1, value]), rl.Schema([rl.Field("v", "uint8")]))
     with pytest.raises((ValueError, TypeError, OverflowError), match=r"'v'"):
         drain(r)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_big_sequence_batches_copied_on_threads_equal_one_thread(threads):
+    """A batch of big sequence records (>= 4 MiB, >= 32 KiB each) is copied on several
+    threads; the result must not depend on how many."""
+    from readerlib.readers import _base
+    rng = np.random.default_rng(4)
+    seqs = [rng.standard_normal((int(n), 3)).astype(np.float32) for n in rng.integers(0, 16000, 90)]
+    seqs[5] = seqs[5][:0]
+    ids = np.arange(90, dtype=np.int64)
+    schema = rl.Schema([rl.Field("x", "float32", (3,), lod_level=1), rl.Field("id", "int64")])
+    old = _base.get_num_threads()
+    try:
+        _base.set_num_threads(threads)
+        batches = list(rl.PythonReader(lambda: iter(zip(seqs, ids)), schema).shuffle(30, seed=1).batch(60))
+    finally:
+        _base.set_num_threads(old)
+    got = {}
+    for x, i in batches:
+        for k in range(len(i.data)):
+            got[int(i.data[k])] = x.sequence(k)
+    assert sorted(got) == list(range(90))
+    for k in range(90):
+        np.testing.assert_array_equal(got[k], seqs[k])

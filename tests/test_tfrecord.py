@@ -289,3 +289,59 @@ def test_concatenated_gzip_members(tmp_path):
     both = tmp_path / "ab.tfrecord.gz"
     both.write_bytes(open(a, "rb").read() + open(b, "rb").read())      # `cat a.gz b.gz`
     assert read_all(both, compression="GZIP") == [b"one", b"two", b"three"]
+
+
+@pytest.mark.parametrize("comp", [None, "GZIP"])
+@pytest.mark.parametrize("dtype", ["uint8", "float32"])
+def test_sequence_records_are_bare_and_every_chain_reads_them(comp, dtype, tmp_path):
+    """Sequence records go downstream without the row-count prefix (zero copy from the
+    mapping); every decorator passes them on and every consumer parses them, each
+    record exactly once per epoch; prefixed on request, with the same result."""
+    rng = np.random.default_rng(1)
+    rows = [rng.standard_normal(n).astype(dtype) if dtype == "float32" else
+            rng.integers(0, 256, n, dtype=np.uint8) for n in rng.integers(0, 2000, 300)]
+    rows[3] = rows[3][:0]
+    path = write(tmp_path / "s.tfrecord", [r.tobytes() for r in rows], comp)
+    schema = rl.Schema([rl.Field("x", dtype, (), lod_level=1)])
+
+    def open_(prefixed=False):
+        r = TFRecordReader(path, schema=schema, compression=comp)
+        if prefixed:
+            r._prefixed_instances()
+        return r
+
+    assert open_().bare_instances and not open_(prefixed=True).bare_instances
+    want = sorted(r.tobytes() for r in rows)
+    for prefixed in (False, True):
+        assert [inst[0].tobytes() for inst in open_(prefixed)] == [r.tobytes() for r in rows]
+        chains = [open_(prefixed).shuffle(64, seed=2).batch(16),
+                  open_(prefixed).multi_pass(2).batch(7),
+                  rl.ReaderHolder(open_(prefixed)).prefetch(3).batch(33),
+                  open_(prefixed).shuffle(10, seed=1).shard(1, 0).batch(50, drop_last=False)]
+        for k, chain in enumerate(chains):
+            assert chain.bare_instances is False          # batches are never bare
+            got = []
+            for (t,) in chain:
+                assert t.data.dtype == np.dtype(dtype)
+                got += [t.sequence(i).tobytes() for i in range(len(t.lod[0]) - 1)]
+            assert sorted(got) == (sorted(want * 2) if k == 1 else want)
+            chain.close()
+    # a record that is not a whole number of rows is refused, with its offset
+    if dtype == "float32":
+        bad = write(tmp_path / "bad.tfrecord", [b"\0" * 8, b"\0" * 6], comp)
+        with pytest.raises(ValueError, match=r"bad\.tfrecord: record at 24.* has 6 bytes"):
+            list(TFRecordReader(bad, schema=schema, compression=comp))
+
+
+def test_open_files_keeps_tfrecord_sequences_bare_unless_mixed(tmp_path):
+    recs = [bytes([i]) * i for i in range(50)]
+    a = write(tmp_path / "a.tfrecord", recs[:25])
+    b = write(tmp_path / "b.tfrecord", recs[25:])
+    assert rl.open_files([a, b]).bare_instances
+    with rl.RecordIOWriter(str(tmp_path / "c.rio"), rl.Schema([rl.Field("data", "uint8", (), lod_level=1)])) as w:
+        for r in recs[:10]:
+            w.write((np.frombuffer(r, np.uint8),))
+    mixed = rl.open_files([a, str(tmp_path / "c.rio"), b], num_threads=2)
+    assert not mixed.bare_instances
+    got = [t.sequence(i).tobytes() for (t,) in mixed.batch(8) for i in range(len(t.lod[0]) - 1)]
+    assert got == recs[:25] + recs[:10] + recs[25:]

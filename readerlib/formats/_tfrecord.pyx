@@ -11,11 +11,14 @@ Design:
     Uncompressed files are memory-mapped.  A chunk's record headers (length
     CRCs, sizes against the schema) are verified when it is loaded, without
     the GIL; each data CRC is computed next to the copy that follows it (so
-    the copy finds the record in cache).  With a one-field fixed schema the
-    records are handed downstream as pointers into the mapping (zero copy,
-    like RecordIO), each verified as it is handed out.  Variable-length
-    records (the default: uint8 sequences) are copied once into a block with
-    the int64 row-count prefix that the instance encoding needs.  ZLIB/GZIP
+    the copy finds the record in cache).  Records are handed downstream as
+    pointers into the mapping (zero copy, like RecordIO), each verified as it
+    is handed out: fixed-size ones as they are, variable-length ones (the
+    default: uint8 sequences) as "bare" instances -- the rows without the
+    int64 row-count prefix of the instance encoding, which a TFRecord record
+    does not have (layout.bare; see readers/_base.pxd).  `_prefixed_instances()`
+    switches to copying each record into a block behind a prefix instead, for
+    `open_files` streams that mix TFRecord with other formats.  ZLIB/GZIP
     files are inflated (zlib, windowBits 15 / 31; concatenated gzip members
     are accepted) into a reused buffer and copied into blocks a chunk at a time.
 
@@ -171,6 +174,7 @@ cdef class TFRecordReader(FileReader):
     cdef readonly object index_path
     cdef int ztype
     cdef bint lod_mode
+    cdef bint prefix                # lod_mode: copy records behind an int64 row count
     cdef int64_t row_bytes
     cdef int64_t fixed_size
     # the file
@@ -223,6 +227,8 @@ cdef class TFRecordReader(FileReader):
         schema, lod, rb, fs = _record_schema(schema)
         self._set_schema(schema, ITEM_INSTANCE)
         self.lod_mode = lod
+        self.prefix = False
+        self.layout.bare = lod           # sequence records: the rows alone, zero copy
         self.row_bytes = rb
         self.fixed_size = fs
         self.index_path = _index_path_for(self.path, index)
@@ -566,7 +572,7 @@ cdef class TFRecordReader(FileReader):
                 self.spos += rel
             return 0
         # the chunk's block
-        if not z and not self.lod_mode:
+        if not z and not (self.lod_mode and self.prefix):
             blk = rl_chunkview_new(self.mapping, <char *>cb, rel, 1)
             if blk == NULL:
                 self.err_code = E_NOMEM
@@ -575,7 +581,7 @@ cdef class TFRecordReader(FileReader):
             total = 0
             for k in range(i):
                 total += self.cur_len[k]
-            if self.lod_mode:
+            if self.lod_mode and self.prefix:
                 total += 8 * i
             blk = self._take_spare(total)
             if blk == NULL:
@@ -593,7 +599,7 @@ cdef class TFRecordReader(FileReader):
                     self.err_off = pos + self.cur_off[k] - 12
                     return -1
                 self.cur_off[k] = dst - blk.data
-                if self.lod_mode:           # the instance encoding: int64 rows, then the rows
+                if self.lod_mode and self.prefix:   # the instance encoding: int64 rows, then rows
                     rl_store_i64(dst, length // self.row_bytes)
                     dst += 8
                     self.cur_len[k] = length + 8
@@ -604,7 +610,7 @@ cdef class TFRecordReader(FileReader):
                 self.spos += rel
         self._retire_cur()
         self.cur = blk
-        self.cur_is_heap = z or self.lod_mode
+        self.cur_is_heap = z or (self.lod_mode and self.prefix)
         self.cur_is_view = not self.cur_is_heap
         self.cur_n = i
         self.cur_i = 0
@@ -711,6 +717,15 @@ cdef class TFRecordReader(FileReader):
                 self._raise()
         self.cur_i += 1
         return 1
+
+    def _prefixed_instances(self):
+        """Give sequence records with the int64 row-count prefix (one copy each)
+        instead of bare; call before reading."""
+        if self.lod_mode and not self.prefix:
+            if self.cur != NULL:
+                raise RuntimeError(f"{self.path}: _prefixed_instances() after reading started")
+            self.prefix = True
+            self.layout.bare = 0
 
     cdef int c_reset(self) except -1:
         self._release_cur()

@@ -13,6 +13,11 @@
 # Instance encoding, fields in schema order, no padding:
 #   lod_level 0: row_bytes bytes
 #   lod_level 1: int64 n_rows (little endian), then n_rows * row_bytes bytes
+# except for "bare" instances (rl_layout.bare): a schema of ONE lod_level-1
+# field whose records are just the rows (n_rows = size / row_bytes), so a file
+# format without a row-count prefix (TFRecord) can hand out pointers into the
+# file.  A reader's `layout.bare` says which form its instances take; decorators
+# inherit it from their source, and every consumer parses with layout_parse.
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
 
 cdef extern from "rl_core.h":
@@ -63,6 +68,7 @@ cdef struct rl_layout:
     int64_t row_bytes[RL_MAX_FIELDS]
     int lod[RL_MAX_FIELDS]
     int64_t fixed_offset[RL_MAX_FIELDS]   # byte offset of a field when n_lod == 0
+    int bare                      # instances are the rows alone (see above)
 
 # Column-major instances (ArrayReader, writers): field f of instance i is row i
 # of ptr[f] (fixed) or rows off[f][i]:off[f][i+1] of ptr[f] (sequence).

@@ -131,6 +131,12 @@ cdef int layout_parse(const rl_layout *L, const char *data, int64_t size,
                       const char **ptrs, int64_t *rows) noexcept nogil:
     cdef int f
     cdef int64_t pos = 0, n, nbytes
+    if L.bare:                      # one sequence field, no row-count prefix
+        if size < 0 or (L.row_bytes[0] and size % L.row_bytes[0]):
+            return -1
+        ptrs[0] = data
+        rows[0] = size // L.row_bytes[0] if L.row_bytes[0] else 0
+        return 0
     if L.n_lod == 0:
         if size != L.fixed_size:
             return -1
@@ -552,6 +558,19 @@ cdef class ReaderBase:
         return self._closed
 
     @property
+    def bare_instances(self):
+        """True when this reader's instances are a single sequence field's rows
+        without the int64 row-count prefix (see readers/_base.pxd)."""
+        return bool(self.layout.bare) and self.item_kind == ITEM_INSTANCE
+
+    def _prefixed_instances(self):
+        """Make a reader with bare instances give prefixed ones instead (before
+        reading); `open_files` uses it when it mixes formats.  Only sources that
+        can produce both forms implement it."""
+        if self.layout.bare:
+            raise NotImplementedError(f"{type(self).__name__} cannot prefix its instances")
+
+    @property
     def is_batched(self):
         return self.item_kind == ITEM_BATCH
 
@@ -635,6 +654,8 @@ cdef class DecoratedReader(ReaderBase):
             reader.reset()
         self.reader = reader
         self._set_schema(reader.schema, reader.item_kind)
+        # instances pass through unchanged, in the form their source gives them
+        self.layout.bare = reader.layout.bare if reader.item_kind == ITEM_INSTANCE else 0
 
     cdef int c_reset(self) except -1:
         return self.reader.c_reset()
@@ -678,6 +699,7 @@ cdef class ReaderHolder(ReaderBase):
         reader._check_open()
         self._held = reader
         self._set_schema(reader.schema, reader.item_kind)
+        self.layout.bare = (<ReaderBase>reader).layout.bare if reader.item_kind == ITEM_INSTANCE else 0
 
     @property
     def reader(self):
@@ -1166,31 +1188,53 @@ cdef class BatchReader(DecoratedReader):
         base = b.data
         rl_store_i64(base, n)
         rl_store_i64(base + 8, nf)
+        cdef int64_t data_bytes = 0
         for f in range(nf):
             rl_store_i64(base + 16 + 24 * f, total_rows[f])
             rl_store_i64(base + 24 + 24 * f, doff[f])
             rl_store_i64(base + 32 + 24 * f, loff[f])
+            data_bytes += total_rows[f] * L.row_bytes[f]
             if L.lod[f]:
                 total_rows[f] = 0
                 (<int64_t *>(base + loff[f]))[0] = 0
+        # the offset tables first (sequential, n words), so that the copies are
+        # independent and a batch of big records can be copied on several threads
+        # (one core's copy does not reach the memory bandwidth; see _next_fixed_parallel)
         for i in range(n):
-            ptrs = self.parsed_ptrs + i * nf
             rows = self.parsed_rows + i * nf
             for f in range(nf):
-                rb = L.row_bytes[f]
                 if L.lod[f]:
-                    rl_copy_big(base + doff[f] + total_rows[f] * rb, ptrs[f], rows[f] * rb)
                     total_rows[f] += rows[f]
                     (<int64_t *>(base + loff[f]))[i + 1] = total_rows[f]
-                else:
-                    memcpy(base + doff[f] + i * rb, ptrs[f], rb)
-            rl_record_consumed(&self.recs[i])
+        if _num_threads > 1 and data_bytes >= (4 << 20) and data_bytes >= n * 32768:
+            for i in prange(n, schedule='static', num_threads=_num_threads):
+                self._copy_instance(L, base, doff, loff, i)
+        else:
+            for i in range(n):
+                self._copy_instance(L, base, doff, loff, i)
         rl_copy_fence()
         out.block = b
         out.data = b.data
         out.size = size
         self.hold = b
         return 1
+
+    cdef void _copy_instance(self, const rl_layout *L, char *base, const int64_t *doff,
+                             const int64_t *loff, int64_t i) noexcept nogil:
+        """Copy held instance i (parsed) into its place in the batch, then let it go."""
+        cdef int nf = L.nfields
+        cdef int f
+        cdef int64_t rb, row0
+        cdef const char **ptrs = self.parsed_ptrs + i * nf
+        cdef int64_t *rows = self.parsed_rows + i * nf
+        for f in range(nf):
+            rb = L.row_bytes[f]
+            if L.lod[f]:
+                row0 = (<int64_t *>(base + loff[f]))[i]
+                rl_copy_big(base + doff[f] + row0 * rb, ptrs[f], rows[f] * rb)
+            else:
+                memcpy(base + doff[f] + i * rb, ptrs[f], rb)
+        rl_record_consumed(&self.recs[i])
 
     cdef int c_reset(self) except -1:
         if self.hold != NULL:

@@ -139,6 +139,7 @@ cdef class MultiFileReader(FileReader):
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         self._set_schema(schema, ITEM_INSTANCE)
+        self.layout.bare = bool(getattr(plan, "bare", False))   # FilePlan.open enforces it
         self._plan = plan
         self.num_threads = n
         self.limit = limit
@@ -291,6 +292,10 @@ cdef class MultiFileReader(FileReader):
                         cache = None
                     cache_path = path
                     cache = self._plan.open(path)
+                    if (<ReaderBase>cache).layout.bare != self.layout.bare:
+                        raise ValueError(f"open_files: {path!r} gives "
+                                         f"{'bare' if cache.bare_instances else 'prefixed'} "
+                                         f"instances, the stream the other form")
                 rd = cache
                 if chunks is not None:
                     cache.select_chunks(chunks)

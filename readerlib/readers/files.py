@@ -184,9 +184,11 @@ class FilePlan:
         units = []            # (file index, chunks or None, record count or None)
         self._user_schema = schema
         first = None
+        bare = []
         for i, p in enumerate(paths):
             r = open_file(p, schema)
             try:
+                bare.append(r.bare_instances)
                 if r.item_kind != 0:
                     raise TypeError(f"open_files reads instances; the reader for {p!r} yields batches")
                 if first is None:
@@ -211,6 +213,9 @@ class FilePlan:
             finally:
                 r.close()
         self.schema = first[1]
+        # One instance form for the stream: bare (TFRecord sequences, zero copy)
+        # only when every file gives it; otherwise `open` prefixes the bare ones.
+        self.bare = all(bare)
         self.units = units
         rank, world = shard or (0, 1)
         self.owner = self._assign(units, world)
@@ -255,7 +260,14 @@ class FilePlan:
         return counts
 
     def open(self, path):
-        return open_file(path, self._user_schema)
+        r = open_file(path, self._user_schema)
+        if r.bare_instances and not self.bare:
+            r._prefixed_instances()
+        if r.bare_instances != self.bare:
+            r.close()
+            raise ValueError(f"open_files: {path!r} now gives {'bare' if r.bare_instances else 'prefixed'} "
+                             f"instances, unlike when the stream was planned")
+        return r
 
     def epoch_units(self, epoch):
         """[(path, chunks or None)] for this rank and epoch, in reading order."""
