@@ -345,3 +345,30 @@ def test_open_files_keeps_tfrecord_sequences_bare_unless_mixed(tmp_path):
     assert not mixed.bare_instances
     got = [t.sequence(i).tobytes() for (t,) in mixed.batch(8) for i in range(len(t.lod[0]) - 1)]
     assert got == recs[:25] + recs[:10] + recs[25:]
+
+
+def test_reader_holder_swaps_keep_the_chain_s_instance_form(tmp_path):
+    """Decorators take the holder's instance form when built; a swapped-in reader must
+    give the same form (a TFRecord reader is asked to prefix) or is refused."""
+    recs = [bytes([i]) * (i % 7) for i in range(30)]
+    tf = write(tmp_path / "a.tfrecord", recs)
+    rio = str(tmp_path / "b.rio")
+    with rl.RecordIOWriter(rio, rl.Schema([rl.Field("data", "uint8", (), lod_level=1)])) as w:
+        for r in recs:
+            w.write((np.frombuffer(r, np.uint8),))
+
+    def seqs(chain):
+        return [t.sequence(i).tobytes() for (t,) in chain for i in range(len(t.lod[0]) - 1)]
+
+    h = rl.ReaderHolder(rl.RecordIOReader(rio))
+    b = h.batch(4)
+    assert seqs(b) == recs
+    h.reset_reader(TFRecordReader(tf))            # bare reader into a prefixed chain: prefixed
+    assert not h.reader.bare_instances
+    assert seqs(b) == recs
+
+    h = rl.ReaderHolder(TFRecordReader(tf))
+    b = h.batch(4)
+    with pytest.raises(ValueError, match="bare instances"):
+        h.reset_reader(rl.RecordIOReader(rio))
+    assert seqs(b) == recs                        # the chain is untouched

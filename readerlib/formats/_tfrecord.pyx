@@ -722,7 +722,7 @@ cdef class TFRecordReader(FileReader):
         """Give sequence records with the int64 row-count prefix (one copy each)
         instead of bare; call before reading."""
         if self.lod_mode and not self.prefix:
-            if self.cur != NULL:
+            if self.cur != NULL or self._started:
                 raise RuntimeError(f"{self.path}: _prefixed_instances() after reading started")
             self.prefix = True
             self.layout.bare = 0

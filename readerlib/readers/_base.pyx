@@ -697,6 +697,19 @@ cdef class ReaderHolder(ReaderBase):
     def reset_reader(self, reader):
         _check_reader(reader, "ReaderHolder")
         reader._check_open()
+        if self._held is not None and reader.item_kind == ITEM_INSTANCE and \
+                reader.bare_instances != self.bare_instances:
+            # decorators above took this holder's instance form when they were
+            # built: the new reader must give the same one
+            if self.bare_instances:
+                raise ValueError(
+                    f"ReaderHolder.reset_reader: the held reader gives bare instances (no row-count "
+                    f"prefix, e.g. TFRecord sequences) and {type(reader).__name__} does not; "
+                    f"build a new chain over it instead")
+            try:
+                reader._prefixed_instances()
+            except (NotImplementedError, RuntimeError) as e:
+                raise ValueError(f"ReaderHolder.reset_reader: {e}") from None
         self._held = reader
         self._set_schema(reader.schema, reader.item_kind)
         self.layout.bare = (<ReaderBase>reader).layout.bare if reader.item_kind == ITEM_INSTANCE else 0
@@ -1133,6 +1146,7 @@ cdef class BatchReader(DecoratedReader):
         for i in prange(n, schedule='static', num_threads=_num_threads):
             rl_copy_big(base + doff + i * rb, self.recs[i].data, rb)
             rl_record_consumed(&self.recs[i])
+            rl_copy_fence()   # streaming stores: each copying thread fences its own
         rl_copy_fence()
         self._release()
         rl_store_i64(base, n)
@@ -1235,6 +1249,7 @@ cdef class BatchReader(DecoratedReader):
             else:
                 memcpy(base + doff[f] + i * rb, ptrs[f], rb)
         rl_record_consumed(&self.recs[i])
+        rl_copy_fence()   # streaming stores: each copying thread fences its own
 
     cdef int c_reset(self) except -1:
         if self.hold != NULL:

@@ -262,7 +262,11 @@ class FilePlan:
     def open(self, path):
         r = open_file(path, self._user_schema)
         if r.bare_instances and not self.bare:
-            r._prefixed_instances()
+            try:
+                r._prefixed_instances()
+            except (NotImplementedError, RuntimeError) as e:
+                r.close()
+                raise ValueError(f"open_files: {path!r} cannot be mixed with prefixed files ({e})") from None
         if r.bare_instances != self.bare:
             r.close()
             raise ValueError(f"open_files: {path!r} now gives {'bare' if r.bare_instances else 'prefixed'} "
