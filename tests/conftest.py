@@ -19,7 +19,8 @@ _HAS_GPU = None
 def has_gpu():
     global _HAS_GPU
     if _HAS_GPU is None:
-        _HAS_GPU = cupy_available()
+        # a sanitizer pass checks the emulated kernels, never CuPy's
+        _HAS_GPU = not os.environ.get("RLEMU_SANITIZE") and cupy_available()
     return _HAS_GPU
 
 

@@ -33,7 +33,9 @@ CXXFLAGS = ["-std=c++17", "-O1", "-g0", "-fPIC", "-shared", "-ffp-contract=off",
             "-Werror",
             # each library keeps its own emulator state (GCC would otherwise unify
             # the inline variables of every loaded library, process-wide)
-            "-fvisibility=hidden", "-fvisibility-inlines-hidden", "-fno-gnu-unique"]
+            "-fvisibility=hidden", "-fvisibility-inlines-hidden", "-fno-gnu-unique",
+            # the fiber switch returns with `ret` onto another stack: no CET shadow stack
+            "-fcf-protection=none"]
 
 # RLEMU_SANITIZE=address builds the kernels with AddressSanitizer: an access outside
 # any NumPy array then stops the run with a report.  The interpreter must load the
@@ -75,8 +77,12 @@ def emulation_source(text):
 
 
 def _cache_dir():
+    """A folder only this user can write (libraries from it are loaded)."""
     d = os.path.join(tempfile.gettempdir(), f"readerlib-cuda-emu-{os.getuid()}")
-    os.makedirs(d, exist_ok=True)
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.lstat(d)
+    if not os.path.isdir(d) or os.path.islink(d) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise RuntimeError(f"{d} is not a private folder of this user; remove it or set TMPDIR")
     return d
 
 

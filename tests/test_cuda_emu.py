@@ -70,6 +70,24 @@ extern "C" __global__ void barrier_vs_shuffle(int* y) {
     else y[threadIdx.x] = __shfl_xor_sync(kFull, 1, 1);
 }
 
+extern "C" __global__ void half_warps(const int* x, int* xr16, int* up40, int* idx) {
+    // each half-warp shuffles with its own mask; width 16
+    const int lane = threadIdx.x & 31, v = x[threadIdx.x];
+    const unsigned half = lane < 16 ? 0x0000ffffu : 0xffff0000u;
+    // width 16: lanes 0-15 would read a later group (own value instead), lanes 16-31
+    // may read the earlier one (CUDA Programming Guide, __shfl_xor_sync)
+    xr16[threadIdx.x] = __shfl_xor_sync(kFull, v, 16, 16);
+    up40[threadIdx.x] = __shfl_up_sync(kFull, v, 40);        // offset uses 5 bits: 8
+    idx[threadIdx.x] = __shfl_sync(half, v, 21, 16);         // 21 mod 16 = 5 in each half
+}
+
+extern "C" __global__ void read_before_write(unsigned* y) {
+    __shared__ unsigned s[64];
+    y[blockIdx.x * blockDim.x + threadIdx.x] = s[threadIdx.x];   // never written: poison
+    __syncthreads();
+    s[threadIdx.x] = 7;
+}
+
 extern "C" __global__ void atomics(unsigned long long* c) {
     atomicAdd(&c[0], 1ULL);
     atomicMax(&c[1], (unsigned long long)(blockIdx.x * blockDim.x + threadIdx.x));
@@ -142,3 +160,27 @@ def test_atomics_and_a_multi_dimensional_grid(lib):
 def test_bad_launch_shape_is_an_error(lib):
     with pytest.raises(AssertionError, match="bad launch shape"):
         cuda_emu.launch(lib, "atomics", (1,), (2048,), (np.zeros(2, np.uint64),))
+
+
+def test_half_warp_masks_widths_and_offsets(lib):
+    x = (np.arange(64, dtype=np.int32) * 3 + 1)
+    out = [np.zeros(64, np.int32) for _ in range(3)]
+    cuda_emu.launch(lib, "half_warps", (1,), (64,), (x, *out))
+    xr16, up40, idx = out
+    lane = np.arange(64) % 32
+    np.testing.assert_array_equal(xr16, np.where(lane < 16, x, x[np.arange(64) - 16]))
+    np.testing.assert_array_equal(up40, np.where(lane >= 8, x[np.arange(64) - 8], x))
+    np.testing.assert_array_equal(idx, x[(np.arange(64) // 16) * 16 + 5])
+
+
+def test_static_shared_memory_starts_poisoned_in_every_block(lib):
+    y = np.zeros(3 * 64, np.uint32)
+    cuda_emu.launch(lib, "read_before_write", (3,), (64,), (y,))
+    assert (y == 0xA5A5A5A5).all()          # not 7, what the previous block left
+
+
+@pytest.mark.parametrize("grid, block, shmem", [((1, 70000), (32,), 0), ((1,), (32, 1, 65), 0),
+                                                ((1,), (32,), 64 * 1024)])
+def test_launches_beyond_cuda_limits_are_errors(lib, grid, block, shmem):
+    with pytest.raises(AssertionError, match="bad launch shape"):
+        cuda_emu.launch(lib, "atomics", grid, block, (np.zeros(2, np.uint64),), shared_mem=shmem)

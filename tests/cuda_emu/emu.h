@@ -18,13 +18,18 @@
 //     exchanged at release, as the hardware does);
 //   * what real hardware leaves undefined is reported as a launch error instead of
 //     being papered over: threads of one block waiting at different barriers, lanes
-//     of one warp at different shuffles or with different masks, a shuffle reading a
-//     lane that has exited or does not exist, and deadlock.
+//     of one warp at different shuffles or with different masks, a shuffle naming a
+//     lane that has exited or does not exist, launch shapes beyond CUDA's limits,
+//     and deadlock.  (A barrier does release when some threads of the block have
+//     exited, as the hardware does since Volta; CUDA calls that undefined.)
+//   * shared memory starts each block poisoned (0xA5), static and dynamic.
 //   * between two sync points the threads of a block run one after another, first
 //     to last in even blocks and last to first in odd ones, so a missing barrier
 //     (reading another thread's shared-memory write too early) shows as a wrong
 //     result in one of the two orders.
-// Not modelled: concurrency between blocks (blocks run in order, so a kernel that
+// Not modelled: NaN payloads (x86 propagates an input NaN's payload; GPU arithmetic
+// may return a canonical NaN instead -- the tests compare NaNs as equal),
+// __launch_bounds__ (ignored), concurrency between blocks (blocks run in order, so a kernel that
 // spins waiting for a later block would deadlock -- none of ours does), finer
 // interleavings within a block, and out-of-bounds accesses (nothing checks
 // addresses beyond what the host arrays give).
@@ -50,7 +55,12 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-#define __shared__ static
+// Static __shared__ variables go to one ELF section, so each block can start with
+// them poisoned (0xA5 bytes) like real shared memory starts undefined: a read
+// before any write shows as a wrong value instead of the previous block's data.
+#define __shared__ static __attribute__((section("rlemu_shared"), aligned(16)))
+extern "C" char __start_rlemu_shared[] __attribute__((weak, visibility("hidden")));
+extern "C" char __stop_rlemu_shared[] __attribute__((weak, visibility("hidden")));
 
 struct dim3 {
     unsigned x, y, z;
@@ -72,7 +82,7 @@ struct Context {
 };
 extern "C" void rlemu_switch(void** save_sp, void* load_sp);
 __asm__(R"(
-    .text
+    .pushsection .text
     .p2align 4
     .hidden rlemu_switch
     .globl rlemu_switch
@@ -100,6 +110,7 @@ rlemu_switch:
     popq %rbp
     ret
     .size rlemu_switch, .-rlemu_switch
+    .popsection
 )");
 
 inline Context* sched_ptr();
@@ -238,74 +249,87 @@ inline const char* state_name(State s) {
     }
 }
 
-// Release the shuffle warp `w` waits at, if every lane it names is there.
-// Returns 1 if released, 0 if not ready, -1 on an error (message in err).
+// Release every group of warp `w`'s lanes waiting at a shuffle whose mask's lanes
+// have all arrived (several groups may wait at once: half-warps with their own
+// masks).  Returns 1 if one was released, 0 if none is ready, -1 on an error.
+// Semantics of __shfl_*_sync (CUDA Programming Guide, PTX shfl.sync): the lane
+// offset uses its low 5 bits; with width < 32 each group of `width` lanes reads
+// within itself (xor may reach an earlier group), and an out-of-range source
+// gives the lane its own value.
 inline int try_release_warp(int w, int n, std::string& err) {
     const int lo = 32 * w, hi = lo + 32 < n ? lo + 32 : n;
-    unsigned waiting = 0, mask = 0;
-    int line = -1, kind = -1, first = -1;
+    unsigned handled = 0;
+    int released = 0;
     for (int i = lo; i < hi; ++i) {
-        if (fibers[i].state != AT_SHUFFLE) continue;
-        waiting |= 1u << (i - lo);
-        if (first < 0) {
-            first = i;
-            line = fibers[i].line;
-            kind = fibers[i].kind;
-            mask = fibers[i].mask;
-        } else if (fibers[i].line != line || std::strcmp(fibers[i].file, fibers[first].file) ||
-                   fibers[i].kind != kind || fibers[i].mask != mask) {
-            err = "warp " + std::to_string(w) + ": lanes at different shuffles (lane " +
-                  std::to_string(first - lo) + " at " + site(fibers[first].file, line) +
-                  " mask " + hex(mask) + ", lane " + std::to_string(i - lo) + " at " +
-                  site(fibers[i].file, fibers[i].line) + " mask " +
-                  hex(fibers[i].mask) + ")";
+        const Fiber& a = fibers[i];
+        if (a.state != AT_SHUFFLE || (handled >> (i - lo) & 1u)) continue;
+        const unsigned mask = a.mask;
+        if (!(mask & (1u << (i - lo)))) {
+            err = site(a.file, a.line) + ": lane " + std::to_string(i - lo) + " of warp " +
+                  std::to_string(w) + " shuffles with mask " + hex(mask) + ", which omits itself";
             return -1;
         }
-    }
-    if (!waiting) return 0;
-    if (!(mask & (1u << (first - lo)))) {
-        err = "warp " + std::to_string(w) + ": a lane shuffles with a mask that omits itself";
-        return -1;
-    }
-    for (int i = lo; i < lo + 32; ++i) {
-        if (!(mask & (1u << (i - lo)))) continue;
-        if (i >= hi) {
-            err = site(fibers[first].file, line) + ": shuffle mask " + hex(mask) +
-                  " names lane " + std::to_string(i - lo) + ", which this block (" +
-                  std::to_string(n) + " threads) does not have";
-            return -1;
+        bool ready = true;
+        for (int j = lo; j < lo + 32; ++j) {
+            if (!(mask & (1u << (j - lo)))) continue;
+            if (j >= hi) {
+                err = site(a.file, a.line) + ": shuffle mask " + hex(mask) + " names lane " +
+                      std::to_string(j - lo) + ", which this block (" + std::to_string(n) +
+                      " threads) does not have";
+                return -1;
+            }
+            const Fiber& b = fibers[j];
+            if (b.state == DONE) {
+                err = site(a.file, a.line) + ": shuffle mask " + hex(mask) + " names lane " +
+                      std::to_string(j - lo) + " of warp " + std::to_string(w) +
+                      ", which has exited";
+                return -1;
+            }
+            if (b.state != AT_SHUFFLE) {
+                ready = false;  // still running, or stuck elsewhere (deadlock is found later)
+                continue;
+            }
+            if (b.mask != mask || b.line != a.line || std::strcmp(b.file, a.file) ||
+                b.kind != a.kind) {
+                err = "warp " + std::to_string(w) + ": lanes at different shuffles (lane " +
+                      std::to_string(i - lo) + " at " + site(a.file, a.line) + " mask " +
+                      hex(mask) + ", lane " + std::to_string(j - lo) + " at " +
+                      site(b.file, b.line) + " mask " + hex(b.mask) + ")";
+                return -1;
+            }
         }
-        if (fibers[i].state == DONE) {
-            err = site(fibers[first].file, line) + ": shuffle mask " + hex(mask) +
-                  " names lane " + std::to_string(i - lo) + " of warp " + std::to_string(w) +
-                  ", which has exited";
-            return -1;
+        handled |= mask;
+        if (!ready) continue;
+        for (int j = lo; j < hi; ++j) {
+            if (!(mask & (1u << (j - lo)))) continue;
+            Fiber& f = fibers[j];
+            const int lane = j - lo, width = f.width, off = f.arg & 31;
+            if (width < 1 || width > 32 || (width & (width - 1))) {
+                err = site(f.file, f.line) + ": shuffle width " + std::to_string(width) +
+                      " is not a power of two <= 32";
+                return -1;
+            }
+            const int seg = lane & ~(width - 1);
+            int src = lane;
+            switch (f.kind) {
+                case SHFL_XOR: src = lane ^ off; if (src >= seg + width) src = lane; break;
+                case SHFL_UP: src = lane - off; if (src < seg) src = lane; break;
+                case SHFL_DOWN: src = lane + off; if (src >= seg + width) src = lane; break;
+                default: src = seg + (f.arg & (width - 1)); break;
+            }
+            if (!(mask & (1u << src))) {
+                err = site(f.file, f.line) + ": lane " + std::to_string(lane) + " of warp " +
+                      std::to_string(w) + " reads lane " + std::to_string(src) +
+                      ", which is not in the shuffle's mask " + hex(mask);
+                return -1;
+            }
+            f.result = fibers[lo + src].value;
         }
-        if (fibers[i].state != AT_SHUFFLE) return 0;  // still running, or stuck elsewhere
+        for (int j = lo; j < hi; ++j)
+            if (mask & (1u << (j - lo))) fibers[j].state = RUNNABLE;
+        released = 1;
     }
-    for (int i = lo; i < hi; ++i) {
-        if (!(waiting & (1u << (i - lo)))) continue;
-        Fiber& f = fibers[i];
-        const int lane = i - lo, width = f.width;
-        const int seg = lane & ~(width - 1);
-        int src = lane;
-        switch (f.kind) {
-            case SHFL_XOR: src = lane ^ f.arg; break;
-            case SHFL_UP: src = lane - f.arg; if (src < seg) src = lane; break;
-            case SHFL_DOWN: src = lane + f.arg; if (src >= seg + width) src = lane; break;
-            default: src = seg + (f.arg & (width - 1)); break;
-        }
-        if (src < 0 || src >= 32 || !(waiting & (1u << src))) {
-            err = site(f.file, f.line) + ": lane " + std::to_string(lane) + " of warp " +
-                  std::to_string(w) + " reads lane " + std::to_string(src) +
-                  ", which is not in the shuffle";
-            return -1;
-        }
-        f.result = fibers[lo + src].value;
-    }
-    for (int i = lo; i < hi; ++i)
-        if (waiting & (1u << (i - lo))) fibers[i].state = RUNNABLE;
-    return 1;
+    return released;
 }
 
 inline std::string where(int n) {
@@ -375,9 +399,14 @@ inline int launch(const unsigned* grid, const unsigned* block, size_t shmem,
     ++launch_count;  // alternates the thread order of single-block launches too
     const size_t n = static_cast<size_t>(block[0]) * block[1] * block[2];
     std::string err;
-    if (n == 0 || n > 1024 || grid[0] == 0 || grid[1] == 0 || grid[2] == 0) {
-        std::snprintf(errbuf, errlen, "bad launch shape grid (%u,%u,%u) block (%u,%u,%u)",
-                      grid[0], grid[1], grid[2], block[0], block[1], block[2]);
+    // the limits of every CUDA device since compute capability 3.0 (48 KiB of dynamic
+    // shared memory without cudaFuncSetAttribute, which the launchers do not use)
+    if (n == 0 || n > 1024 || block[0] > 1024 || block[1] > 1024 || block[2] > 64 ||
+        grid[0] == 0 || grid[1] == 0 || grid[2] == 0 || grid[0] > 2147483647u ||
+        grid[1] > 65535 || grid[2] > 65535 || shmem > 48 * 1024) {
+        std::snprintf(errbuf, errlen,
+                      "bad launch shape grid (%u,%u,%u) block (%u,%u,%u) dynamic shared %zu B",
+                      grid[0], grid[1], grid[2], block[0], block[1], block[2], shmem);
         return 1;
     }
     if (stacks_count < n) {
@@ -390,6 +419,8 @@ inline int launch(const unsigned* grid, const unsigned* block, size_t shmem,
             std::snprintf(errbuf, errlen, "emulator: cannot map fiber stacks");
             return 1;
         }
+        for (size_t i = 0; i < n; ++i)  // a guard page under each stack: overflow faults
+            mprotect(stacks + i * kStack, 4096, PROT_NONE);
         stacks_count = n;
     }
     fibers.assign(n, Fiber());
@@ -402,6 +433,12 @@ inline int launch(const unsigned* grid, const unsigned* block, size_t shmem,
             for (unsigned bx = 0; bx < grid[0]; ++bx) {
                 block_idx = dim3{bx, by, bz};
                 dyn_shared.assign(shmem ? shmem : 1, 0xA5);  // poison: unwritten reads show
+                {
+                    // weak: null when the source declares no static __shared__ at all
+                    const uintptr_t a = reinterpret_cast<uintptr_t>(&__start_rlemu_shared[0]);
+                    const uintptr_t b = reinterpret_cast<uintptr_t>(&__stop_rlemu_shared[0]);
+                    if (a != 0 && b > a) std::memset(reinterpret_cast<void*>(a), 0xA5, b - a);
+                }
                 for (size_t i = 0; i < n; ++i) {
                     Fiber& f = fibers[i];
                     make_context(&f.ctx, stacks + i * kStack, kStack);
