@@ -54,6 +54,12 @@ class FakeArray(np.ndarray):
     def data(self):
         return _Ptr(self.__array_interface__["data"][0])
 
+    def set(self, arr, stream=None):
+        """Host -> "device" copy (synchronous here)."""
+        arr = np.asarray(arr)
+        assert arr.shape == self.shape and arr.dtype == self.dtype, (arr.shape, arr.dtype)
+        np.copyto(np.asarray(self).view(np.ndarray), arr)
+
     def get(self, stream=None, order="C", out=None, blocking=True):
         host = np.asarray(self).view(np.ndarray)
         if out is None:
@@ -103,6 +109,25 @@ class _Event:
         pass
 
 
+class _Stream:
+    """A CUDA stream: work on it runs at once here, so waiting is a no-op."""
+
+    def __init__(self, non_blocking=False, null=False, ptr=0):
+        self.ptr = ptr
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait_event(self, event):
+        assert isinstance(event, _Event), type(event)
+
+    def synchronize(self):
+        pass
+
+
 class _Runtime:
     memcpyDeviceToHost = 2
 
@@ -134,7 +159,7 @@ def make_module():
     cp.empty, cp.zeros, cp.cumsum = empty, zeros, cumsum
     cp.cuda = types.SimpleNamespace(runtime=_Runtime, Event=_Event,
                                     alloc_pinned_memory=_alloc_pinned_memory,
-                                    get_current_stream=lambda: types.SimpleNamespace(ptr=0))
+                                    get_current_stream=lambda: _Stream())
     return cp
 
 
@@ -500,7 +525,7 @@ def install(monkeypatch, run_cuda):
 
     mod = make_module()
     mod.launches = []
-    mod.cuda.Stream = lambda non_blocking=False: contextlib.nullcontext()
+    mod.cuda.Stream = _Stream
     mod.cuda.Device = lambda dev=None: contextlib.nullcontext()
 
     def fallback(attr):   # cupy.<anything else> -> numpy's, returning device arrays

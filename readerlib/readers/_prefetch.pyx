@@ -720,7 +720,10 @@ def _align(n, a=256):
 class _CudaStager:
     """Host batch -> device batch through reused pinned buffers on a side stream.
 
-    UNTESTED on hardware in this repository's CI (no GPU); tests are marked `gpu`.
+    UNTESTED on hardware (no GPU has been available); without one its tests (marked
+    `gpu` and `cuda_emu`) run its logic on tests/fake_cupy.py, where streams and
+    events are no-ops and copies are synchronous -- the packing, offsets and views
+    are checked, the asynchronous ordering is not.
 
     Per batch: pack every array (data and offsets of every field) into one
     pinned buffer (a plain memcpy on the host), wait on the GPU for the work
