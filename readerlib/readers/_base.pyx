@@ -1223,6 +1223,7 @@ cdef class BatchReader(DecoratedReader):
         if _num_threads > 1 and data_bytes >= (4 << 20) and data_bytes >= n * 32768:
             for i in prange(n, schedule='static', num_threads=_num_threads):
                 self._copy_instance(L, base, doff, loff, i)
+                rl_copy_fence()   # streaming stores: each copying thread fences its own
         else:
             for i in range(n):
                 self._copy_instance(L, base, doff, loff, i)
@@ -1249,7 +1250,6 @@ cdef class BatchReader(DecoratedReader):
             else:
                 memcpy(base + doff[f] + i * rb, ptrs[f], rb)
         rl_record_consumed(&self.recs[i])
-        rl_copy_fence()   # streaming stores: each copying thread fences its own
 
     cdef int c_reset(self) except -1:
         if self.hold != NULL:
