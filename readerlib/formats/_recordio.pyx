@@ -21,7 +21,7 @@ from posix.mman cimport mmap, munmap, PROT_READ, MAP_PRIVATE, MAP_FAILED
 
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t, uint8_t
 from readerlib.readers._base cimport (
-    ReaderBase, FileReader, ArrayReader, layout_from_schema, rl_block, rl_record, rl_layout, rl_columns,
+    ReaderBase, FileReader, FileWriter, ArrayReader, layout_from_schema, rl_block, rl_record, rl_layout, rl_columns,
     rl_block_incref, rl_block_decref, rl_block_new, rl_crc32c, rl_crc32c_init,
     rl_load_u32, rl_load_u64, rl_store_u32, rl_store_u64,
     layout_parse, crc32c_parallel, columns_encoded_size, columns_encode, encode_instance,
@@ -94,7 +94,7 @@ cdef inline uint32_t _chunk_header_crc(uint32_t salt, const char *h) noexcept no
 
 
 # ------------------------------------------------------------------- writer
-cdef class RecordIOWriter:
+cdef class RecordIOWriter(FileWriter):
     """Write instances to a RecordIO file.
 
     Parameters
@@ -121,7 +121,6 @@ cdef class RecordIOWriter:
     cdef readonly object path
     cdef readonly object schema
     cdef rl_layout layout
-    cdef object _f
     cdef char *payload
     cdef int64_t payload_len, payload_cap
     cdef uint32_t *sizes
@@ -132,12 +131,8 @@ cdef class RecordIOWriter:
     cdef list _index
     cdef int64_t _pos
     cdef readonly int64_t num_records
-    cdef bint _closed
     cdef uint32_t salt
     cdef object page_align
-
-    def __cinit__(self):
-        self._closed = True
 
     def __init__(self, path, schema, chunk_size=1 << 20, compressor="none", compression_level=6,
                  page_align="auto"):
@@ -172,14 +167,6 @@ cdef class RecordIOWriter:
         free(self.payload)
         free(self.sizes)
 
-    def __del__(self):
-        # Nothing a user wrote is lost: an unclosed writer still finishes its file.
-        if not self._closed:
-            try:
-                self.close()
-            except Exception:
-                pass
-
     cdef int _reserve(self, int64_t nbytes) except -1:
         cdef int64_t cap
         cdef char *p
@@ -199,10 +186,6 @@ cdef class RecordIOWriter:
             self.sizes = q
             self.sizes_cap = cap
         return 0
-
-    def _check_open(self):
-        if self._closed:
-            raise ValueError("I/O operation on closed RecordIOWriter")
 
     cdef int _add(self, const char *data, int64_t size) except -1:
         if size > 0xFFFFFFFF - 64:
@@ -335,45 +318,29 @@ cdef class RecordIOWriter:
         self._write_chunk()
         self._f.flush()
 
-    def close(self):
-        """Write the last chunk, the index footer and the trailer.  Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._write_chunk()
-            n = len(self._index)
-            idx = bytearray(24 + 16 * n)
-            idx[0:4] = INDEX_MAGIC.to_bytes(4, "little")
-            idx[8:16] = n.to_bytes(8, "little")
-            idx[16:24] = self.num_records.to_bytes(8, "little")
-            if n:
-                table = np.array(self._index, dtype="<u8").reshape(-1)
-                idx[24:] = table.tobytes()
-            crc = rl_crc32c(0, <const char *>idx, len(idx))
-            idx += crc.to_bytes(4, "little")
-            index_offset = self._pos
-            off = index_offset.to_bytes(8, "little")
-            trailer = off + rl_crc32c(0, <const char *>off, 8).to_bytes(4, "little") + \
-                TRAILER_MAGIC.to_bytes(4, "little")
-            self._f.write(bytes(idx) + trailer)
-        finally:
-            self._f.close()
-
-    @property
-    def closed(self):
-        return self._closed
+    def _finish(self):
+        """The last chunk, the index footer and the trailer (close() calls this)."""
+        self._write_chunk()
+        n = len(self._index)
+        idx = bytearray(24 + 16 * n)
+        idx[0:4] = INDEX_MAGIC.to_bytes(4, "little")
+        idx[8:16] = n.to_bytes(8, "little")
+        idx[16:24] = self.num_records.to_bytes(8, "little")
+        if n:
+            table = np.array(self._index, dtype="<u8").reshape(-1)
+            idx[24:] = table.tobytes()
+        crc = rl_crc32c(0, <const char *>idx, len(idx))
+        idx += crc.to_bytes(4, "little")
+        index_offset = self._pos
+        off = index_offset.to_bytes(8, "little")
+        trailer = off + rl_crc32c(0, <const char *>off, 8).to_bytes(4, "little") + \
+            TRAILER_MAGIC.to_bytes(4, "little")
+        self._f.write(bytes(idx) + trailer)
 
     @property
     def num_chunks(self):
         return len(self._index) + (1 if self.nsizes else 0)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
 
 
 # ------------------------------------------------------------------- reader

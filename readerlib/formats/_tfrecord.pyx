@@ -39,7 +39,7 @@ from posix.mman cimport mmap, munmap, PROT_READ, MAP_PRIVATE, MAP_FAILED
 
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
 from readerlib.readers._base cimport (
-    ReaderBase, FileReader, rl_block, rl_record, rl_block_decref, rl_block_new,
+    ReaderBase, FileReader, FileWriter, rl_block, rl_record, rl_block_decref, rl_block_new,
     rl_crc32c, rl_crc32c_mask, rl_crc32c_init, rl_load_u32, rl_load_u64,
     rl_store_u32, rl_store_u64, rl_store_i64, ITEM_INSTANCE)
 from readerlib.tensor import Field, Schema
@@ -864,7 +864,7 @@ def build_index(path, compression=None, index_path=None):
 
 
 # ------------------------------------------------------------------- writer
-cdef class TFRecordWriter:
+cdef class TFRecordWriter(FileWriter):
     """Write a TFRecord file, byte-identical to `tf.io.TFRecordWriter`.
 
     Parameters
@@ -883,13 +883,8 @@ cdef class TFRecordWriter:
     cdef readonly str path
     cdef readonly object compression
     cdef readonly int64_t num_records
-    cdef object _f
     cdef object _z
     cdef bytearray _buf
-    cdef bint _closed
-
-    def __cinit__(self):
-        self._closed = True
 
     def __init__(self, path, compression=None, compression_level=-1):
         ztype = _compression_code(compression)
@@ -903,17 +898,6 @@ cdef class TFRecordWriter:
         self._f = open(self.path, "wb")
         self._buf = bytearray()
         self._closed = False
-
-    def __del__(self):
-        if not self._closed:
-            try:
-                self.close()
-            except Exception:
-                pass
-
-    def _check_open(self):
-        if self._closed:
-            raise ValueError("I/O operation on closed TFRecordWriter")
 
     cdef int _append(self, const char *data, int64_t n) except -1:
         cdef char head[12]
@@ -975,28 +959,11 @@ cdef class TFRecordWriter:
             self._f.write(self._z.flush(_pyzlib.Z_SYNC_FLUSH))
         self._f.flush()
 
-    def close(self):
-        """Finish the file (and the compressed stream).  Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._drain()
-            if self._z is not None:
-                self._f.write(self._z.flush(_pyzlib.Z_FINISH))
-        finally:
-            self._f.close()
-
-    @property
-    def closed(self):
-        return self._closed
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
+    def _finish(self):
+        """Buffered records and the end of the compressed stream (close() calls this)."""
+        self._drain()
+        if self._z is not None:
+            self._f.write(self._z.flush(_pyzlib.Z_FINISH))
 
     def __repr__(self):
         return f"TFRecordWriter({self.path!r}, {self.num_records} records)"

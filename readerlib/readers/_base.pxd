@@ -117,6 +117,13 @@ cdef class FileReader(ReaderBase):
     pass
 
 
+# Base of the file writers (RecordIOWriter, TFRecordWriter): open/closed state,
+# context manager, and close() = _finish() then close the file, once.
+cdef class FileWriter:
+    cdef object _f                  # the open file object
+    cdef bint _closed
+
+
 cdef class DecoratedReader(ReaderBase):
     cdef readonly ReaderBase reader      # the decorated (upstream) reader
 

@@ -645,6 +645,52 @@ cdef class FileReader(ReaderBase):
     pass
 
 
+cdef class FileWriter:
+    """What every file writer shares: it is open from ``__init__`` (which sets
+    ``self._f`` and ``self._closed = False``) until ``close()``, which runs the
+    subclass's ``_finish()`` (last buffered data, footers) and then closes the
+    file, once.  A context manager; an unclosed writer still finishes its file
+    when collected, so nothing a user wrote is lost."""
+
+    def __cinit__(self, *args, **kwargs):
+        self._closed = True
+
+    def __del__(self):
+        if not self._closed:
+            try:
+                self.close()
+            except Exception:
+                pass
+
+    def _check_open(self):
+        if self._closed:
+            raise ValueError(f"I/O operation on closed {type(self).__name__}")
+
+    def _finish(self):
+        """Write what is still buffered and any footer (subclasses)."""
+
+    def close(self):
+        """Finish the file and close it.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._finish()
+        finally:
+            self._f.close()
+
+    @property
+    def closed(self):
+        return self._closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
 cdef class DecoratedReader(ReaderBase):
     """A reader that transforms the items of another (`self.reader`)."""
 
