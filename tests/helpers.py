@@ -232,3 +232,36 @@ def assert_checkpoint_equal(make_chain, epochs=2):
             assert rest == items[k:], f"restored at item {k} of {len(items)}: the rest differs"
             other.close()
     ref.close()
+
+
+# -- GPU dispatch contract without a GPU: a stand-in for CuPy arrays and kernels._gpu --
+
+class FakeCupyArray(np.ndarray):
+    """is_cupy_array() looks at the type's module; this one claims to be CuPy."""
+
+
+FakeCupyArray.__module__ = "cupy._fake"
+
+
+def install_gpu_stub(monkeypatch, **results):
+    """Replace readerlib.kernels._gpu by a stub whose function NAME records
+    ``(NAME, *args)`` in the returned list and returns ``results[NAME](*args)``;
+    NumPy stands in for CuPy."""
+    import sys
+    import types
+
+    import readerlib.gpu
+    import readerlib.kernels
+
+    calls = []
+    stub = types.ModuleType("readerlib.kernels._gpu")
+    for name, result in results.items():
+        def fn(*a, _name=name, _result=result):
+            calls.append((_name,) + a)
+            return _result(*a)
+        setattr(stub, name, fn)
+    monkeypatch.setitem(sys.modules, "readerlib.kernels._gpu", stub)
+    monkeypatch.setattr(readerlib.kernels, "_gpu", stub, raising=False)
+    monkeypatch.setattr(readerlib.gpu, "require_cupy", lambda: np)   # xp = numpy stand-in
+    monkeypatch.setitem(sys.modules, "cupy", np)                      # for LoDTensor
+    return calls

@@ -3,8 +3,11 @@ import re
 
 import numpy as np
 import pytest
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from helpers import FakeCupyArray, install_gpu_stub
 
 from readerlib.kernels import (FailedPreconditionError, InvalidArgumentError, _ctc,
                                ctc_greedy_decoder)
@@ -385,30 +388,10 @@ def test_messages_are_tensorflows(tf, shape, lengths, kwargs, exc, msg):
 
 # -- GPU dispatch contract (runs without a GPU: a stand-in for CuPy and _gpu) ----------
 
-class FakeCupyArray(np.ndarray):
-    """is_cupy_array() looks at the type's module; this one claims to be CuPy."""
-
-
-FakeCupyArray.__module__ = "cupy._fake"
-
-
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    import sys
-    import types
-
-    import readerlib.gpu
-    import readerlib.kernels
-
-    calls = []
-    stub = types.ModuleType("readerlib.kernels._gpu")
-    stub.ctc_greedy_decoder = lambda *a: calls.append(("padded",) + a) or "gpu"
-    stub.ctc_greedy_decoder_lod = lambda *a: calls.append(("lod",) + a) or "gpu"
-    monkeypatch.setitem(sys.modules, "readerlib.kernels._gpu", stub)
-    monkeypatch.setattr(readerlib.kernels, "_gpu", stub, raising=False)
-    monkeypatch.setattr(readerlib.gpu, "require_cupy", lambda: np)
-    monkeypatch.setitem(sys.modules, "cupy", np)
-    return calls
+    return install_gpu_stub(monkeypatch, ctc_greedy_decoder=lambda *a: "gpu",
+                            ctc_greedy_decoder_lod=lambda *a: "gpu")
 
 
 def test_cupy_input_goes_to_gpu_module(fake_gpu):
@@ -417,14 +400,14 @@ def test_cupy_input_goes_to_gpu_module(fake_gpu):
     assert ctc_greedy_decoder(x, lengths, merge_repeated=0, blank_index=-2) == "gpu"
     name, gx, glen, merge, blank = fake_gpu[-1]
     # blank_index arrives resolved to [0, num_classes); merge as a bool
-    assert name == "padded" and gx is x and glen is lengths and merge is False and blank == 3
+    assert name == "ctc_greedy_decoder" and gx is x and glen is lengths and merge is False and blank == 3
     ctc_greedy_decoder(x, lengths)
     assert fake_gpu[-1][3:] == (True, 4)
     data = np.zeros((4, 5), np.float64).view(FakeCupyArray)
     t = LoDTensor(data, [np.array([0, 3, 4])])
     assert ctc_greedy_decoder(t, blank_index=0) == "gpu"
     name, gdata, goffs, merge, blank = fake_gpu[-1]
-    assert name == "lod" and gdata is data and goffs.tolist() == [0, 3, 4] and blank == 0
+    assert name == "ctc_greedy_decoder_lod" and gdata is data and goffs.tolist() == [0, 3, 4] and blank == 0
 
 
 @pytest.mark.parametrize("shape, lengths, kwargs, exc, msg",

@@ -3,8 +3,11 @@ import re
 
 import numpy as np
 import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from helpers import FakeCupyArray, install_gpu_stub
 
 from readerlib.kernels import _reindex, batch_reindex, batch_reindex_grad
 from readerlib.kernels.reference import (batch_reindex_grad_reference,
@@ -378,31 +381,11 @@ def test_out_buffers():
 
 # -- GPU dispatch contract (runs without a GPU: a stand-in for CuPy and _gpu) ----------
 
-class FakeCupyArray(np.ndarray):
-    """is_cupy_array() looks at the type's module; this one claims to be CuPy."""
-
-
-FakeCupyArray.__module__ = "cupy._fake"
-
-
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    import sys
-    import types
-
-    import readerlib.gpu
-    import readerlib.kernels
-
-    calls = []
-    stub = types.ModuleType("readerlib.kernels._gpu")
-    stub.batch_reindex = lambda *a: calls.append(("batch_reindex",) + a) or "gpu"
-    stub.batch_reindex_grad = lambda *a: calls.append(("batch_reindex_grad",) + a) or "gpu"
-    stub.batch_reindex_lod = lambda *a: calls.append(("batch_reindex_lod",) + a) or (a[0], a[1])
-    monkeypatch.setitem(sys.modules, "readerlib.kernels._gpu", stub)
-    monkeypatch.setattr(readerlib.kernels, "_gpu", stub, raising=False)
-    monkeypatch.setattr(readerlib.gpu, "require_cupy", lambda: np)   # xp = numpy stand-in
-    monkeypatch.setitem(sys.modules, "cupy", np)                      # for LoDTensor
-    return calls
+    return install_gpu_stub(monkeypatch, batch_reindex=lambda *a: "gpu",
+                            batch_reindex_grad=lambda *a: "gpu",
+                            batch_reindex_lod=lambda *a: (a[0], a[1]))
 
 
 def test_cupy_input_goes_to_gpu_module(fake_gpu):
