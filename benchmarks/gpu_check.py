@@ -210,12 +210,10 @@ def equality_table(cp, gpu, ref, public):
         if not ok:
             fail(f"equality {kernel} {dtype} {shape}", detail)
 
+    from helpers import random_array
+
     def rand(shape, dtype):
-        dtype = np.dtype(dtype)
-        if dtype.kind == "f":
-            return rng.standard_normal(shape).astype(dtype)
-        info = np.iinfo(dtype)
-        return rng.integers(info.min, info.max, size=shape, endpoint=True, dtype=dtype)
+        return random_array(rng, shape, dtype)
 
     dtypes = ["float16", "float32", "float64", "int32", "int64", "uint8"]
     for dt in dtypes:

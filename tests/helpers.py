@@ -265,3 +265,12 @@ def install_gpu_stub(monkeypatch, **results):
     monkeypatch.setattr(readerlib.gpu, "require_cupy", lambda: np)   # xp = numpy stand-in
     monkeypatch.setitem(sys.modules, "cupy", np)                      # for LoDTensor
     return calls
+
+
+def random_array(rng, shape, dtype):
+    """Random values of any dtype: normal floats, integers over the whole range."""
+    dtype = np.dtype(dtype)
+    if dtype.kind == "f":
+        return rng.standard_normal(shape).astype(dtype)
+    info = np.iinfo(dtype)
+    return rng.integers(info.min, info.max, size=shape, endpoint=True, dtype=dtype)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import kernel_reference as ref
+from helpers import random_array
 from readerlib.kernels import _gpu
 from readerlib.tensor import LoDTensor
 
@@ -95,14 +96,6 @@ def assert_decoded(got, want, neg_dtype):
     scale = np.maximum(1.0, np.abs(np.asarray(want[3], np.float64)))
     tol = 1e-12 if neg_dtype == np.float64 else 1e-5
     np.testing.assert_array_less(np.abs(got[3] - want[3]) / scale, tol * 10, err_msg="neg_sum")
-
-
-def random_array(rng, shape, dtype):
-    dtype = np.dtype(dtype)
-    if dtype.kind == "f":
-        return rng.standard_normal(shape).astype(dtype)
-    info = np.iinfo(dtype)
-    return rng.integers(info.min, info.max, size=shape, endpoint=True, dtype=dtype)
 
 
 def device_misaligned(cp, a, offset):

@@ -14,6 +14,7 @@ import pytest
 
 import fake_cupy as fc
 import kernel_reference as ref
+from helpers import random_array
 from readerlib import gpu as rl_gpu
 from readerlib.kernels import _cuda_loader, _gpu
 
@@ -48,14 +49,6 @@ def assert_bitwise(got, want):
     assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype, want.shape, want.dtype)
     assert np.array_equal(np.ascontiguousarray(got).view(np.uint8),
                           np.ascontiguousarray(want).view(np.uint8)), (got, want)
-
-
-def random_array(rng, shape, dtype):
-    dtype = np.dtype(dtype)
-    if dtype.kind == "f":
-        return rng.standard_normal(shape).astype(dtype)
-    info = np.iinfo(dtype)
-    return rng.integers(info.min, info.max, size=shape, endpoint=True, dtype=dtype)
 
 
 def misaligned(a, offset):

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import FakeCupyArray, install_gpu_stub
+from helpers import FakeCupyArray, install_gpu_stub, random_array
 
 from readerlib.kernels import _reindex, batch_reindex, batch_reindex_grad
 from readerlib.kernels.reference import (batch_reindex_grad_reference,
@@ -24,14 +24,6 @@ def bits(a):
     """Bit pattern view, so float comparisons are bitwise (-0.0 != 0.0, NaN payloads)."""
     a = np.ascontiguousarray(a)
     return a.view(f"u{a.dtype.itemsize}") if a.dtype.kind == "f" else a
-
-
-def random_array(rng, shape, dtype):
-    dtype = np.dtype(dtype)
-    if dtype.kind == "f":
-        return rng.standard_normal(shape).astype(dtype)
-    info = np.iinfo(dtype)
-    return rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
 
 
 # -- Caffe's own tests -----------------------------------------------------------
