@@ -44,6 +44,17 @@ ctypedef fused row_t:
     int64_t
 
 
+cdef inline void _record_alignment(Py_ssize_t b, int64_t k, int64_t t, double lp,
+                                   int64_t[:, ::1] al_labels, int64_t[:, ::1] al_times,
+                                   double[:, ::1] al_logp, int64_t[::1] al_len) noexcept nogil:
+    """Append (label, frame, log-prob) to row b's alignment (capacity ensured by the caller)."""
+    cdef int64_t pos = al_len[b]
+    al_labels[b, pos] = k
+    al_times[b, pos] = t
+    al_logp[b, pos] = lp
+    al_len[b] = pos + 1
+
+
 cdef inline void _argmax_logsoftmax(const real_t* x, Py_ssize_t V, int64_t* k_out,
                                     double* lp_out) noexcept nogil:
     cdef Py_ssize_t j, k = 0
@@ -128,11 +139,7 @@ def loop_labels_joint_step(const real_t[:, ::1] logits, const int64_t[::1] rows,
                 scores[b] = lp
                 time_cur[b] = t
                 if record:
-                    pos = al_len[b]
-                    al_labels[b, pos] = k
-                    al_times[b, pos] = t
-                    al_logp[b, pos] = lp
-                    al_len[b] = pos + 1
+                    _record_alignment(b, k, t, lp, al_labels, al_times, al_logp, al_len)
                 is_blank = k == blank
                 if not is_blank:
                     break
@@ -222,11 +229,7 @@ def loop_frames_joint_step(const real_t[:, ::1] logits, int64_t t, int64_t blank
                 continue
             _argmax_logsoftmax(&logits[b, 0], V, &k, &lp)
             if record:
-                pos = al_len[b]
-                al_labels[b, pos] = k
-                al_times[b, pos] = t
-                al_logp[b, pos] = lp
-                al_len[b] = pos + 1
+                _record_alignment(b, k, t, lp, al_labels, al_times, al_logp, al_len)
             if k == blank:
                 done[b] = 1
                 continue
