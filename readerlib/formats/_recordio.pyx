@@ -26,7 +26,7 @@ from readerlib.readers._base cimport (
     rl_load_u32, rl_load_u64, rl_store_u32, rl_store_u64,
     layout_parse, crc32c_parallel, columns_encoded_size, columns_encode, encode_instance,
     ITEM_INSTANCE, RL_MAX_FIELDS)
-from readerlib.readers._base import _check_positive_int
+from readerlib.readers._base import _check_positive_int, _file_identity
 from readerlib.tensor import Schema
 from readerlib.errors import RecordIOError, RecordIOWarning
 
@@ -397,6 +397,7 @@ cdef class RecordIOReader(FileReader):
     cdef uint32_t salt
     cdef int err_code
     cdef int64_t err_record
+    cdef object _file_id              # name, size, checksum of head and tail (states)
 
     def __cinit__(self):
         self.mapping = NULL
@@ -414,6 +415,7 @@ cdef class RecordIOReader(FileReader):
         try:
             size = os.fstat(fd).st_size
             self.fsize = size
+            self._file_id = _file_identity(fd, self.path, size)
             if size < HEADER_FIXED:
                 raise RecordIOError(f"{self.path}: not a RecordIO file ({size} bytes, truncated header "
                                     f"at byte offset {size})", self.path, size)
@@ -782,6 +784,13 @@ cdef class RecordIOReader(FileReader):
 
     def __len__(self):
         return self.num_records
+
+    def _describe(self):
+        return {"file": dict(self._file_id)}
+
+    def _reduce_args(self):
+        return (self.path,), {"on_error": "skip" if self.skip_errors else "raise",
+                              "low_memory": bool(self.low_memory)}
 
     def __repr__(self):
         return (f"RecordIOReader({self.path!r}, {self.num_records} records in {self.num_chunks} chunks"

@@ -44,6 +44,7 @@ from readerlib.readers._base cimport (
     rl_store_u32, rl_store_u64, rl_store_i64, ITEM_INSTANCE)
 from readerlib.tensor import Field, Schema
 from readerlib.errors import TFRecordError
+from readerlib.readers._base import _file_identity
 
 cnp.import_array()
 rl_crc32c_init()
@@ -135,6 +136,14 @@ def _index_path_for(path, index):
     return os.fspath(index)
 
 
+def _reopen_tfrecord(path, schema, compression, index, prefixed):
+    """Unpickle a TFRecordReader (see ReaderBase.__reduce__)."""
+    r = TFRecordReader(path, schema=schema, compression=compression, index=index)
+    if prefixed:
+        r._prefixed_instances()
+    return r
+
+
 # ------------------------------------------------------------------- reader
 cdef class TFRecordReader(FileReader):
     """Read a TFRecord file (as written by `tf.io.TFRecordWriter`).
@@ -213,6 +222,7 @@ cdef class TFRecordReader(FileReader):
     # last error
     cdef int err_code
     cdef int64_t err_off, err_val
+    cdef object _file_id              # name, size, checksum of head and tail (states)
 
     def __cinit__(self):
         self.mapping = NULL
@@ -242,6 +252,7 @@ cdef class TFRecordReader(FileReader):
         try:
             st = os.fstat(fd)
             self.fsize = st.st_size
+            self._file_id = _file_identity(fd, self.path, self.fsize)
             if self.fsize > 0:
                 p = mmap(NULL, self.fsize, PROT_READ, MAP_PRIVATE, fd, 0)
                 if p == MAP_FAILED:
@@ -827,6 +838,18 @@ cdef class TFRecordReader(FileReader):
         if not self._write_index(path):
             raise OSError(f"could not write the index {path!r}")
         return path
+
+    def _describe(self):
+        return {"file": dict(self._file_id), "compression": self.compression,
+                "schema": self.schema.to_json()}
+
+    def _rebuild_with(self):
+        return _reopen_tfrecord
+
+    def _reduce_args(self):
+        return (self.path,), {"schema": self.schema, "compression": self.compression,
+                              "index": self.index_path if self.index_path is not None else False,
+                              "prefixed": bool(self.prefix)}
 
     def __repr__(self):
         comp = f", compression={self.compression!r}" if self.compression else ""

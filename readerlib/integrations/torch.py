@@ -5,13 +5,13 @@ Examples
 >>> from readerlib.integrations.torch import IterableDataset
 >>> ds = IterableDataset(lambda: rl.RecordIOReader("train.rio").shuffle(10_000, seed=0).batch(256))
 >>> loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
->>> for epoch in range(3):
-...     ds.set_epoch(epoch)
+>>> for epoch in range(3):          # each pass is the next epoch (a new shuffle order)
 ...     for feats, label in loader:
 ...         ...
 
 See docs/training_loop.md.
 """
+import os
 from collections import namedtuple
 
 import numpy as np
@@ -21,7 +21,7 @@ import torch.utils.data
 from readerlib.readers._base import ReaderBase
 from readerlib.tensor import LoDTensor
 
-from ._sharding import _shard_chain, rank_and_world_size
+from ._sharding import _shard_chain, chain_sharding, rank_and_world_size, unseeded_shuffles
 
 __all__ = ["IterableDataset", "TensorWithLoD", "to_torch"]
 
@@ -64,6 +64,11 @@ def to_torch(item):
     return tuple(out)
 
 
+
+_SLOTS = 256                # DataLoader worker ids the shared epoch counters cover
+_STATE_VERSION = 1
+
+
 class IterableDataset(torch.utils.data.IterableDataset):
     """A reader chain as a `torch.utils.data.IterableDataset`.
 
@@ -75,10 +80,13 @@ class IterableDataset(torch.utils.data.IterableDataset):
     Parameters
     ----------
     chain : ReaderBase or callable
-        Preferably a zero-argument callable that builds the chain (each
-        worker then builds its own, and nothing is shared across fork).  A
-        chain object also works.  **Every shard must see the same order**:
-        pass ``seed=`` to every ``.shuffle()``.
+        A zero-argument callable that builds the chain (each process then
+        builds its own), or a chain object (it pickles, so ``spawn`` and
+        ``forkserver`` workers work too).  **Every shard must see the same
+        order**: give every ``.shuffle()`` (and ``open_files(...,
+        shuffle_files=True)``) a ``seed=``; an unseeded one read by more
+        than one shard raises ValueError.  A chain object positioned by
+        ``set_state`` continues from there in the first epoch.
     rank, world_size : int, optional
         Default: torch.distributed when initialised, else the RANK and
         WORLD_SIZE environment variables (what torchrun sets), else 0 and 1.
@@ -88,71 +96,221 @@ class IterableDataset(torch.utils.data.IterableDataset):
 
     Notes
     -----
-    Sharding is by item (`_shard_chain`): shard i of k takes items i, i+k,
-    ...  of the chain, so every shard reads the chain below in full; ranks
-    may differ by one item per epoch.  With ``num_workers > 0`` the
-    DataLoader moves each batch from its worker through shared memory (one
-    copy, made by PyTorch); with ``num_workers=0`` batches reach the loop
-    without any copy.  Do not put `.prefetch()` inside a chain read by
-    DataLoader workers: the DataLoader already prefetches; use
-    ``num_workers=0`` with ``.prefetch()`` instead.
+    **Sharding happens in one place.**  By default the dataset splits the
+    chain's items: shard i of k takes items i, i+k, ... (k = world_size x
+    num_workers), so every shard reads the chain below in full and ranks may
+    differ by one item per epoch.  A chain built with
+    ``open_files(..., shard="auto")`` (or ``shard=(rank, world_size)``) is
+    already split between ranks, by chunk: the dataset sees that and splits
+    only between the rank's DataLoader workers.  Any other sharding inside
+    the chain (another rank/world, a ``.shard()``) together with the
+    dataset's own raises ValueError naming both, instead of losing data.
 
-    Call `set_epoch(epoch)` before each epoch (like DistributedSampler):
-    it brings the chain to that epoch, so shuffles draw that epoch's order
-    in every worker and rank.
+    **Epochs advance by themselves**: each new pass over the DataLoader
+    (each ``iter()`` of the dataset in a worker) is the next epoch, with a
+    new shuffle order -- with ``persistent_workers=True`` too.  The first
+    is epoch 0, whatever ``num_workers``.  `set_epoch(epoch)` chooses the
+    next epoch explicitly (like DistributedSampler).
+
+    **Checkpoints**: `state_dict()` / `load_state_dict()` follow torchdata's
+    ``StatefulDataLoader`` protocol (called in each worker, restored per
+    worker), so a job resumed from ``loader.state_dict()`` continues with
+    exactly the batches it would have seen.  Resume with the same chain,
+    world size and ``num_workers``.
+
+    With ``num_workers > 0`` the DataLoader moves each batch from its worker
+    through shared memory (one copy, made by PyTorch); with
+    ``num_workers=0`` batches reach the loop without any copy.  Do not put
+    `.prefetch()` inside a chain read by DataLoader workers: the DataLoader
+    already prefetches; use ``num_workers=0`` with ``.prefetch()`` instead.
     """
 
     def __init__(self, chain, rank=None, world_size=None, convert=True):
         super().__init__()
         if isinstance(chain, ReaderBase):
+            chain._check_open()
+            if chain._epoch_started():        # like iter(chain): read from, so the next epoch
+                chain.reset()
             self._chain, self._factory = chain, None
+            # the dataset's epoch 0 starts here (a chain positioned by set_state continues)
+            self._origin = chain.get_state()
         elif callable(chain):
             self._chain, self._factory = None, chain
+            self._origin = None
         else:
             raise TypeError("IterableDataset needs a reader chain or a callable returning one, "
                             f"got {type(chain).__name__}")
         self.rank = rank
         self.world_size = world_size
         self.convert = bool(convert)
-        self._epoch = None
-        self._resets = 0        # resets applied to the chain object in this process
+        # Next epoch per DataLoader worker id, in shared memory: workers that
+        # are new processes every epoch, persistent ones and set_epoch() in
+        # the main process all see the same counters.
+        self._epochs = torch.zeros(_SLOTS, dtype=torch.int64).share_memory_()
+        self._pending = None          # a load_state_dict() state, for the next iter()
+        self._local = None            # this process's chain (pid, base, origin, epoch it is in)
+        self._cur = None              # the iteration running in this process
 
+    # -- pickling (spawn / forkserver workers) ----------------------------------
+    def __getstate__(self):
+        d = dict(self.__dict__)
+        d["_local"] = None            # chains of this process stay here
+        d["_cur"] = None
+        return d
+
+    # -- epochs -------------------------------------------------------------------
     def set_epoch(self, epoch):
-        """Read epoch `epoch` next (shuffles draw the order of (seed, epoch))."""
+        """Make the next pass over the data epoch `epoch` (then epoch + 1, ...)."""
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
-        self._epoch = int(epoch)
+        self._epochs.fill_(int(epoch))
 
-    def shard(self):
-        """(num_shards, index) of the calling process (rank x worker)."""
-        rank, world = rank_and_world_size(self.rank, self.world_size)
+    @property
+    def epoch(self):
+        """The epoch being read in this process (None before the first pass)."""
+        return None if self._cur is None else self._cur["epoch"]
+
+    def _worker(self):
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        if nw > _SLOTS:
+            raise ValueError(f"IterableDataset supports up to {_SLOTS} DataLoader workers, got {nw}")
+        return wid, nw
+
+    def _note_epoch_begun(self, wid, nw, epoch):
+        # worker wid owns the counters wid, wid + nw, ...: after a pass with nw
+        # workers every counter agrees, whatever num_workers the next pass has
+        self._epochs[wid::nw] = epoch + 1
+
+    def shard(self):
+        """(num_shards, index) of the calling process (rank x worker), before any
+        sharding the chain does itself (see Notes)."""
+        rank, world = rank_and_world_size(self.rank, self.world_size)
+        wid, nw = self._worker()
         return world * nw, rank * nw + wid
 
-    def _chain_for_epoch(self):
+    # -- the chain of this process ------------------------------------------------
+    def _base_chain(self):
+        pid = os.getpid()
+        if self._local is not None and self._local["pid"] == pid:
+            return self._local
         if self._factory is not None:
             chain = self._factory()
             if not isinstance(chain, ReaderBase):
                 raise TypeError(f"the chain factory returned {type(chain).__name__}, not a reader chain")
-            for _ in range(self._epoch or 0):
+            if chain._epoch_started():
                 chain.reset()
-            return chain
-        # A chain object: always restart it (in a DataLoader worker it is a
-        # fork-time copy, possibly mid-epoch or with a prefetch thread that
-        # did not survive the fork), then bring it to the requested epoch.
-        n = 1 if self._epoch is None else max(1, self._epoch - self._resets)
-        for _ in range(n):
-            self._chain.reset()
-        self._resets += n
-        return self._chain
+            origin = chain.get_state()
+        else:
+            chain, origin = self._chain, self._origin
+        self._local = {"pid": pid, "base": chain, "origin": origin, "epoch": None}
+        return self._local
+
+    def _split(self, base, rank, world, wid, nw):
+        """(num_shards, index) this process takes of `base`'s items."""
+        total, index = world * nw, rank * nw + wid
+        found = chain_sharding(base)
+        if not found or total == 1:
+            return total, index
+        if len(found) == 1 and found[0][1] == "files" and found[0][2] == (rank, world):
+            return nw, wid              # the chain splits by rank (by chunk); we split its workers
+        chain_says = " and ".join(d for d, _, _ in found)
+        raise ValueError(
+            f"the chain is already sharded ({chain_says}) and IterableDataset shards it again by "
+            f"rank and DataLoader worker (rank {rank} of {world}, worker {wid} of {nw}): records "
+            f"would be lost.  Shard in one place: drop the chain's sharding (IterableDataset "
+            f"splits between ranks and workers), or use open_files(..., shard='auto') with the "
+            f"rank and world size IterableDataset uses ({rank}, {world}).")
+
+    def _position(self, loc, epoch, start):
+        """Bring this process's chain to the start of `epoch` (or to `start`, a
+        saved epoch start); return the epoch's start state."""
+        base = loc["base"]
+        if start is not None:
+            base.set_state(start)
+        elif loc["epoch"] is not None and loc["epoch"] + 1 == epoch:
+            base.reset()                         # one reset: the next epoch
+        else:
+            origin = loc["origin"]
+            if epoch == 0:
+                base.set_state(origin)
+            else:
+                base.set_state(dict(origin, position=0))
+                for _ in range(epoch):
+                    base.reset()
+        loc["epoch"] = epoch
+        return base.get_state()
 
     def __iter__(self):
-        num_shards, index = self.shard()
-        chain = _shard_chain(self._chain_for_epoch(), num_shards, index)
-        try:
-            for item in chain:
-                yield to_torch(item) if self.convert else item
-        finally:
-            if self._factory is not None:
-                chain.close()
+        rank, world = rank_and_world_size(self.rank, self.world_size)
+        wid, nw = self._worker()
+        pending, self._pending = self._pending, None
+        epoch = int(pending["epoch"]) if pending is not None else int(self._epochs[wid])
+        loc = self._base_chain()
+        base = loc["base"]
+        k, index = self._split(base, rank, world, wid, nw)
+        if k > 1:
+            unseeded = unseeded_shuffles(base)
+            if unseeded:
+                raise ValueError(
+                    f"{' and '.join(unseeded)} in the chain has no seed, and the chain is read by "
+                    f"{k} shards (rank {rank} of {world} x {nw} DataLoader workers): each would "
+                    f"draw its own order, so records would be repeated and others never seen.  "
+                    f"Pass seed= (the same in every process), e.g. .shuffle(n, seed=0) or "
+                    f"open_files(..., shuffle_files=True, seed=0)")
+        if pending is not None and pending["shard"] != [k, index]:
+            raise ValueError(
+                f"load_state_dict: the state was saved by shard {pending['shard'][1]} of "
+                f"{pending['shard'][0]}; this process is shard {index} of {k} (rank {rank} of "
+                f"{world}, worker {wid} of {nw}): resume with the same world size and num_workers")
+        start = self._position(loc, epoch, pending["start"] if pending is not None else None)
+        view = _shard_chain(base, k, index)
+        offset = int(view._position) if view is base else 0
+        taken = int(pending["taken"]) if pending is not None else 0
+        if taken and view._skip(taken) != taken:
+            raise ValueError(f"load_state_dict: the state's position ({taken} items into epoch "
+                             f"{epoch}) is past the end of this shard's epoch")
+        self._note_epoch_begun(wid, nw, epoch)
+        cur = {"epoch": epoch, "start": start, "shard": [k, index], "view": view,
+               "offset": offset, "rank": rank, "world": world}
+        self._cur = cur
+        return self._generate(view)
+
+    def _generate(self, view):
+        convert = self.convert
+        while True:
+            item = view.read_next()
+            if item is None:
+                return
+            yield to_torch(item) if convert else item
+
+    # -- checkpoints (torchdata StatefulDataLoader protocol) ----------------------
+    def state_dict(self):
+        """This process's position: the epoch, where the epoch started (the
+        chain's state) and how many items this shard has handed out.  A small
+        JSON-serialisable dict.  StatefulDataLoader calls it in each worker."""
+        cur = self._cur
+        if cur is None:
+            pending = self._pending
+            if pending is not None:
+                return dict(pending)
+            wid, _ = self._worker()
+            return {"version": _STATE_VERSION, "epoch": int(self._epochs[wid]), "start": None,
+                    "taken": 0, "shard": None}
+        view = cur["view"]
+        return {"version": _STATE_VERSION, "epoch": int(cur["epoch"]), "start": cur["start"],
+                "taken": int(view._position) - cur["offset"], "shard": list(cur["shard"])}
+
+    def load_state_dict(self, state):
+        """Continue from `state_dict()` on the next pass (see there)."""
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION or not {
+                "epoch", "start", "taken", "shard"} <= set(state):
+            raise ValueError(f"load_state_dict takes a dict made by IterableDataset.state_dict() "
+                             f"(version {_STATE_VERSION}), got {state!r:.200}")
+        if state["start"] is None:       # saved before the epoch began: just its number
+            self._pending = None
+            wid, nw = self._worker()
+            self._epochs[wid::nw] = int(state["epoch"])
+            return
+        self._pending = dict(state)
+        self._cur = None

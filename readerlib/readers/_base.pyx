@@ -380,6 +380,85 @@ cdef tuple _decode_instance(ReaderBase r, rl_record *rec):
     return tuple(out)
 
 
+
+# ------------------------------------------------------- state (checkpoints)
+STATE_VERSION = 2
+
+
+def _nest(flat):
+    """[top, parent, ...] reader dicts -> one dict nesting each parent's under "parent"."""
+    out = None
+    for d in reversed(flat):
+        d = dict(d)
+        if out is not None:
+            d["parent"] = out
+        out = d
+    return out
+
+
+def _flatten(state):
+    """The nested reader dicts of a state, top first (position/version dropped)."""
+    flat = []
+    d = state
+    while d is not None:
+        if not isinstance(d, dict) or "type" not in d:
+            raise ValueError(f"set_state: malformed state (a reader entry without a type: {d!r:.200})")
+        e = {k: v for k, v in d.items() if k not in ("parent", "version", "position")}
+        flat.append(e)
+        d = d.get("parent")
+    return flat
+
+
+def _check_fits(readers, saved):
+    """Raise ValueError naming the first way `saved` (flat reader dicts) was
+    not made by a chain built like `readers`."""
+    chain_types = [type(r).__name__ for r in readers]
+    saved_types = [d.get("type") for d in saved]
+    for k, r in enumerate(readers):
+        where = f"reader {k} from the top ({chain_types[k]})"
+        if k >= len(saved):
+            raise ValueError(f"state does not fit this chain: it has {len(saved)} readers "
+                             f"{saved_types}, this chain {len(readers)} {chain_types}")
+        d = saved[k]
+        if d.get("type") != chain_types[k]:
+            raise ValueError(f"state does not fit this chain: {where} is a {d.get('type')} in the "
+                             f"state (state {saved_types}, chain {chain_types})")
+        for key, want in r._describe().items():
+            if key not in d:
+                raise ValueError(f"state does not fit this chain: {where}: the state has no {key!r}")
+            if d[key] != want:
+                raise ValueError(f"state does not fit this chain: {where}: {key} is {d[key]!r} in "
+                                 f"the state, {want!r} in this chain")
+    if len(saved) != len(readers):
+        raise ValueError(f"state does not fit this chain: it has {len(saved)} readers {saved_types}, "
+                         f"this chain {len(readers)} {chain_types}")
+
+
+def _file_identity(fd, path, int64_t size):
+    """What tells one file from another in a state: its name, size, and a
+    CRC-32C of its first and last 4 KiB (a RecordIO header holds a random
+    file id, its last bytes the index checksum) -- read with pread, so a
+    copy of the file (new mtime, same bytes) still fits and another does not."""
+    head = os.pread(fd, 4096, 0) if size > 0 else b""
+    tail = os.pread(fd, 4096, max(0, size - 4096)) if size > 4096 else b""
+    cdef const char *h = head
+    cdef const char *t = tail
+    crc = rl_crc32c(rl_crc32c(0, h, len(head)), t, len(tail))
+    return {"name": os.path.basename(os.fspath(path)), "size": int(size), "crc32c": int(crc)}
+
+
+def _rebuild_chain(spec, state, started):
+    """Unpickle a chain: build it from its description, then restore its state."""
+    r = None
+    for make, args, kwargs in spec:
+        r = make(*args, **kwargs) if r is None else make(r, *args, **kwargs)
+    (<ReaderBase>r).set_state(state)
+    if started:                  # it was mid-epoch: iter() starts the next one, as the original would
+        (<ReaderBase>r)._resuming = False
+        r._mark_started(True)
+    return r
+
+
 # ------------------------------------------------------------------ the base
 cdef class ReaderBase:
     """Base of every reader: `read_next()` returns the next item or None.
@@ -481,8 +560,30 @@ cdef class ReaderBase:
     def _set_epoch_state(self, state):
         pass
 
+    def _describe(self):
+        """What makes this reader yield what it yields (its parameters, its
+        file's identity), as JSON values: a state is refused by a reader
+        whose description differs (see set_state)."""
+        return {}
+
+    def _reduce_args(self):
+        """(args, kwargs) that rebuild this reader (decorators: after the
+        upstream reader), for pickling; see __reduce__."""
+        raise TypeError(f"{type(self).__name__} cannot be pickled (it does not describe how to "
+                        f"rebuild it); build the chain in each process instead")
+
+    def _rebuild_with(self):
+        """The callable _reduce_args' arguments go to (default: the class)."""
+        return type(self)
+
     def _chain_epoch_state(self):
-        return [dict(type=type(r).__name__, **r._epoch_state()) for r in self._walk()]
+        out = []
+        for r in self._walk():
+            d = {"type": type(r).__name__}
+            d.update(r._describe())
+            d.update(r._epoch_state())
+            out.append(d)
+        return out
 
     def get_state(self):
         """The chain's position as a small JSON-serialisable dict.
@@ -491,27 +592,39 @@ cdef class ReaderBase:
         process) makes it yield exactly what this one yields next.  Nothing
         large is stored: shuffle buffers are recomputed from (seed, epoch,
         position) by replaying the epoch up to the position.
+
+        The dict describes the reader it was taken from and nests the
+        description of the reader below under ``"parent"``: type, the
+        parameters that decide what comes out (batch size, shuffle buffer
+        and seed, ...), the identity of its file (name, size and a checksum
+        of its first and last 4 KiB), and its epoch.
         """
         if self._epoch_snapshot is None or not self._started:
             if not self._resuming:
                 self._epoch_snapshot = self._chain_epoch_state()
                 self._position = 0
-        return {"version": 1, "position": int(self._position),
-                "readers": [dict(d) for d in self._epoch_snapshot]}
+        state = {"version": STATE_VERSION, "position": int(self._position)}
+        state.update(_nest([dict(d) for d in self._epoch_snapshot]))
+        return state
 
     def set_state(self, state):
-        """Restore a position from `get_state()` (see there)."""
+        """Restore a position from `get_state()` (see there).
+
+        Raises
+        ------
+        ValueError
+            When the state was not made by a chain built like this one: it
+            names the first difference (a reader's type, a parameter such
+            as ``batch_size`` or ``seed``, a file's identity).  A seed that
+            a shuffle drew itself (no ``seed=``) is taken from the state.
+        """
         self._check_open()
-        if not isinstance(state, dict) or state.get("version") != 1:
-            raise ValueError("set_state takes a dict made by get_state() (version 1)")
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"set_state takes a dict made by get_state() (version {STATE_VERSION}), "
+                             f"got {'version ' + repr(state.get('version')) if isinstance(state, dict) else type(state).__name__}")
         readers = self._walk()
-        saved = state.get("readers")
-        if not isinstance(saved, list) or len(saved) != len(readers) or any(
-                not isinstance(d, dict) or d.get("type") != type(r).__name__ for r, d in zip(readers, saved)):
-            raise ValueError(
-                "state does not fit this chain: saved "
-                f"{[d.get('type') for d in saved] if isinstance(saved, list) else saved!r}, "
-                f"chain {[type(r).__name__ for r in readers]}")
+        saved = _flatten(state)
+        _check_fits(readers, saved)
         position = state.get("position")
         if isinstance(position, bool) or not isinstance(position, int) or position < 0:
             raise ValueError(f"state position must be an int >= 0, got {position!r}")
@@ -534,6 +647,44 @@ cdef class ReaderBase:
         self._epoch_snapshot = [dict(d) for d in saved]
         self._position = position
         self._resuming = True
+
+    def _epoch_started(self):
+        """True when items were read since the last reset (iter() would start the next epoch)."""
+        return bool(self._started)
+
+    def _skip(self, n):
+        """Read and drop `n` items in compiled code (no Python objects); returns
+        how many there were (fewer at the end of the epoch).  Counts as read."""
+        cdef rl_record rec
+        cdef int64_t i = 0, want = n
+        cdef int got = 1
+        with self._lock:
+            self._check_open()
+            if not self._started:
+                if self._resuming:
+                    self._resuming = False
+                else:
+                    self._epoch_snapshot = self._chain_epoch_state()
+                    self._position = 0
+                self._mark_started(True)
+            with nogil:
+                while i < want:
+                    got = self.c_next(&rec)
+                    if got != 1:
+                        break
+                    i += 1
+            self._position += i
+        return int(i)
+
+    def __reduce__(self):
+        # A chain pickles as its description: how to rebuild each reader
+        # (source first) and the chain's state, so an unpickled chain (a
+        # spawn/forkserver DataLoader worker) continues where this one is.
+        spec = []
+        for r in reversed(self._walk()):
+            args, kwargs = r._reduce_args()
+            spec.append((r._rebuild_with(), tuple(args), dict(kwargs)))
+        return (_rebuild_chain, (spec, self.get_state(), bool(self._started)))
 
     def _interrupt(self):
         """Wake a read_next() blocked in this reader (close() from another thread)."""
@@ -767,6 +918,9 @@ cdef class ReaderHolder(ReaderBase):
     def _upstream(self):
         return [self._held]
 
+    def _reduce_args(self):
+        return (), {}
+
     cdef int c_next(self, rl_record *out) except -1 nogil:
         return self._held.c_next(out)
 
@@ -827,10 +981,12 @@ cdef class ShuffleReader(DecoratedReader):
     cdef rl_rng rng
     cdef readonly uint64_t seed
     cdef readonly int64_t epoch
+    cdef readonly bint seed_drawn    # no seed= given: drawn from the OS (travels in the state)
 
     def __init__(self, reader, buffer_size, seed=None):
         _check_reader(reader, "ShuffleReader")
         cap = _check_positive_int(buffer_size, "buffer_size")
+        self.seed_drawn = seed is None
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little")
         elif isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
@@ -1004,10 +1160,20 @@ cdef class ShuffleReader(DecoratedReader):
     def _epoch_state(self):
         return {"seed": int(self.seed), "epoch": int(self.epoch)}
 
+    def _describe(self):
+        # a drawn seed is not part of what the chain is: a restore adopts the saved one
+        d = {"buffer_size": int(self.cap)}
+        if not self.seed_drawn:
+            d["seed"] = int(self.seed)
+        return d
+
     def _set_epoch_state(self, state):
         self.seed = <uint64_t>int(state["seed"])
         self.epoch = int(state["epoch"])
         self._restart()
+
+    def _reduce_args(self):
+        return (int(self.cap),), {"seed": None if self.seed_drawn else int(self.seed)}
 
     def __repr__(self):
         return f"ShuffleReader({self.reader!r}, buffer_size={self.cap}, seed={self.seed})"
@@ -1306,6 +1472,12 @@ cdef class BatchReader(DecoratedReader):
     def __repr__(self):
         return f"BatchReader({self.reader!r}, batch_size={self.batch_size}, drop_last={self.drop_last})"
 
+    def _describe(self):
+        return {"batch_size": int(self.batch_size), "drop_last": bool(self.drop_last)}
+
+    def _reduce_args(self):
+        return (int(self.batch_size),), {"drop_last": bool(self.drop_last)}
+
 
 # --------------------------------------------------------------- multipass
 cdef class MultiPassReader(DecoratedReader):
@@ -1335,6 +1507,12 @@ cdef class MultiPassReader(DecoratedReader):
 
     def __repr__(self):
         return f"MultiPassReader({self.reader!r}, num_passes={self.num_passes})"
+
+    def _describe(self):
+        return {"num_passes": int(self.num_passes)}
+
+    def _reduce_args(self):
+        return (int(self.num_passes),), {}
 
 
 # ---------------------------------------------------------- block sources
@@ -1538,6 +1716,21 @@ cdef class ArrayReader(_ChunkedSource):
     def __repr__(self):
         return f"ArrayReader({self.num_instances} instances, {self.schema})"
 
+    def _describe(self):
+        return {"num_instances": int(self.num_instances), "schema": self.schema.to_json()}
+
+    def _reduce_args(self):
+        cols = {}
+        k = 0
+        for f in self.schema:
+            if f.lod_level:
+                cols[f.name] = LoDTensor(self._cols[k], [self._cols[k + 1]])
+                k += 2
+            else:
+                cols[f.name] = self._cols[k]
+                k += 1
+        return (cols,), {"schema": self.schema, "chunk_records": max(1, int(self.chunk_records))}
+
 
 cdef class RandomDataGenerator(_ChunkedSource):
     """Seeded random instances for a schema (Paddle's, made reproducible).
@@ -1632,6 +1825,15 @@ cdef class RandomDataGenerator(_ChunkedSource):
     def __repr__(self):
         return f"RandomDataGenerator({self.schema}, num_instances={self.num_instances}, seed={self.seed})"
 
+    def _describe(self):
+        return {"num_instances": int(self.num_instances), "seed": int(self.seed),
+                "low": float(self.low), "high": float(self.high),
+                "length_range": [int(v) for v in self.length_range], "schema": self.schema.to_json()}
+
+    def _reduce_args(self):
+        return (self.schema, int(self.num_instances)), {
+            "seed": int(self.seed), "low": self.low, "high": self.high, "length_range": self.length_range}
+
 
 cdef class PythonReader(FileReader):
     """A file reader written in Python (the slow path).
@@ -1700,6 +1902,12 @@ cdef class PythonReader(FileReader):
     def __repr__(self):
         name = getattr(self.make_iterator, "__qualname__", type(self.make_iterator).__name__)
         return f"PythonReader({name}, {self.schema})"
+
+    def _describe(self):
+        return {"schema": self.schema.to_json()}
+
+    def _reduce_args(self):
+        return (self.make_iterator, self.schema), {}
 
     cdef int c_close(self) except -1:
         return self.c_reset()

@@ -437,12 +437,37 @@ cdef class MultiFileReader(FileReader):
             self._stop_threads()
         return 0
 
-    # checkpoint: the epoch fixes the unit order; the core replays the position
+    # checkpoint: (seed, epoch) fix the unit order; the core replays the position.
+    # The seed is in the state even when open_files drew it (no seed=), so a
+    # chain restored in another process draws the same file order.
     def _epoch_state(self):
-        return {"epoch": int(self.epoch)}
+        d = {"epoch": int(self.epoch)}
+        if getattr(self._plan, "shuffle_files", False):
+            d["seed"] = int(self._plan.seed)
+        return d
 
     def _set_epoch_state(self, state):
         self.epoch = int(state.get("epoch", self.epoch))
+        if "seed" in state and getattr(self._plan, "shuffle_files", False):
+            self._plan.seed = int(state["seed"])
+
+    def _describe(self):
+        describe = getattr(self._plan, "describe", None)
+        d = dict(describe()) if describe is not None else {}
+        d["limit"] = int(self.limit)
+        return d
+
+    def _rebuild_with(self):
+        from readerlib.readers.files import _reopen_files
+        return _reopen_files
+
+    def _reduce_args(self):
+        if not hasattr(self._plan, "open_files_args"):
+            raise TypeError(f"{type(self).__name__} over {type(self._plan).__name__} cannot be pickled")
+        kwargs = dict(self._plan.open_files_args())
+        kwargs["num_threads"] = int(self.num_threads)
+        kwargs["timeout"] = None if self.timeout < 0 else float(self.timeout)
+        return (), kwargs
 
     @property
     def plan(self):
@@ -500,3 +525,9 @@ cdef class ShardReader(DecoratedReader):
 
     def __repr__(self):
         return f"ShardReader({self.reader!r}, num_shards={self.num_shards}, index={self.index})"
+
+    def _describe(self):
+        return {"num_shards": int(self.num_shards), "index": int(self.index)}
+
+    def _reduce_args(self):
+        return (int(self.num_shards), int(self.index)), {}

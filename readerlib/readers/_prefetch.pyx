@@ -672,6 +672,9 @@ cdef class PrefetchReader(DecoratedReader):
         self._position = handed + 1
         return batch
 
+    def _reduce_args(self):
+        return (int(self.capacity),), {"device": self.device, "timeout": self.timeout}
+
     @property
     def qsize(self):
         """Items ready in the queue now (for monitoring; changes as you look)."""

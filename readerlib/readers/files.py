@@ -7,6 +7,8 @@ chunks between ranks (`shard=(rank, world)` or ``"auto"``, which reads
 compiled (`readerlib/readers/_multifile.pyx`).
 """
 import glob as _glob
+import hashlib
+import json
 import os
 import threading
 
@@ -113,21 +115,17 @@ for _s in (".tfrecord", ".tfrecords", ".tfrec"):
 
 
 def shard_from_env(environ=None):
-    """(rank, world) from ``RANK``/``WORLD_SIZE`` (torchrun); (0, 1) when unset."""
-    env = os.environ if environ is None else environ
-    try:
-        rank = int(env.get("RANK", "0"))
-        world = int(env.get("WORLD_SIZE", "1"))
-    except ValueError:
-        raise ValueError(f"RANK/WORLD_SIZE must be integers, got RANK={env.get('RANK')!r} "
-                         f"WORLD_SIZE={env.get('WORLD_SIZE')!r}") from None
-    return _check_shard((rank, world))
+    """(rank, world) of this process: an initialised torch.distributed, else
+    ``RANK``/``WORLD_SIZE`` (torchrun); (0, 1) when unset.  The same answer as
+    `readerlib.integrations.rank_and_world_size` (one helper for both)."""
+    from readerlib.integrations._sharding import rank_and_world_size
+    return rank_and_world_size(environ=environ)
 
 
 def _check_shard(shard):
     if shard is None:
         return None
-    if shard == "auto":
+    if isinstance(shard, str) and shard == "auto":
         return shard_from_env()
     try:
         rank, world = shard
@@ -175,12 +173,16 @@ class FilePlan:
     read disjoint units and together all of them.
     """
 
-    def __init__(self, paths, schema, shard, shuffle_files, seed, by_chunks):
+    def __init__(self, paths, schema, shard, shuffle_files, seed, by_chunks, seed_drawn=False):
         self.paths = paths
         self.schema = schema
         self.shard = shard
         self.shuffle_files = shuffle_files
         self.seed = seed
+        self.seed_drawn = bool(seed_drawn)     # no seed= given: the state carries the drawn one
+        self.by_chunks = by_chunks
+        self.equal_batches = False
+        self.identities = []                  # per file: what tells it from another (states)
         units = []            # (file index, chunks or None, record count or None)
         self._user_schema = schema
         first = None
@@ -188,6 +190,7 @@ class FilePlan:
         for i, p in enumerate(paths):
             r = open_file(p, schema)
             try:
+                self.identities.append(_identity_of(r, p))
                 bare.append(r.bare_instances)
                 if r.item_kind != 0:
                     raise TypeError(f"open_files reads instances; the reader for {p!r} yields batches")
@@ -283,9 +286,44 @@ class FilePlan:
             units = sorted(units, key=lambda u: rank_of[u[0]])      # stable: chunks stay in order
         return [(self.paths[i], chunks) for i, chunks, _ in units]
 
+    def describe(self):
+        """What decides this plan's records and their order (for states): the
+        files' identities (listed when few, else a digest), the shard, the file
+        shuffle and its seed when one was given."""
+        if len(self.identities) <= 16:
+            files = [dict(i) for i in self.identities]
+        else:
+            digest = hashlib.sha256(json.dumps(self.identities, sort_keys=True).encode()).hexdigest()[:16]
+            files = {"count": len(self.identities), "sha256": digest,
+                     "first": dict(self.identities[0]), "last": dict(self.identities[-1])}
+        d = {"files": files, "shard": list(self.shard) if self.shard else None,
+             "shuffle_files": bool(self.shuffle_files)}
+        if self.shuffle_files and not self.seed_drawn:
+            d["seed"] = int(self.seed)
+        return d
+
+    def open_files_args(self):
+        """The `open_files` keyword arguments that rebuild this plan (pickling)."""
+        return {"paths_or_glob": list(self.paths), "shuffle_files": bool(self.shuffle_files),
+                "seed": None if self.seed_drawn else self.seed, "shard": self.shard,
+                "equal_batches": bool(self.equal_batches), "schema": self._user_schema}
+
     def __repr__(self):
         sh = f", shard={self.shard}" if self.shard else ""
         return f"FilePlan({len(self.paths)} files, {len(self.mine)}/{len(self.units)} units{sh})"
+
+
+def _identity_of(reader, path):
+    ident = reader._describe().get("file") if hasattr(reader, "_describe") else None
+    if ident is None:            # a registered reader of another kind: size and mtime
+        st = os.stat(path)
+        ident = {"name": os.path.basename(path), "size": int(st.st_size), "mtime_ns": int(st.st_mtime_ns)}
+    return ident
+
+
+def _reopen_files(paths_or_glob, **kwargs):
+    """Unpickle an `open_files` reader (see ReaderBase.__reduce__)."""
+    return open_files(paths_or_glob, **kwargs)
 
 
 def open_files(paths_or_glob, num_threads=1, shuffle_files=False, seed=None, shard=None,
@@ -341,14 +379,20 @@ def open_files(paths_or_glob, num_threads=1, shuffle_files=False, seed=None, sha
     """
     paths = _expand(paths_or_glob)
     shard = _check_shard(shard)
-    if shuffle_files and seed is None:
+    seed_drawn = bool(shuffle_files) and seed is None
+    if seed_drawn:
+        # drawn once here; it travels in get_state(), so a restore elsewhere draws the same order
         seed = int.from_bytes(os.urandom(8), "little")
     elif seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
         raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    if seed is not None:
+        seed = int(seed)
     if schema is not None:
         schema = Schema.coerce(schema)
-    plan = FilePlan(paths, schema, shard, bool(shuffle_files), seed, by_chunks=shard is not None)
+    plan = FilePlan(paths, schema, shard, bool(shuffle_files), seed, by_chunks=shard is not None,
+                    seed_drawn=seed_drawn)
     limit = -1
     if equal_batches:
+        plan.equal_batches = True
         limit = min(plan.rank_counts())
     return MultiFileReader(plan, plan.schema, num_threads=num_threads, limit=limit, timeout=timeout)
