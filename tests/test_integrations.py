@@ -13,13 +13,8 @@ from readerlib.integrations import _shard_chain, rank_and_world_size
 from readerlib.readers._prefetch import PrefetchReader
 from readerlib.readers._multifile import ShardReader as StrideReader
 
-try:
-    import torch
-    from readerlib.integrations.torch import IterableDataset, TensorWithLoD, to_torch
-except ImportError:            # the sharding tests below still run without torch
-    torch = None
-
-needs_torch = pytest.mark.skipif(torch is None, reason="needs PyTorch")
+import torch          # in the test extra: these tests run in CI
+from readerlib.integrations.torch import IterableDataset, TensorWithLoD, to_torch
 
 N = 257
 
@@ -85,7 +80,6 @@ def test_rank_and_world_size_from_env(monkeypatch):
 
 
 # ------------------------------------------------- DataLoader, exactly once
-@needs_torch
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("batch", [True, False])
 def test_dataloader_sees_every_instance_once(num_workers, batch):
@@ -95,7 +89,6 @@ def test_dataloader_sees_every_instance_once(num_workers, batch):
     assert sorted(ids) == list(range(N))
 
 
-@needs_torch
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_dataloader_over_a_chain_object(num_workers):
     ds = IterableDataset(make_chain(), rank=0, world_size=1)
@@ -104,7 +97,6 @@ def test_dataloader_over_a_chain_object(num_workers):
         assert sorted(_ids(loader)) == list(range(N))
 
 
-@needs_torch
 def test_dataloader_over_a_prefetching_chain_object_forked_into_workers():
     chain = make_chain(prefetch=True)
     chain.read_next()                        # its thread is running, mid-epoch, at fork time
@@ -115,7 +107,6 @@ def test_dataloader_over_a_prefetching_chain_object_forked_into_workers():
     chain.close()
 
 
-@needs_torch
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_ranks_and_workers_together_see_every_instance_once(num_workers):
     ids = []
@@ -126,7 +117,6 @@ def test_ranks_and_workers_together_see_every_instance_once(num_workers):
     assert sorted(ids) == list(range(N))
 
 
-@needs_torch
 def test_set_epoch_changes_the_order_consistently_across_workers():
     ds = IterableDataset(make_chain, rank=0, world_size=1)
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
@@ -148,7 +138,6 @@ def test_set_epoch_changes_the_order_consistently_across_workers():
         torch.utils.data.DataLoader(single, batch_size=None, num_workers=0))
 
 
-@needs_torch
 def test_torchrun_like_processes_see_every_instance_once(tmp_path):
     """Two processes with RANK/WORLD_SIZE set (as torchrun does), 2 workers each."""
     script = textwrap.dedent(f"""
@@ -183,7 +172,6 @@ def test_torchrun_like_processes_see_every_instance_once(tmp_path):
 
 
 # ----------------------------------------------------------------- zero-copy
-@needs_torch
 def test_to_torch_is_zero_copy_and_keeps_memory_alive():
     chain = rl.ArrayReader({"x": np.arange(40, dtype=np.float32).reshape(10, 4),
                             "s": [np.full((i % 3, 2), i, np.int32) for i in range(10)]}).batch(5)
@@ -202,7 +190,6 @@ def test_to_torch_is_zero_copy_and_keeps_memory_alive():
     assert torch.equal(x, want)
 
 
-@needs_torch
 def test_dataset_hands_out_zero_copy_tensors_with_num_workers_0(monkeypatch):
     import readerlib.integrations.torch as rt
     pairs = []
@@ -223,14 +210,12 @@ def test_dataset_hands_out_zero_copy_tensors_with_num_workers_0(monkeypatch):
     chain.close()
 
 
-@needs_torch
 def test_to_torch_instances():
     item = rl.ArrayReader({"a": np.arange(3.0), "b": np.arange(3)}).read_next()
     a, b = to_torch(item)
     assert a.item() == 0.0 and b.item() == 0 and b.dtype == torch.int64
 
 
-@needs_torch
 def test_dataset_rejects_non_chains():
     with pytest.raises(TypeError):
         IterableDataset(42)
@@ -251,3 +236,262 @@ def test_to_jax_zero_copy():
     assert isinstance(s, ArrayWithLoD)
     np.testing.assert_array_equal(np.asarray(s.lod[0]), batch[1].lod[0])
     assert x.unsafe_buffer_pointer() == batch[0].data.ctypes.data
+
+
+# ------------------------------------------- one place decides sharding (issue 11)
+SCHEMA_ID = rl.Schema([rl.Field("id", "int64")])
+
+
+@pytest.fixture(scope="module")
+def id_files(tmp_path_factory):
+    """4 RecordIO files of 500 ids each, small chunks (so there is something to shard)."""
+    d = tmp_path_factory.mktemp("ids")
+    paths = []
+    for f in range(4):
+        p = str(d / f"part-{f}.rio")
+        with rl.RecordIOWriter(p, SCHEMA_ID, chunk_size=512) as w:
+            w.write_batch({"id": np.arange(500 * f, 500 * (f + 1), dtype=np.int64)})
+        paths.append(p)
+    return paths
+
+
+def _loader_ids(ds, num_workers, **kw):
+    return _ids(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=num_workers, **kw))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_open_files_shard_auto_inside_the_dataset_loses_nothing(id_files, monkeypatch, num_workers):
+    # The README's open_files(shard="auto") wrapped in the dataset: it used to shard twice
+    # (1000 of 2000 ids per epoch); the dataset now splits only the rank's workers.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ids = []
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        ds = IterableDataset(lambda: rl.open_files(id_files, shard="auto").shuffle(64, seed=1).batch(16))
+        ids += _loader_ids(ds, num_workers)
+    assert sorted(ids) == list(range(2000))
+
+
+def test_chain_and_dataset_sharding_that_disagree_raise_naming_both(id_files):
+    ds = IterableDataset(lambda: rl.open_files(id_files, shard=(0, 2)).batch(16), rank=0, world_size=3)
+    with pytest.raises(ValueError, match=r"open_files\(shard=\(0, 2\)\).*rank 0 of 3"):
+        next(iter(ds))
+    ds = IterableDataset(lambda: rl.ArrayReader(np.arange(10)).shard(2, 0).batch(2), rank=0, world_size=2)
+    with pytest.raises(ValueError, match=r"\.shard\(2, 0\).*rank 0 of 2"):
+        next(iter(ds))
+    with pytest.raises(ValueError, match=r"\.shard\(2, 1\)"):       # raised in a worker, re-raised here
+        _loader_ids(IterableDataset(lambda: rl.ArrayReader(np.arange(10)).shard(2, 1).batch(2),
+                                    rank=0, world_size=1), 2)
+    # a .shard() the dataset does not add to (one process, no workers) is the user's own
+    ds = IterableDataset(lambda: rl.ArrayReader(np.arange(10)).shard(2, 1).batch(2), rank=0, world_size=1)
+    assert _loader_ids(ds, 0) == [1, 3, 5, 7, 9]
+
+
+def test_rank_helper_is_shared_by_open_files_and_the_dataset(monkeypatch):
+    from readerlib.readers.files import shard_from_env
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert shard_from_env() == rank_and_world_size() == (1, 3)
+    monkeypatch.setenv("RANK", "x")
+    for f in (shard_from_env, rank_and_world_size):
+        with pytest.raises(ValueError, match="RANK"):
+            f()
+
+
+# ------------------------------------------------- unseeded shuffles (issue 11)
+def _unseeded_chain():
+    return rl.ArrayReader(np.arange(200)).shuffle(64).batch(8)
+
+
+def test_unseeded_shuffle_under_two_workers_raises_saying_to_pass_seed():
+    # it used to give 1507 distinct of 2000, 493 twice
+    ds = IterableDataset(_unseeded_chain, rank=0, world_size=1)
+    with pytest.raises(ValueError, match=r"\.shuffle\(64\).*no seed.*seed="):
+        _loader_ids(ds, 2)
+
+
+def test_unseeded_shuffle_under_two_ranks_raises():
+    with pytest.raises(ValueError, match="seed="):
+        _loader_ids(IterableDataset(_unseeded_chain, rank=1, world_size=2), 0)
+
+
+def test_unseeded_file_shuffle_under_two_workers_raises(id_files):
+    ds = IterableDataset(lambda: rl.open_files(id_files, shuffle_files=True).batch(16), rank=0, world_size=1)
+    with pytest.raises(ValueError, match=r"shuffle_files=True.*seed="):
+        _loader_ids(ds, 2)
+
+
+def test_unseeded_shuffle_in_one_process_still_works():
+    ds = IterableDataset(_unseeded_chain, rank=0, world_size=1)
+    assert sorted(_loader_ids(ds, 0)) == list(range(200))
+
+
+# ------------------------------------------------------------ epochs (issue 11)
+def _reference_epochs(make, n):
+    """The ids of epochs 0..n-1 of a chain read directly (the truth)."""
+    c = make()
+    out = [[int(v) for b in c for v in b[0].data] for _ in range(n)]
+    c.close()
+    return out
+
+
+@pytest.mark.parametrize("num_workers,persistent", [(0, False), (2, False), (2, True)])
+def test_epochs_advance_by_themselves(num_workers, persistent):
+    ds = IterableDataset(make_chain, rank=0, world_size=1)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=num_workers,
+                                         persistent_workers=persistent)
+    got = [_ids(loader) for _ in range(3)]
+    want = _reference_epochs(make_chain, 3)
+    assert all(sorted(g) == list(range(N)) for g in got)
+    assert got[0] != got[1] != got[2] != got[0]                     # a new order every epoch
+    # epoch k is the chain's own epoch k: workers take every other batch of it and the
+    # DataLoader interleaves them round-robin, so even the order is the chain's
+    assert got == want
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_epoch_zero_is_the_same_for_every_num_workers(num_workers):
+    # "epoch 0" with num_workers=2 used to be the chain's epoch 1: compare as multisets of
+    # batches (workers interleave batches, each batch's content is fixed by the epoch)
+    def batches(nw, chain_object):
+        ds = IterableDataset(make_chain() if chain_object else make_chain, rank=0, world_size=1)
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=nw)
+        return sorted(tuple(b[0].tolist()) for b in loader)
+    ref = make_chain()
+    want = sorted(tuple(b[0].data.tolist()) for b in ref)          # epoch 0 of the chain itself
+    # with 2 workers each worker reads every other batch of the same epoch-0 stream
+    for chain_object in (False, True):
+        got = batches(num_workers, chain_object)
+        assert got == want, f"num_workers={num_workers}, chain object={chain_object}"
+
+
+def test_set_epoch_reaches_persistent_workers():
+    # with persistent_workers=True set_epoch used to be ignored (the same order 3 times)
+    ds = IterableDataset(make_chain, rank=0, world_size=1)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+    orders = []
+    for epoch in (0, 1, 1, 2):
+        ds.set_epoch(epoch)
+        orders.append(_ids(loader))
+    assert orders[1] == orders[2]                                  # set_epoch(1) twice: the same
+    assert orders[0] != orders[1] != orders[3]
+    ref = _reference_epochs(make_chain, 3)
+    assert [sorted(o) for o in orders] == [sorted(ref[e]) for e in (0, 1, 1, 2)]
+
+
+def test_a_chain_object_positioned_by_set_state_continues_from_there():
+    # the dataset used to reset the chain: 63 batches came back instead of the 58 left
+    ref = make_chain()
+    all_batches = [b[0].data.tolist() for b in ref]
+    src = make_chain()
+    it = iter(src)
+    for _ in range(5):
+        next(it)
+    state = src.get_state()
+    chain = make_chain()
+    chain.set_state(state)
+    ds = IterableDataset(chain, rank=0, world_size=1)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0)
+    assert [b[0].tolist() for b in loader] == all_batches[5:]
+    # ... and the next pass is the chain's next epoch, in full
+    ref.reset()
+    assert [b[0].tolist() for b in loader] == [b[0].data.tolist() for b in ref]
+
+
+# ------------------------------------------------- checkpoints: the protocol
+def _collect(loader, stop_after=None):
+    out = []
+    for b in loader:
+        out.append(tuple(b[0].tolist()))
+        if stop_after is not None and len(out) == stop_after:
+            break
+    return out
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_state_dict_protocol_per_worker_resumes_exactly(num_workers):
+    """The StatefulDataLoader protocol done by hand: each worker's dataset state
+    after its j-th item, restored in a fresh dataset, gives that worker's rest."""
+    k = max(num_workers, 1)
+    for wid in range(k):
+        ds = IterableDataset(make_chain, rank=0, world_size=1)
+        ds._worker = lambda wid=wid: (wid, k)             # what get_worker_info() says in a worker
+        for epoch in range(2):
+            it = iter(ds)
+            states = [json.loads(json.dumps(ds.state_dict()))]
+            items = []
+            for b in it:
+                items.append(tuple(b[0].tolist()))
+                states.append(json.loads(json.dumps(ds.state_dict())))
+            assert ds.state_dict()["epoch"] == epoch
+            for j in range(0, len(states), 5):
+                other = IterableDataset(make_chain, rank=0, world_size=1)
+                other._worker = ds._worker
+                other.load_state_dict(states[j])
+                assert [tuple(b[0].tolist()) for b in other] == items[j:], (wid, epoch, j)
+                # ... and the pass after it is the next epoch
+                assert other.state_dict()["epoch"] == epoch
+                nxt = [tuple(b[0].tolist()) for b in other]
+                assert other.state_dict()["epoch"] == epoch + 1 and len(nxt) > 0
+
+
+def test_load_state_dict_refuses_another_shard_or_chain():
+    ds = IterableDataset(make_chain, rank=0, world_size=2)
+    it = iter(ds)
+    next(it)
+    st = ds.state_dict()
+    other = IterableDataset(make_chain, rank=0, world_size=3)
+    other.load_state_dict(st)
+    with pytest.raises(ValueError, match="shard 0 of 2.*shard 0 of 3"):
+        iter(other)
+    other = IterableDataset(lambda: make_chain().reader.batch(7), rank=0, world_size=2)
+    other.load_state_dict(st)
+    with pytest.raises(ValueError, match="batch_size is 6 in the state, 7 in this chain"):
+        iter(other)
+    with pytest.raises(ValueError, match="state_dict"):
+        other.load_state_dict({"position": 3})
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_stateful_dataloader_resumes_with_exactly_the_batches_left(num_workers):
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def loader():
+        return sdl.StatefulDataLoader(IterableDataset(make_chain, rank=0, world_size=1), batch_size=None,
+                                      num_workers=num_workers)
+    ref = loader()
+    want = [_collect(ref) for _ in range(3)]
+    assert want[0] != want[1] and sorted(sum(want[0], ())) == sorted(sum(want[1], ())) == list(range(N))
+    for epoch, cut in [(0, 0), (0, 7), (1, 1), (1, 20), (0, len(want[0]))]:
+        run = loader()
+        for e in range(epoch):
+            _collect(run)
+        # (the end-of-epoch case saves after the loop has finished the epoch, as a training loop does)
+        part = _collect(run, stop_after=cut if cut < len(want[0]) else None) if cut else []
+        sd = run.state_dict()
+        del run
+        resumed = loader()
+        resumed.load_state_dict(sd)
+        rest = _collect(resumed)
+        if cut == len(want[0]):           # saved at the end of the epoch: the next one follows
+            assert rest == want[epoch + 1]
+        else:
+            assert part + rest == want[epoch], (epoch, cut)
+            assert _collect(resumed) == want[epoch + 1]
+
+
+# ------------------------------------------------------ spawn / forkserver workers
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_chain_object_under_spawn_and_forkserver_workers(context):
+    # a chain object used to fail to pickle: TypeError: no default __reduce__ ...
+    chain = make_chain()
+    ds = IterableDataset(chain, rank=0, world_size=1)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=context)
+    got = [_ids(loader) for _ in range(2)]
+    want = _reference_epochs(make_chain, 2)
+    assert [sorted(g) for g in got] == [list(range(N))] * 2
+    assert got[0] != got[1]
+    assert sorted(map(tuple, [b[0].tolist() for b in torch.utils.data.DataLoader(
+        IterableDataset(make_chain(), rank=0, world_size=1), batch_size=None, num_workers=2,
+        multiprocessing_context=context)])) == sorted(tuple(b[0].data.tolist()) for b in make_chain())
+    assert want[0] != want[1]
