@@ -495,3 +495,23 @@ def test_chain_object_under_spawn_and_forkserver_workers(context):
         IterableDataset(make_chain(), rank=0, world_size=1), batch_size=None, num_workers=2,
         multiprocessing_context=context)])) == sorted(tuple(b[0].data.tolist()) for b in make_chain())
     assert want[0] != want[1]
+
+
+def test_a_failed_start_keeps_the_loaded_state_and_close_releases_the_chain():
+    ds = IterableDataset(make_chain, rank=0, world_size=1)
+    it = iter(ds)
+    for _ in range(3):
+        next(it)
+    st = ds.state_dict()
+    rest = [tuple(b[0].tolist()) for b in it]
+    other = IterableDataset(make_chain, rank=0, world_size=1)
+    other.load_state_dict(st)
+    other.rank, other.world_size = 0, 3                 # a wrong world size: refused ...
+    with pytest.raises(ValueError, match="shard 0 of 1"):
+        iter(other)
+    other.rank, other.world_size = 0, 1                 # ... and the state is still there
+    assert [tuple(b[0].tolist()) for b in other] == rest
+    chain = other._local["base"]
+    other.close()
+    assert chain.closed
+    assert sorted(_loader_ids(other, 0)) == list(range(N))   # a new chain on the next pass

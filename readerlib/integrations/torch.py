@@ -242,9 +242,24 @@ class IterableDataset(torch.utils.data.IterableDataset):
         return base.get_state()
 
     def __iter__(self):
+        pending = self._pending
+        try:
+            it = self._start_pass(pending)
+        except BaseException:
+            self._pending = pending           # a loaded state is not lost by a failed start
+            raise
+        self._pending = None
+        return it
+
+    def close(self):
+        """Close the chain this process built (a factory's); the dataset can be iterated again."""
+        loc, self._local, self._cur = self._local, None, None
+        if loc is not None and loc["pid"] == os.getpid() and self._factory is not None:
+            loc["base"].close()
+
+    def _start_pass(self, pending):
         rank, world = rank_and_world_size(self.rank, self.world_size)
         wid, nw = self._worker()
-        pending, self._pending = self._pending, None
         epoch = int(pending["epoch"]) if pending is not None else int(self._epochs[wid])
         loc = self._base_chain()
         base = loc["base"]
