@@ -488,13 +488,8 @@ def test_chain_object_under_spawn_and_forkserver_workers(context):
     ds = IterableDataset(chain, rank=0, world_size=1)
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=context)
     got = [_ids(loader) for _ in range(2)]
-    want = _reference_epochs(make_chain, 2)
     assert [sorted(g) for g in got] == [list(range(N))] * 2
-    assert got[0] != got[1]
-    assert sorted(map(tuple, [b[0].tolist() for b in torch.utils.data.DataLoader(
-        IterableDataset(make_chain(), rank=0, world_size=1), batch_size=None, num_workers=2,
-        multiprocessing_context=context)])) == sorted(tuple(b[0].data.tolist()) for b in make_chain())
-    assert want[0] != want[1]
+    assert got == _reference_epochs(make_chain, 2)          # the chain's epochs 0 and 1, in order
 
 
 def test_a_failed_start_keeps_the_loaded_state_and_close_releases_the_chain():
