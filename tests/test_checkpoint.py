@@ -241,3 +241,24 @@ def test_a_chain_that_cannot_be_rebuilt_says_so():
     r = rl.PythonReader(lambda: iter([]), rl.Schema([rl.Field("x", "int64")])).batch(2)
     with pytest.raises((pickle.PicklingError, AttributeError, TypeError), match="lambda|local"):
         pickle.dumps(r)
+
+
+def test_many_files_are_named_by_a_digest_that_still_tells_them_apart(tmp_path):
+    paths = []
+    for i in range(20):
+        p = str(tmp_path / f"s{i:02d}.rio")
+        with rl.RecordIOWriter(p, rl.Schema([rl.Field("y", "int64")])) as w:
+            w.write_batch({"y": np.arange(3) + 10 * i})
+        paths.append(p)
+    a = rl.open_files(paths).batch(4)
+    next(iter(a))
+    state = json.loads(json.dumps(a.get_state()))
+    files = state["parent"]["files"]
+    assert files["count"] == 20 and len(json.dumps(state)) < 1000
+    b = rl.open_files(paths).batch(4)
+    b.set_state(state)
+    assert len(list(b)) == 14
+    with rl.RecordIOWriter(paths[7], rl.Schema([rl.Field("y", "int64")])) as w:     # one file rewritten
+        w.write_batch({"y": np.arange(3)})
+    with pytest.raises(ValueError, match=r"reader 1 from the top \(MultiFileReader\): files is"):
+        rl.open_files(paths).batch(4).set_state(state)
