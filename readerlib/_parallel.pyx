@@ -96,9 +96,8 @@ cdef extern from *:
 
     static void *rl_pool_worker(void *arg) {
         int id = (int)(intptr_t)arg;
-        uint64_t seen;
+        uint64_t seen = UINT64_MAX;     /* != gen: join the job in flight, if still open */
         pthread_mutex_lock(&rl_pool.mu);
-        seen = rl_pool.gen;
         for (;;) {
             while (rl_pool.gen == seen)
                 pthread_cond_wait(&rl_pool.work, &rl_pool.mu);
@@ -367,6 +366,14 @@ def _threads_for_py(work_bytes):
     return threads_for(work_bytes)
 
 
+def _set_min_bytes_per_thread(n):
+    """Change the split threshold (benchmarks' sweep; returns the old value)."""
+    global _min_bytes_per_thread
+    old = _min_bytes_per_thread
+    _min_bytes_per_thread = max(1, int(n))
+    return old
+
+
 def _pool_workers():
     """Worker threads this process has started (0 until the first parallel loop;
     0 again right after fork() in the child).  Test hook."""
@@ -393,8 +400,10 @@ cdef int threads_for(int64_t work_bytes) noexcept nogil:
 cdef extern from *:
     """
     static inline void rl_atomic_inc_i64(int64_t *p) { __atomic_add_fetch(p, 1, __ATOMIC_RELAXED); }
+    static inline void rl_burn(int64_t n) { volatile int64_t x = 0; while (n-- > 0) x += n; }
     """
     void _rl_atomic_inc "rl_atomic_inc_i64"(int64_t *p) noexcept nogil
+    void rl_burn(int64_t n) noexcept nogil
 
 
 cdef void _probe_nested(void *ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
@@ -407,6 +416,7 @@ cdef struct _probe_ctx:
     int *tids
     int64_t *calls
     int nested_threads
+    int64_t work
 
 
 cdef void _probe_body(void *ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
@@ -417,13 +427,15 @@ cdef void _probe_body(void *ctx, int64_t begin, int64_t end, int tid) noexcept n
     if c.nested_threads > 1:   # a nested loop must run serially on this thread
         parallel_for(c.nested_threads, 4, _probe_nested, &inner_tid)
     for i in range(begin, end):
+        rl_burn(c.work)
         c.tids[i] = tid if inner_tid <= 0 else -100 - inner_tid
 
 
-def _parallel_for_py(int n_threads, int64_t n_items, int nested_threads=0):
+def _parallel_for_py(int n_threads, int64_t n_items, int nested_threads=0, int64_t work=0):
     """Run a probe loop; return (tid of the thread that ran each item, number of
-    ranges run).  A nested loop of ``nested_threads`` marks items whose nested
-    loop did not run serially (tid <= -101).  Test hook."""
+    ranges run).  Each item spins ``work`` iterations; a nested loop of
+    ``nested_threads`` marks items whose nested loop did not run serially
+    (tid <= -101).  Test hook."""
     import numpy as np
     tids = np.full(max(n_items, 0), -1, dtype=np.intc)
     cdef int[::1] tv = tids
@@ -432,6 +444,7 @@ def _parallel_for_py(int n_threads, int64_t n_items, int nested_threads=0):
     c.tids = &tv[0] if n_items > 0 else NULL
     c.calls = &calls
     c.nested_threads = nested_threads
+    c.work = work
     with nogil:
         parallel_for(n_threads, n_items, _probe_body, &c)
     return tids, calls
