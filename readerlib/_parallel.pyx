@@ -23,7 +23,13 @@ Design:
     takes them back, so a loop is never slower than the caller running it
     alone by more than one share of work plus the wake-up call (a few us).
     The caller then waits (condition variable) only for shares a worker has
-    already started.
+    already started.  That wait is the one way a split can lose against one
+    thread (a worker descheduled in the middle of a share by a competing
+    process), so the caller times it: when the wait exceeded what the
+    workers' shares would have cost the caller itself, the next loops run
+    serially (1, 2, 4 ... up to 256 loops while splits keep losing; halved
+    again after a split that paid).  On an idle machine splits pay and the
+    back-off never starts.
 
     One job at a time: a loop that finds the pool taken (a nested loop inside
     a body, a loop started on a worker, or a second thread's loop running at
@@ -60,8 +66,10 @@ cdef extern from *:
     #include <signal.h>
     #include <stdint.h>
     #include <string.h>
+    #include <time.h>
 
     #define RL_MAX_THREADS 256
+    #define RL_MAX_BACKOFF 256
     #define RL_SHARES_PER_THREAD 4
 
     typedef void (*rl_pool_body)(void *ctx, int64_t begin, int64_t end, int tid);
@@ -80,18 +88,30 @@ cdef extern from *:
         int64_t n_items, n_shares;
         int n_threads;
         int64_t next;               /* next unclaimed share (atomic) */
+        int backoff;                /* loops left to run serially after a losing split */
+        int backoff_next;           /* the next back-off (doubles while splits lose) */
+        int64_t losing_splits;      /* statistics for tests and benchmarks */
     } rl_pool_t;
 
-    static rl_pool_t rl_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-                                PTHREAD_COND_INITIALIZER};
+    static rl_pool_t rl_pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .work = PTHREAD_COND_INITIALIZER,
+                                .done = PTHREAD_COND_INITIALIZER, .backoff_next = 1};
 
-    static void rl_pool_run_shares(rl_pool_body body, void *ctx, int64_t n_items,
-                                   int64_t n_shares, int tid) {
+    /* Claim and run shares until none is left; returns how many this thread ran. */
+    static int64_t rl_pool_run_shares(rl_pool_body body, void *ctx, int64_t n_items,
+                                      int64_t n_shares, int tid) {
+        int64_t mine = 0;
         for (;;) {
             int64_t s = __atomic_fetch_add(&rl_pool.next, 1, __ATOMIC_RELAXED);
-            if (s >= n_shares) return;
+            if (s >= n_shares) return mine;
             body(ctx, s * n_items / n_shares, (s + 1) * n_items / n_shares, tid);
+            mine++;
         }
+    }
+
+    static inline int64_t rl_now_ns(void) {
+        struct timespec t;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
     }
 
     static void *rl_pool_worker(void *arg) {
@@ -149,9 +169,14 @@ cdef extern from *:
                 int have = rl_pool_grow(n_threads);
                 if (have + 1 < n_threads) n_threads = have + 1;
             }
+            if (!rl_pool.busy && rl_pool.backoff > 0) {
+                rl_pool.backoff--;          /* recent splits lost: stay serial a while */
+                n_threads = 1;
+            }
             if (rl_pool.busy || n_threads < 2) {
                 pthread_mutex_unlock(&rl_pool.mu);
             } else {
+                int64_t t0, t1, t2, mine;
                 n_shares = (int64_t)n_threads * RL_SHARES_PER_THREAD;
                 if (n_shares > n_items) n_shares = n_items;
                 rl_pool.busy = 1;
@@ -164,12 +189,30 @@ cdef extern from *:
                 rl_pool.open = 1;
                 rl_pool.gen++;
                 pthread_mutex_unlock(&rl_pool.mu);
+                t0 = rl_now_ns();
                 pthread_cond_broadcast(&rl_pool.work);
-                rl_pool_run_shares(body, ctx, n_items, n_shares, 0);
+                mine = rl_pool_run_shares(body, ctx, n_items, n_shares, 0);
+                t1 = rl_now_ns();
                 pthread_mutex_lock(&rl_pool.mu);
                 rl_pool.open = 0;       /* late workers skip this job */
                 while (rl_pool.active > 0)
                     pthread_cond_wait(&rl_pool.done, &rl_pool.mu);
+                t2 = rl_now_ns();
+                /* Did the split lose against running it all here?  The caller ran
+                   `mine` shares in t1 - t0, so alone it would have taken about
+                   (t1 - t0) * n_shares / mine; it lost if the wait for the
+                   workers' last shares (a descheduled worker) exceeded what
+                   those shares would have cost the caller.  Then run the next
+                   loops serially, twice as many each time it happens again. */
+                if (mine > 0 && mine < n_shares) {
+                    if ((t2 - t1) * mine > (t1 - t0) * (n_shares - mine)) {
+                        rl_pool.backoff = rl_pool.backoff_next;
+                        rl_pool.losing_splits++;
+                        if (rl_pool.backoff_next < RL_MAX_BACKOFF) rl_pool.backoff_next *= 2;
+                    } else if (rl_pool.backoff_next > 1) {
+                        rl_pool.backoff_next /= 2;
+                    }
+                }
                 rl_pool.busy = 0;
                 pthread_mutex_unlock(&rl_pool.mu);
                 return;
@@ -177,6 +220,21 @@ cdef extern from *:
         }
     #endif
         body(ctx, 0, n_items, 0);
+    }
+
+    static int64_t rl_pool_losing_splits(void) {
+        int64_t n;
+        pthread_mutex_lock(&rl_pool.mu);
+        n = rl_pool.losing_splits;
+        pthread_mutex_unlock(&rl_pool.mu);
+        return n;
+    }
+
+    static void rl_pool_reset_backoff(void) {
+        pthread_mutex_lock(&rl_pool.mu);
+        rl_pool.backoff = 0;
+        rl_pool.backoff_next = 1;
+        pthread_mutex_unlock(&rl_pool.mu);
     }
 
     static int rl_pool_workers(void) {
@@ -193,6 +251,7 @@ cdef extern from *:
         /* Only the forking thread exists here: forget the parent's workers
            and any job in flight; new workers start on the first loop. */
         memset(&rl_pool, 0, sizeof rl_pool);
+        rl_pool.backoff_next = 1;
         pthread_mutex_init(&rl_pool.mu, NULL);
         pthread_cond_init(&rl_pool.work, NULL);
         pthread_cond_init(&rl_pool.done, NULL);
@@ -213,6 +272,8 @@ cdef extern from *:
     int RL_THREADS_ENABLED
     void rl_parallel_for(int n_threads, int64_t n_items, rl_body_fn body, void *ctx) noexcept nogil
     int rl_pool_workers() noexcept nogil
+    int64_t rl_pool_losing_splits() noexcept nogil
+    void rl_pool_reset_backoff() noexcept nogil
     int rl_pool_install_fork_handlers() noexcept
 
 if rl_pool_install_fork_handlers() != 0:
@@ -374,6 +435,17 @@ def _set_min_bytes_per_thread(n):
     return old
 
 
+def _losing_splits():
+    """Parallel loops so far that lost against one thread (and started a serial
+    back-off).  Benchmarks and tests."""
+    return rl_pool_losing_splits()
+
+
+def _reset_backoff():
+    """Forget past losing splits (tests that need the next loop to split)."""
+    rl_pool_reset_backoff()
+
+
 def _pool_workers():
     """Worker threads this process has started (0 until the first parallel loop;
     0 again right after fork() in the child).  Test hook."""
@@ -417,6 +489,7 @@ cdef struct _probe_ctx:
     int64_t *calls
     int nested_threads
     int64_t work
+    int slow_tid
 
 
 cdef void _probe_body(void *ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
@@ -427,13 +500,15 @@ cdef void _probe_body(void *ctx, int64_t begin, int64_t end, int tid) noexcept n
     if c.nested_threads > 1:   # a nested loop must run serially on this thread
         parallel_for(c.nested_threads, 4, _probe_nested, &inner_tid)
     for i in range(begin, end):
-        rl_burn(c.work)
+        rl_burn(c.work * 50 if tid == c.slow_tid else c.work)
         c.tids[i] = tid if inner_tid <= 0 else -100 - inner_tid
 
 
-def _parallel_for_py(int n_threads, int64_t n_items, int nested_threads=0, int64_t work=0):
+def _parallel_for_py(int n_threads, int64_t n_items, int nested_threads=0, int64_t work=0,
+                     int slow_tid=-1):
     """Run a probe loop; return (tid of the thread that ran each item, number of
-    ranges run).  Each item spins ``work`` iterations; a nested loop of
+    ranges run).  Each item spins ``work`` iterations (50x on thread
+    ``slow_tid``: a stand-in for a descheduled worker); a nested loop of
     ``nested_threads`` marks items whose nested loop did not run serially
     (tid <= -101).  Test hook."""
     import numpy as np
@@ -445,6 +520,7 @@ def _parallel_for_py(int n_threads, int64_t n_items, int nested_threads=0, int64
     c.calls = &calls
     c.nested_threads = nested_threads
     c.work = work
+    c.slow_tid = slow_tid
     with nogil:
         parallel_for(n_threads, n_items, _probe_body, &c)
     return tids, calls

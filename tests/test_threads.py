@@ -198,11 +198,30 @@ def test_workers_take_part_in_long_loops():
     """With enough work, a worker claims shares (else the 'parallel' loop is serial)."""
     seen = set()
     for _ in range(20):
+        _parallel._reset_backoff()       # a busy machine may have made earlier splits lose
         tids, _ = _parallel._parallel_for_py(2, 64, work=200000)
         seen |= set(tids.tolist())
         if seen == {0, 1}:
             break
     assert seen == {0, 1}
+
+
+@pytest.mark.skipif(not _parallel.threads_enabled(), reason="built with READERLIB_NO_THREADS")
+def test_a_losing_split_makes_the_next_loops_serial():
+    """A split whose worker is slow (here: the caller's items are cheap and the
+    worker's are not -- as if the worker were descheduled) backs off to serial."""
+    _parallel._reset_backoff()
+    before = _parallel._losing_splits()
+    lost = False
+    for _ in range(50):
+        tids, _ = _parallel._parallel_for_py(2, 64, work=20000, slow_tid=1)
+        if _parallel._losing_splits() > before:
+            lost = True
+            break
+    assert lost
+    tids, calls = _parallel._parallel_for_py(2, 64, work=20000)
+    assert calls == 1 and (tids == 0).all()      # the next loop ran serially
+    _parallel._reset_backoff()
 
 
 def test_small_work_stays_on_one_thread():
