@@ -286,10 +286,15 @@ SHARES_PER_THREAD = RL_SHARES_PER_THREAD
 
 #: Below this much memory traffic per thread, a loop uses fewer threads: waking
 #: a worker costs a few microseconds when idle and a scheduler slice when the
-#: machine is busy.  Measured (benchmarks/RESULTS.md, "Threads on a shared
-#: machine", `python benchmarks/bench_contention.py --sweep`): 2 threads start
-#: to beat 1 at about 128-256 KiB of checksum or copy on this machine.
-MIN_BYTES_PER_THREAD = 131072
+#: machine is busy, and a chunk checksummed by the caller alone is still in its
+#: cache when it parses the records.  Measured on this 2-core machine (shared,
+#: so noisy; `python benchmarks/bench_contention.py --no-chains --sweep`, table
+#: in benchmarks/RESULTS.md, "Threads on a shared machine"): 2 threads lose
+#: below 256 KiB of checksum or gather (e.g. 256 KiB: 17.6 us on 1 thread, 31.0
+#: us on 2), are even between 512 KiB and 1 MiB, and win only sometimes above.
+#: Hence 512 KiB per thread: a default 1 MiB RecordIO chunk is checksummed on
+#: one thread, a 16 MiB batch of 64 KiB records is copied on two.
+MIN_BYTES_PER_THREAD = 524288
 cdef int64_t _min_bytes_per_thread = MIN_BYTES_PER_THREAD
 
 

@@ -38,7 +38,7 @@ def run_script(code, *args, timeout=HANG_S):
 
 # ---- fork safety ---------------------------------------------------------------
 
-# Chunks of 1 MiB (64 KiB records): a chunk's checksum and a batch's copy are
+# Chunks of 4 MiB (64 KiB records): a chunk's checksum and a batch's copy are
 # big enough to run on several threads in the parent before the fork.
 _WRITE_BIG = """
 import os, sys
@@ -46,7 +46,7 @@ import numpy as np
 import readerlib as rl
 path = sys.argv[1]
 x = np.random.default_rng(0).integers(0, 256, size=(96, 65536), dtype=np.uint8)
-with rl.RecordIOWriter(path, rl.Schema([rl.Field("x", "uint8", (65536,))]), chunk_size=1 << 20) as w:
+with rl.RecordIOWriter(path, rl.Schema([rl.Field("x", "uint8", (65536,))]), chunk_size=4 << 20) as w:
     w.write_batch({"x": x})
 """
 
