@@ -58,6 +58,11 @@ for kind, path in paths.items():
                 times[mode].append((k, dt))
     out[kind] = times
 _base.set_num_threads(default)
+try:
+    from readerlib import _parallel
+    out["pool"] = {"workers": _parallel._pool_workers(), "losing_splits": _parallel._losing_splits()}
+except ImportError:        # an OpenMP build
+    out["pool"] = None
 print(json.dumps(out))
 """
 
@@ -109,12 +114,16 @@ def chains(args, out):
         paths[kind] = os.path.join(tmp, f"{kind}.rio")
         bench.make_dataset(paths[kind], kind, max(1, int(n * args.scale)))
     builds = [("this branch", ROOT)] + ([("main (OpenMP)", args.main)] if args.main else [])
-    rows = []
+    rows, pools = [], []
     try:
         for n_comp in (0, 1):
             with Competitors(n_comp):
                 for name, pp in builds:
                     res = run_worker(pp, paths, args.repeats)
+                    if res.get("pool"):
+                        pools.append(f"{n_comp} competitor(s), {name}: {res['pool']['workers']} worker "
+                                     f"thread(s) started, {res['pool']['losing_splits']} split(s) lost "
+                                     "against one thread (each starts a serial back-off)")
                     for kind in KINDS:
                         d, o = rates(res[kind]["default"]), rates(res[kind]["1 thread"])
                         rows.append((KINDS[kind][0], n_comp, name, res["default_threads"], kind, d, o))
@@ -132,6 +141,8 @@ def chains(args, out):
                    f"{fmt_rate(kind, statistics.median(d))} | {fmt_rate(kind, max(o))} / "
                    f"{fmt_rate(kind, statistics.median(o))} | "
                    f"{statistics.median(d) / statistics.median(o):.2f}x |")
+    out.append("")
+    out.extend(f"- pool: {p}" for p in pools)
 
 
 def sweep(args, out):

@@ -25,7 +25,7 @@ from libc.stdlib cimport malloc, free, calloc, realloc
 from libc.string cimport memcpy, memset
 
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
-from readerlib._parallel cimport parallel_for, threads_for, num_threads
+from readerlib._parallel cimport parallel_for, threads_for
 from readerlib.tensor import Field, LoDTensor, Schema
 
 cnp.import_array()
