@@ -239,6 +239,29 @@ def test_small_work_stays_on_one_thread():
         rl.set_num_threads(old)
 
 
+@pytest.mark.parametrize("how", ["env", "call"])
+def test_one_thread_means_no_worker_threads(tmp_path, how):
+    """READERLIB_NUM_THREADS=1 or set_num_threads(1): big chunks, big batches and
+    kernels all run on the calling thread; no worker is ever started."""
+    code = _WRITE_BIG + """
+if sys.argv[2] == "call":
+    rl.set_num_threads(1)
+from readerlib import _parallel
+assert rl.get_num_threads() == 1
+assert sum(len(b[0]) for b in rl.RecordIOReader(path).shuffle(30, seed=0).batch(32)) == 96
+y = rl.batch_reindex(np.ones((4096, 1024), np.float32), np.arange(4096))
+assert _parallel._pool_workers() == 0, _parallel._pool_workers()
+print("ok")
+"""
+    env = dict(os.environ)
+    env.pop("READERLIB_NUM_THREADS", None)
+    if how == "env":
+        env["READERLIB_NUM_THREADS"] = "1"
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "big.rio"), how], env=env,
+                       capture_output=True, text=True, timeout=HANG_S)
+    assert p.returncode == 0 and "ok" in p.stdout, p.stderr
+
+
 def test_no_extension_links_libgomp():
     """No OpenMP runtime is loaded by readerlib (not fork-safe, spins when idle)."""
     if not os.path.exists("/proc/self/maps"):
