@@ -1030,7 +1030,6 @@ cdef void _copy_fixed_records(void *ctx, int64_t begin, int64_t end, int tid) no
     cdef int64_t i
     for i in range(begin, end):
         rl_copy_big(j.dst + i * j.rb, j.recs[i].data, j.rb)
-        rl_record_consumed(&j.recs[i])
     rl_copy_fence()   # streaming stores: each copying thread fences its own
 
 
@@ -1045,8 +1044,8 @@ cdef struct _assemble_job:
 
 
 cdef void _copy_instances(void *ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
-    """Copy held instances [begin, end) (parsed) into their places in the batch,
-    then let them go."""
+    """Copy held instances [begin, end) (parsed) into their places in the batch
+    (the caller lets them go afterwards, see _next_fixed_parallel)."""
     cdef _assemble_job *j = <_assemble_job *>ctx
     cdef const rl_layout *L = j.L
     cdef int nf = L.nfields
@@ -1064,7 +1063,6 @@ cdef void _copy_instances(void *ctx, int64_t begin, int64_t end, int tid) noexce
                 rl_copy_big(j.base + j.doff[f] + row0 * rb, ptrs[f], rows[f] * rb)
             else:
                 memcpy(j.base + j.doff[f] + i * rb, ptrs[f], rb)
-        rl_record_consumed(&j.recs[i])
     rl_copy_fence()   # streaming stores: each copying thread fences its own
 
 
@@ -1249,6 +1247,11 @@ cdef class BatchReader(DecoratedReader):
         job.rb = rb
         parallel_for(threads_for(n * rb), n, _copy_fixed_records, &job)
         rl_copy_fence()
+        # Then let the records go (low_memory: one madvise each), on this thread
+        # after the copies: a madvise while another thread of the process runs
+        # sends it a TLB-shootdown interrupt, 256 per batch if done in the loop.
+        for i in range(n):
+            rl_record_consumed(&self.recs[i])
         self._release()
         rl_store_i64(base, n)
         rl_store_i64(base + 8, 1)
@@ -1334,6 +1337,8 @@ cdef class BatchReader(DecoratedReader):
         else:
             _copy_instances(&job, 0, n, 0)
         rl_copy_fence()
+        for i in range(n):
+            rl_record_consumed(&self.recs[i])
         out.block = b
         out.data = b.data
         out.size = size
