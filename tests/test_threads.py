@@ -141,6 +141,69 @@ print("ok")
 """)
 
 
+@needs_fork
+def test_fork_while_another_thread_runs_parallel_loops():
+    """fork() from one thread while another is inside parallel loops (the pool's
+    lock may be taken, a job in flight): every child still runs its own loops."""
+    run_script("""
+import os, threading
+import numpy as np
+from readerlib import _parallel as p
+import readerlib as rl
+stop = threading.Event()
+def spin():
+    x = np.ones((2048, 512), np.float32)
+    while not stop.is_set():
+        tids, _ = p._parallel_for_py(2, 256, work=2000)
+        assert (tids >= 0).all()
+        rl.batch_reindex(x, np.arange(2048)[::-1], num_threads=2)
+t = threading.Thread(target=spin)
+t.start()
+try:
+    for _ in range(20):
+        pid = os.fork()
+        if pid == 0:
+            tids, _ = p._parallel_for_py(2, 256, work=2000)
+            y = rl.batch_reindex(np.arange(4096.0).reshape(512, 8), np.arange(512), num_threads=2)
+            os._exit(0 if (tids >= 0).all() and y[-1, -1] == 4095.0 else 3)
+        _, st = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(st) == 0, st
+finally:
+    stop.set()
+    t.join()
+print("ok")
+""")
+
+
+def test_concurrent_loops_from_several_threads_are_correct():
+    """Loops started from several Python threads at once: one gets the pool, the
+    others run serially on their own threads; all results are right."""
+    run_script("""
+import threading
+import numpy as np
+import readerlib as rl
+from readerlib import _parallel as p
+rng = np.random.default_rng(0)
+x = rng.standard_normal((4096, 256)).astype(np.float32)
+idx = rng.integers(0, 4096, 4096)
+want = x[idx]
+errors = []
+def work():
+    try:
+        for _ in range(30):
+            tids, _ = p._parallel_for_py(2, 300, work=500)
+            assert (tids >= 0).all() and (tids < 2).all()
+            assert np.array_equal(rl.batch_reindex(x, idx, num_threads=2), want)
+    except BaseException as e:
+        errors.append(e)
+ts = [threading.Thread(target=work) for _ in range(4)]
+for t in ts: t.start()
+for t in ts: t.join()
+assert not errors, errors
+print("ok")
+""")
+
+
 def test_torch_dataloader_workers_after_torch_and_readerlib_ran_threads(tmp_path):
     """Issue 11, finding 1 as users hit it: torch ran a big op (its OpenMP pool),
     readerlib read a big chunk, then DataLoader forks 2 workers that read."""
