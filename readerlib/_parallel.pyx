@@ -287,14 +287,15 @@ SHARES_PER_THREAD = RL_SHARES_PER_THREAD
 #: Below this much memory traffic per thread, a loop uses fewer threads: waking
 #: a worker costs a few microseconds when idle and a scheduler slice when the
 #: machine is busy, and a chunk checksummed by the caller alone is still in its
-#: cache when it parses the records.  Measured on this 2-core machine (shared,
-#: so noisy; `python benchmarks/bench_contention.py --no-chains --sweep`, table
-#: in benchmarks/RESULTS.md, "Threads on a shared machine"): 2 threads lose
-#: below 256 KiB of checksum or gather (e.g. 256 KiB: 17.6 us on 1 thread, 31.0
-#: us on 2), are even between 512 KiB and 1 MiB, and win only sometimes above.
-#: Hence 512 KiB per thread: a default 1 MiB RecordIO chunk is checksummed on
-#: one thread, a 16 MiB batch of 64 KiB records is copied on two.
-MIN_BYTES_PER_THREAD = 524288
+#: cache when it parses the records.  Measured on this 2-core machine (shared
+#: with other jobs, so noisy; `python benchmarks/bench_contention.py --no-chains
+#: --sweep`, cold data, table in benchmarks/RESULTS.md "Threads on a shared
+#: machine"), best of 5, 1 vs 2 threads, no competitor: crc32c 256 KiB 20.3 vs
+#: 23.2 us, 1 MiB 78.4 vs 88.9 us, 4 MiB 403 vs 244 us; gather 1 MiB 239 vs
+#: 392 us, 4 MiB 924 vs 974 us.  So a split pays from a few MiB: 1 MiB per
+#: thread (the kernels' old threshold too).  A default 1 MiB RecordIO chunk is
+#: checksummed on one thread; a 16 MiB batch of 64 KiB records is copied on two.
+MIN_BYTES_PER_THREAD = 1 << 20
 cdef int64_t _min_bytes_per_thread = MIN_BYTES_PER_THREAD
 
 

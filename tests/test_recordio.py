@@ -689,13 +689,16 @@ def test_big_records_batch_identically_with_one_and_two_threads(tmp_path):
     with rl.RecordIOWriter(path, rl.Schema([rl.Field("x", "uint8", (40000,))])) as w:
         w.write_batch({"x": x})
     outs = []
+    from readerlib import _parallel
     old = _base.get_num_threads()
+    old_min = _parallel._set_min_bytes_per_thread(1)    # split even these 240 KB batches
     try:
         for t in (1, 2):
             _base.set_num_threads(t)
             outs.append(np.concatenate([b[0].data for b in rl.RecordIOReader(path).shuffle(7, seed=3).batch(6)]))
     finally:
         _base.set_num_threads(old)
+        _parallel._set_min_bytes_per_thread(old_min)
     np.testing.assert_array_equal(outs[0], outs[1])
     assert sorted(map(bytes, outs[0])) == sorted(map(bytes, x))
 

@@ -491,17 +491,18 @@ def test_readers_bitwise_equal_for_1_and_2_threads(tmp_path):
     from readerlib.readers import _base
     rng = np.random.default_rng(2)
     path = tmp_path / "big.rio"
-    x = rng.integers(0, 256, size=(64, 100_000), dtype=np.uint8)     # 6.4 MB: copies split
-    with rl.RecordIOWriter(path, rl.Schema([rl.Field("x", "uint8", (100_000,))]),
+    x = rng.integers(0, 256, size=(64, 200_000), dtype=np.uint8)     # batches of 4 MB: copies split
+    with rl.RecordIOWriter(path, rl.Schema([rl.Field("x", "uint8", (200_000,))]),
                            chunk_size=3 << 20) as w:                  # 3 MiB chunks: CRC split
         w.write_batch({"x": x})
-    seqs = [rng.standard_normal((int(n), 4)).astype(np.float32) for n in rng.integers(2000, 6000, 50)]
+    # sequence batches of ~4.8 MB (>= 4 MiB, >= 32 KiB a record): copies split
+    seqs = [rng.standard_normal((int(n), 4)).astype(np.float32) for n in rng.integers(4000, 8000, 100)]
     seq_schema = rl.Schema([rl.Field("s", "float32", (4,), lod_level=1)])
 
     def run():
         fixed = [b[0].data.copy() for b in rl.RecordIOReader(path).shuffle(16, seed=4).batch(20)]
         seq = [(b[0].data.copy(), [l.copy() for l in b[0].lod])
-               for b in rl.PythonReader(lambda: iter((s,) for s in seqs), seq_schema).batch(25)]
+               for b in rl.PythonReader(lambda: iter((s,) for s in seqs), seq_schema).batch(50)]
         crcs = [_base._crc32c_parallel_py(x.tobytes()[:n]) for n in (0, 1, 262144, 1 << 20, 3 << 20)]
         return fixed, seq, crcs
 
