@@ -40,7 +40,7 @@ import readerlib as rl
 from readerlib.readers import _base
 paths, repeats = json.loads(sys.argv[1]), int(sys.argv[2])
 default = _base.get_num_threads()
-out = {"default_threads": default}
+out = {"default_threads": default, "module": rl.__file__}
 for kind, path in paths.items():
     times = {"default": [], "1 thread": []}
     for rep in range(repeats + 1):          # the first pass warms caches and is dropped
@@ -90,7 +90,8 @@ def run_worker(pythonpath, paths, repeats, env_extra=None):
     env = dict(os.environ, PYTHONPATH=pythonpath, OPENBLAS_NUM_THREADS="1")
     env.pop("READERLIB_NUM_THREADS", None)
     env.update(env_extra or {})
-    r = subprocess.run([sys.executable, "-c", WORKER, json.dumps(paths), str(repeats)],
+    # -P: the build under test comes from PYTHONPATH, never from the current directory
+    r = subprocess.run([sys.executable, "-P", "-c", WORKER, json.dumps(paths), str(repeats)],
                        env=env, capture_output=True, text=True, timeout=1800)
     if r.returncode:
         raise SystemExit(f"worker failed ({pythonpath}):\n{r.stderr}")
@@ -120,6 +121,7 @@ def chains(args, out):
             with Competitors(n_comp):
                 for name, pp in builds:
                     res = run_worker(pp, paths, args.repeats)
+                    assert os.path.realpath(res["module"]).startswith(os.path.realpath(pp)), res["module"]
                     if res.get("pool"):
                         pools.append(f"{n_comp} competitor(s), {name}: {res['pool']['workers']} worker "
                                      f"thread(s) started, {res['pool']['losing_splits']} split(s) lost "
