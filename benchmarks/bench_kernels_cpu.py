@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from readerlib.kernels import (_ctc, _reindex, batch_reindex, batch_reindex_grad,  # noqa: E402
+from readerlib.kernels import (_ctc, batch_reindex, batch_reindex_grad,  # noqa: E402
                                ctc_greedy_decoder)
 from readerlib.kernels.reference import ctc_greedy_decoder_vectorized  # noqa: E402
 from readerlib import _parallel as rl_parallel  # noqa: E402
