@@ -15,10 +15,13 @@ import numpy as np
 import pytest
 
 import readerlib as rl
+from readerlib import _parallel
 
 HANG_S = 90   # generous: the machine is shared; a healthy run takes ~1-3 s
 
 needs_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+needs_threads = pytest.mark.skipif(not _parallel.threads_enabled(),
+                                   reason="built with READERLIB_NO_THREADS=1")
 
 
 def run_script(code, *args, timeout=HANG_S):
@@ -122,6 +125,7 @@ print("ok")
 
 
 @needs_fork
+@needs_threads
 def test_forked_child_forgets_the_pool_and_starts_its_own():
     """Workers are re-created lazily in a child (pthread_atfork), never inherited."""
     run_script("""
@@ -233,9 +237,6 @@ print("ok")
 
 # ---- the pool ------------------------------------------------------------------
 
-from readerlib import _parallel  # noqa: E402  (after the helpers above)
-
-
 @pytest.mark.parametrize("n_threads,n_items", [(1, 10), (2, 1), (2, 7), (2, 1000), (3, 64), (8, 5)])
 def test_every_item_runs_once_on_a_valid_thread(n_threads, n_items):
     tids, calls = _parallel._parallel_for_py(n_threads, n_items, work=2000)
@@ -256,7 +257,7 @@ def test_zero_items_and_nested_loops():
     assert (tids >= 0).all(), "a nested loop used the pool"
 
 
-@pytest.mark.skipif(not _parallel.threads_enabled(), reason="built with READERLIB_NO_THREADS")
+@needs_threads
 def test_workers_take_part_in_long_loops():
     """With enough work, a worker claims shares (else the 'parallel' loop is serial)."""
     seen = set()
@@ -269,7 +270,7 @@ def test_workers_take_part_in_long_loops():
     assert seen == {0, 1}
 
 
-@pytest.mark.skipif(not _parallel.threads_enabled(), reason="built with READERLIB_NO_THREADS")
+@needs_threads
 def test_a_losing_split_makes_the_next_loops_serial():
     """A split whose worker is slow (here: the caller's items are cheap and the
     worker's are not -- as if the worker were descheduled) backs off to serial."""
