@@ -3,17 +3,14 @@
 Every ``readerlib/**/*.pyx`` becomes an extension module, so adding a kernel
 needs no edit here.  Environment switches:
 
-``READERLIB_NO_OPENMP=1``   build without OpenMP (parallel loops run on one thread)
+``READERLIB_NO_THREADS=1``  build without threads: every parallel loop runs on the
+                           calling thread (``READERLIB_NO_OPENMP=1``, its old name, too)
 ``READERLIB_BOUNDSCHECK=1`` turn Cython bounds/wraparound checks on (crash hunting)
 ``READERLIB_ANNOTATE=1``    write Cython's annotated HTML next to each .pyx
 """
 import glob
 import os
-import shutil
-import subprocess
 import sys
-import sysconfig
-import tempfile
 
 import numpy as np
 from Cython.Build import cythonize
@@ -34,27 +31,9 @@ def _flag(name):
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _compiler_has_openmp():
-    """Compile and link a tiny OpenMP program; False if the toolchain lacks it."""
-    if _flag("READERLIB_NO_OPENMP"):
-        return False
-    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
-    cc = cc.split()
-    tmp = tempfile.mkdtemp()
-    try:
-        src = os.path.join(tmp, "t.c")
-        with open(src, "w") as f:
-            f.write("#include <omp.h>\nint main(void){return omp_get_max_threads() > 0 ? 0 : 1;}\n")
-        r = subprocess.run(cc + ["-fopenmp", src, "-o", os.path.join(tmp, "t")],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        return r.returncode == 0
-    except OSError:
-        return False
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-OPENMP = _compiler_has_openmp()
+# No module is compiled with -fopenmp: libgomp is not fork-safe and its idle
+# threads spin (see readerlib/_parallel.pyx); readerlib runs its own pool.
+THREADS = not (_flag("READERLIB_NO_THREADS") or _flag("READERLIB_NO_OPENMP"))
 CHECKS = _flag("READERLIB_BOUNDSCHECK")
 
 directives = {
@@ -69,10 +48,11 @@ directives = {
 compile_args = ["-O3"] if sys.platform != "win32" else ["/O2"]
 link_args = []
 macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
-if OPENMP:
-    compile_args.append("-fopenmp")
-    link_args.append("-fopenmp")
-    macros.append(("READERLIB_OPENMP", "1"))
+if sys.platform != "win32":
+    compile_args.append("-pthread")
+    link_args.append("-pthread")
+if not THREADS:
+    macros.append(("READERLIB_NO_THREADS", "1"))
 
 include_dirs = [np.get_include(), os.path.join("readerlib", "include")]
 
@@ -92,7 +72,6 @@ setup(
     ext_modules=cythonize(
         extensions,
         compiler_directives=directives,
-        compile_time_env={"OPENMP": OPENMP},
         annotate=_flag("READERLIB_ANNOTATE"),
         nthreads=int(os.environ.get("READERLIB_BUILD_JOBS", "0")) or None,
     ),

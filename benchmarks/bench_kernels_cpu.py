@@ -27,9 +27,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from readerlib.kernels import (_ctc, _reindex, batch_reindex, batch_reindex_grad,  # noqa: E402
+from readerlib.kernels import (_ctc, batch_reindex, batch_reindex_grad,  # noqa: E402
                                ctc_greedy_decoder)
 from readerlib.kernels.reference import ctc_greedy_decoder_vectorized  # noqa: E402
+from readerlib import _parallel as rl_parallel  # noqa: E402
 
 CTC_SHAPES = [(500, 32, 1025), (200, 128, 129), (1000, 16, 5001)]
 REINDEX_SHAPES = [(4096, 8192, 2048), (65536, 65536, 64), (256, 512, 150528)]
@@ -217,7 +218,7 @@ def main(argv=None):
     load0 = os.getloadavg()
     bw = copy_bandwidth(args.rounds)
     head = [f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-            f"OpenMP {'on' if _reindex.openmp_enabled() else 'off'}, "
+            f"readerlib threads {rl_parallel.get_num_threads() if rl_parallel.threads_enabled() else 'off'}, "
             f"CTC row argmax: {_ctc.isa()}",
             f"- numpy {np.__version__}" + (f", tensorflow {tf.__version__}" if tf else "")
             + (f", torch {torch.__version__} ({torch.get_num_threads()} threads)" if torch else ""),

@@ -660,10 +660,24 @@ def test_writer_refuses_out_of_range_ints(tmp_path):
 
 
 def test_parallel_crc_equals_serial_at_split_boundaries():
-    """Chunks over 256 KiB are checksummed on two threads and combined."""
+    """Big chunks are checksummed in parts on several threads and combined
+    (readerlib._parallel); the split threshold is lowered so that every size
+    here splits, into parts whose lengths are not all equal."""
     import os
+    from readerlib import _parallel
     from readerlib.readers import _base
-    for n in (0, 1, 63, 262143, 262144, 262145, 1000001, 3 << 20):
+    old_threads = rl.get_num_threads()
+    old_min = _parallel._set_min_bytes_per_thread(1)
+    try:
+        for t in (1, 2, 3):
+            rl.set_num_threads(t)
+            for n in (0, 1, 63, 64, 65, 262143, 262144, 262145, 1000001, 3 << 20):
+                data = os.urandom(n)
+                assert _base._crc32c_parallel_py(data) == rl.crc32c(data), (t, n)
+    finally:
+        _parallel._set_min_bytes_per_thread(old_min)
+        rl.set_num_threads(old_threads)
+    for n in (262144, 1 << 20, (1 << 20) + 1, 3 << 20):   # and at the real threshold
         data = os.urandom(n)
         assert _base._crc32c_parallel_py(data) == rl.crc32c(data), n
 
@@ -675,13 +689,16 @@ def test_big_records_batch_identically_with_one_and_two_threads(tmp_path):
     with rl.RecordIOWriter(path, rl.Schema([rl.Field("x", "uint8", (40000,))])) as w:
         w.write_batch({"x": x})
     outs = []
+    from readerlib import _parallel
     old = _base.get_num_threads()
+    old_min = _parallel._set_min_bytes_per_thread(1)    # split even these 240 KB batches
     try:
         for t in (1, 2):
             _base.set_num_threads(t)
             outs.append(np.concatenate([b[0].data for b in rl.RecordIOReader(path).shuffle(7, seed=3).batch(6)]))
     finally:
         _base.set_num_threads(old)
+        _parallel._set_min_bytes_per_thread(old_min)
     np.testing.assert_array_equal(outs[0], outs[1])
     assert sorted(map(bytes, outs[0])) == sorted(map(bytes, x))
 

@@ -374,7 +374,7 @@ static inline uint32_t rl_crc32c(uint32_t crc, const void *buf, size_t len) {
 
 /* CRC of A ++ B from crc(A), crc(B) and len(B) (zlib's crc32_combine, with a
  * table of operators for power-of-two lengths: ~1 us).  Lets independent
- * threads checksum the halves of a chunk. */
+ * threads checksum the parts of a chunk. */
 static inline uint32_t rl_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2) {
     for (int k = 0; len2 && k < 40; k++, len2 >>= 1)
         if (len2 & 1) crc1 = rl_gf2_matrix_times(rl_crc32c_pow2[k], crc1);

@@ -9,12 +9,12 @@ return the same results: integers bitwise, floats within rounding.
 from __future__ import annotations
 
 import numbers
-import os
 
 import numpy as np
 
 from ..gpu import is_cupy_array
 from ..tensor import LoDTensor, SparseTensor
+from .. import _parallel
 from . import _ctc, _reindex
 
 __all__ = [
@@ -41,41 +41,25 @@ REINDEX_DTYPES = tuple(np.dtype(t) for t in
 CTC_DTYPES = (np.dtype("float32"), np.dtype("float64"))
 
 
-def _default_threads():
-    """OMP_NUM_THREADS if set, else the CPUs this process may run on."""
-    env = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 #: Above this size a fresh np.zeros comes straight from mmap (glibc's dynamic
 #: mmap threshold tops out at 32 MiB), so its untouched pages cost nothing;
 #: below it calloc may memset the whole block, and np.empty plus zeroing only
 #: the unreferenced rows is cheaper (perf: memset was 10% at 16 MiB).
 LAZY_ZERO_BYTES = 32 << 20
 
-#: Below this many bytes of work per thread, a default call uses fewer threads:
-#: an OpenMP fork/join costs microseconds when idle and a scheduler slice when
-#: the machine is busy, more than a small kernel itself.
-MIN_BYTES_PER_THREAD = 1 << 20
-
-
 def _threads(num_threads, work_bytes=None):
-    """Threads for a kernel: ``num_threads`` exactly when given, else the
-    default capped so each thread gets at least MIN_BYTES_PER_THREAD."""
+    """Threads for a kernel: ``num_threads`` exactly when given, else readerlib's
+    thread count (``readerlib.get_num_threads``) capped so each thread gets at
+    least ``_parallel.MIN_BYTES_PER_THREAD`` of work (one policy for readers and
+    kernels: readerlib/_parallel.pyx)."""
     if num_threads is None:
-        n = _default_threads()
-        if work_bytes is not None:
-            n = max(1, min(n, int(work_bytes) // MIN_BYTES_PER_THREAD))
-        return n
+        if work_bytes is None:
+            return _parallel.get_num_threads()
+        return _parallel._threads_for_py(int(work_bytes))
     if not isinstance(num_threads, numbers.Integral) or isinstance(num_threads, bool) \
             or num_threads < 1:
         raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
-    return int(num_threads)
+    return min(int(num_threads), _parallel.MAX_THREADS)
 
 
 # -- batch_reindex --------------------------------------------------------------
@@ -166,8 +150,8 @@ def batch_reindex(x, idx, *, out=None, num_threads=None):
         kernel's page zeroing of a fresh allocation, which costs as much as
         the copy for large outputs.
     num_threads : int, optional
-        Threads for the CPU kernel.  Default: ``OMP_NUM_THREADS``, else the
-        CPUs this process may use, but no more than one per MiB of work.
+        Threads for the CPU kernel.  Default: ``readerlib.get_num_threads()``,
+        fewer for small inputs (see ``readerlib.set_num_threads``).
 
     Returns
     -------
@@ -283,8 +267,8 @@ def batch_reindex_grad(dy, idx, num_rows, *, out=None, num_threads=None):
         C-contiguous ``[num_rows, *inner]`` array of ``dy``'s dtype to write
         into (every element is overwritten; no need to zero it).
     num_threads : int, optional
-        Threads for the CPU kernel.  Default: ``OMP_NUM_THREADS``, else the
-        CPUs this process may use, but no more than one per MiB of work.
+        Threads for the CPU kernel.  Default: ``readerlib.get_num_threads()``,
+        fewer for small inputs (see ``readerlib.set_num_threads``).
 
     Returns
     -------
@@ -390,8 +374,8 @@ def ctc_greedy_decoder(inputs, sequence_length=None, merge_repeated=True, blank_
         Class of the blank; default ``num_classes - 1``.  Negative values count
         from ``num_classes`` (``-1`` is the default).
     num_threads : int, optional
-        Threads for the CPU kernel.  Default: ``OMP_NUM_THREADS``, else the
-        CPUs this process may use, but no more than one per MiB of work.
+        Threads for the CPU kernel.  Default: ``readerlib.get_num_threads()``,
+        fewer for small inputs (see ``readerlib.set_num_threads``).
 
     Returns
     -------

@@ -5,7 +5,8 @@ Design:
   The work is one pass over the logits; everything after it touches
   ``O(frames)`` small arrays.
 
-  1. Frame pass (``_frames_argmax``): a static ``prange`` over frames (rows of
+  1. Frame pass (``_frames_argmax``): a parallel loop (readerlib's pool,
+     contiguous ranges) over frames (rows of
      ``num_classes`` logits).  Padded input ``[T, B, V]`` is viewed as
      ``T * B`` rows in memory order, so each thread streams one contiguous
      block; frames past a sequence's length are skipped.  A LoD batch
@@ -35,8 +36,9 @@ Design:
      sparse layout (``indices [N, 2]``, ``values [N]`` int64).
 
   Steps 2 and 3 are serial: they touch ~12 bytes per frame (1/V of step 1)
-  and every extra OpenMP region costs a fork/join, which on a loaded machine
-  waits for a descheduled thread (measured: worse than the work itself).
+  and every extra parallel section costs a wake-up and a join, which on a
+  loaded machine waits for a descheduled thread (measured with OpenMP: worse
+  than the work itself).
 
   Memory traffic: the logits once (``T * B * V`` elements, less for padding
   frames, which are never read), plus ~12 bytes per frame.
@@ -46,12 +48,12 @@ Invariants: inputs C-contiguous float32/float64; lengths int32 in
 negative lengths to 0 as TF's loop does); LoD offsets validated int64.
 """
 cimport cython
-from cython.parallel cimport prange
 
 cimport numpy as cnp
 import numpy as np
 
 from readerlib._typedefs cimport float32_t, float64_t, int32_t, int64_t, intp_t, real_t
+from readerlib._parallel cimport parallel_for
 
 cnp.import_array()
 
@@ -306,6 +308,41 @@ cdef inline void _frame(const real_t* x, intp_t r, intp_t num_classes, int32_t* 
     mval[r] = row[a]
 
 
+cdef void _frames_range(const real_t* x, intp_t num_classes, const int32_t* lengths,
+                       intp_t batch, int32_t* amax, real_t* mval, intp_t begin,
+                       intp_t end) noexcept nogil:
+    """Items [begin, end): frames (LoD, ``lengths`` NULL) or time steps (padded)."""
+    cdef intp_t r, t, b
+    if lengths == NULL:
+        for r in range(begin, end):
+            _frame(x, r, num_classes, amax, mval)
+        return
+    for t in range(begin, end):
+        for b in range(batch):
+            if t < lengths[b]:
+                _frame(x, t * batch + b, num_classes, amax, mval)
+
+
+cdef struct _frames_job:
+    const void* x
+    bint f32
+    intp_t num_classes
+    const int32_t* lengths
+    intp_t batch
+    int32_t* amax
+    void* mval
+
+
+cdef void _frames_body(void* ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
+    cdef _frames_job* j = <_frames_job*> ctx
+    if j.f32:
+        _frames_range(<const float32_t*> j.x, j.num_classes, j.lengths, j.batch, j.amax,
+                      <float32_t*> j.mval, begin, end)
+    else:
+        _frames_range(<const float64_t*> j.x, j.num_classes, j.lengths, j.batch, j.amax,
+                      <float64_t*> j.mval, begin, end)
+
+
 cdef void _frames_argmax(const real_t* x, intp_t n_frames, intp_t num_classes,
                          const int32_t* lengths, intp_t batch, int32_t* amax,
                          real_t* mval, int n_threads) noexcept nogil:
@@ -313,15 +350,15 @@ cdef void _frames_argmax(const real_t* x, intp_t n_frames, intp_t num_classes,
     are frames (LoD).  Else rows are ``(t, b)`` of ``[n_frames // batch, batch]``
     and valid when ``t < lengths[b]``; the loop runs over ``t`` so that no
     division is needed per frame and each thread still streams a contiguous block."""
-    cdef intp_t r, t, b
-    if lengths == NULL:
-        for r in prange(n_frames, schedule='static', nogil=True, num_threads=n_threads):
-            _frame(x, r, num_classes, amax, mval)
-        return
-    for t in prange(n_frames // batch, schedule='static', nogil=True, num_threads=n_threads):
-        for b in range(batch):
-            if t < lengths[b]:
-                _frame(x, t * batch + b, num_classes, amax, mval)
+    cdef _frames_job j
+    j.x = x
+    j.f32 = real_t is float32_t
+    j.num_classes = num_classes
+    j.lengths = lengths
+    j.batch = batch
+    j.amax = amax
+    j.mval = mval
+    parallel_for(n_threads, n_frames if lengths == NULL else n_frames // batch, _frames_body, &j)
 
 
 cdef inline int64_t _collapse_one(const int32_t* amax, const real_t* mval, int64_t first,

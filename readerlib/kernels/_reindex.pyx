@@ -8,14 +8,15 @@ Design:
   4 or 8 bytes are copied as one machine word instead (a ``memcpy`` call per
   element would dominate), and short rows that are a multiple of 32 bytes
   (up to 1 KiB) as inlined 32-byte moves (libc's call and size dispatch per
-  256-byte row cost ~12%).  The loop over ``n`` is a static ``prange``; every
-  thread writes a disjoint block of ``y``.  Traffic: ``len(idx) * row_bytes``
+  256-byte row cost ~12%).  The loop over ``n`` runs on readerlib's pool
+  (``readerlib._parallel.parallel_for``, contiguous ranges); every range
+  writes a disjoint block of ``y``.  Traffic: ``len(idx) * row_bytes``
   read + the same written, the minimum for a gather.
 
   Backward, ``dx[k] = sum(dy[n] for idx[n] == k)``.  Scattering with atomics
   (or letting threads race) makes float sums depend on timing.  Instead a
   stable counting sort groups ``n`` by ``idx[n]`` (``O(len(idx) + num_rows)``,
-  serial, on indices only), then a static ``prange`` over the *output* rows
+  serial, on indices only), then a parallel loop over the *output* rows
   sums each group in ascending ``n`` order: every ``dx`` row is written by one
   thread, once, with a fixed order of additions, so the result is bitwise the
   same for any thread count.  ``dx[k] = 0 + dy[n0] + dy[n1] + ...`` exactly as
@@ -31,7 +32,8 @@ Design:
   2048) still shows page zeroing at 38% of a call, the sums at 16%.  Pass
   ``out=`` a reused buffer to avoid page faults altogether.)
   float16 is accumulated in float32 (per-thread scratch row) and rounded
-  once at the end (round to nearest even, as NumPy's ``astype(float16)``);
+  once at the end (round to nearest even, as NumPy's ``astype(float16)``;
+  the scratch rows are indexed by the running thread's id);
   integer sums wrap.
 
   Indices are validated (a min/max pass) before any byte is written; the C
@@ -42,7 +44,6 @@ Invariants: ``x``/``dy``/outputs C-contiguous; indices int32 or int64; the
 output is allocated by the caller with the right shape.
 """
 cimport cython
-from cython.parallel cimport parallel, prange
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
 
@@ -51,6 +52,8 @@ import numpy as np
 
 from readerlib._typedefs cimport (float32_t, float64_t, index_t, int32_t, int64_t,
                                   intp_t, uint8_t, uint16_t, uint32_t, uint64_t)
+from readerlib._parallel cimport parallel_for
+from readerlib._parallel import threads_enabled
 
 cnp.import_array()
 
@@ -58,12 +61,6 @@ cdef extern from *:
     """
     #include <stdint.h>
     #include <string.h>
-    #ifdef READERLIB_OPENMP
-    #define RL_OPENMP_ENABLED 1
-    #else
-    #define RL_OPENMP_ENABLED 0
-    #endif
-
     /* IEEE half <-> float, exact decode and round-to-nearest-even encode
        (F. Giesen's float_to_half_fast3_rtne); bit-identical to NumPy. */
     static inline float rl_half_to_float(uint16_t h) {
@@ -123,7 +120,6 @@ cdef extern from *:
     #endif
     }
     """
-    int RL_OPENMP_ENABLED
     void rl_prefetch_row(const void* p, intp_t nbytes) noexcept nogil
     float rl_half_to_float(uint16_t h) noexcept nogil
     uint16_t rl_float_to_half(float value) noexcept nogil
@@ -163,8 +159,9 @@ ctypedef fused word_t:
 
 
 def openmp_enabled():
-    """True when this module was compiled with OpenMP (parallel loops use threads)."""
-    return bool(RL_OPENMP_ENABLED)
+    """Always False: no module uses OpenMP any more (readerlib._parallel runs the
+    threads; see ``threads_enabled``).  Kept for old callers."""
+    return False
 
 
 cdef inline int _check_indices(const index_t* idx, intp_t n, intp_t limit) noexcept nogil:
@@ -195,52 +192,79 @@ cdef inline int _check_indices(const index_t* idx, intp_t n, intp_t limit) noexc
     return OK
 
 
-cdef void _gather_words(const word_t* src, const index_t* idx, intp_t n,
-                        word_t* dst, int n_threads) noexcept nogil:
+cdef inline void _gather_words(const word_t* src, const index_t* idx, intp_t begin, intp_t end,
+                               word_t* dst) noexcept nogil:
     cdef intp_t i
-    for i in prange(n, schedule='static', nogil=True, num_threads=n_threads):
+    for i in range(begin, end):
         dst[i] = src[idx[i]]
 
 
-cdef void _gather_bytes(const char* src, intp_t row_bytes, const index_t* idx, intp_t n,
-                        char* dst, int n_threads) noexcept nogil:
+cdef inline void _gather_bytes(const char* src, intp_t row_bytes, const index_t* idx,
+                               intp_t begin, intp_t end, char* dst) noexcept nogil:
     cdef intp_t i
-    for i in prange(n, schedule='static', nogil=True, num_threads=n_threads):
+    for i in range(begin, end):
         memcpy(dst + i * row_bytes, src + <intp_t> idx[i] * row_bytes, row_bytes)
 
 
-cdef void _gather_chunks(const char* src, intp_t row_bytes, const index_t* idx, intp_t n,
-                         char* dst, int n_threads) noexcept nogil:
+cdef inline void _gather_chunks(const char* src, intp_t row_bytes, const index_t* idx,
+                                intp_t begin, intp_t end, char* dst) noexcept nogil:
     """Rows that are a multiple of 32 bytes and short: copy 32-byte chunks
     with a constant-size memcpy (inlined as two 16-byte or one 32-byte move)
     instead of a libc call per row, whose dispatch dominates 256-byte rows."""
     cdef intp_t i, c
     cdef const char* s
     cdef char* d
-    for i in prange(n, schedule='static', nogil=True, num_threads=n_threads):
+    for i in range(begin, end):
         s = src + <intp_t> idx[i] * row_bytes
         d = dst + i * row_bytes
         for c in range(0, row_bytes, 32):
             memcpy(d + c, s + c, 32)
 
 
+cdef inline void _gather_range(const char* src, intp_t row_bytes, const index_t* idx,
+                               intp_t begin, intp_t end, char* dst) noexcept nogil:
+    if row_bytes == 1:
+        _gather_words(<const uint8_t*> src, idx, begin, end, <uint8_t*> dst)
+    elif row_bytes == 2:
+        _gather_words(<const uint16_t*> src, idx, begin, end, <uint16_t*> dst)
+    elif row_bytes == 4:
+        _gather_words(<const uint32_t*> src, idx, begin, end, <uint32_t*> dst)
+    elif row_bytes == 8:
+        _gather_words(<const uint64_t*> src, idx, begin, end, <uint64_t*> dst)
+    elif row_bytes % 32 == 0 and row_bytes <= SHORT_ROW_BYTES:
+        _gather_chunks(src, row_bytes, idx, begin, end, dst)
+    else:
+        _gather_bytes(src, row_bytes, idx, begin, end, dst)
+
+
+cdef struct _gather_job:
+    const char* src
+    intp_t row_bytes
+    const void* idx
+    bint idx32
+    char* dst
+
+
+cdef void _gather_body(void* ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
+    cdef _gather_job* j = <_gather_job*> ctx
+    if j.idx32:
+        _gather_range(j.src, j.row_bytes, <const int32_t*> j.idx, begin, end, j.dst)
+    else:
+        _gather_range(j.src, j.row_bytes, <const int64_t*> j.idx, begin, end, j.dst)
+
+
 cdef int _gather_rows(const char* src, intp_t n_src, intp_t row_bytes, const index_t* idx,
                       intp_t n, char* dst, int n_threads) noexcept nogil:
     cdef int rc = _check_indices(idx, n, n_src)
+    cdef _gather_job j
     if rc != OK or row_bytes == 0:
         return rc
-    if row_bytes == 1:
-        _gather_words(<const uint8_t*> src, idx, n, <uint8_t*> dst, n_threads)
-    elif row_bytes == 2:
-        _gather_words(<const uint16_t*> src, idx, n, <uint16_t*> dst, n_threads)
-    elif row_bytes == 4:
-        _gather_words(<const uint32_t*> src, idx, n, <uint32_t*> dst, n_threads)
-    elif row_bytes == 8:
-        _gather_words(<const uint64_t*> src, idx, n, <uint64_t*> dst, n_threads)
-    elif row_bytes % 32 == 0 and row_bytes <= SHORT_ROW_BYTES:
-        _gather_chunks(src, row_bytes, idx, n, dst, n_threads)
-    else:
-        _gather_bytes(src, row_bytes, idx, n, dst, n_threads)
+    j.src = src
+    j.row_bytes = row_bytes
+    j.idx = idx
+    j.idx32 = index_t is int32_t
+    j.dst = dst
+    parallel_for(n_threads, n, _gather_body, &j)
     return OK
 
 
@@ -274,12 +298,33 @@ def gather_rows(cnp.ndarray x, cnp.ndarray idx, cnp.ndarray out, int n_threads):
     return out
 
 
+cdef struct _segments_job:
+    const char* src
+    const int64_t* src_row
+    const int64_t* n_rows
+    const int64_t* dst_row
+    intp_t row_bytes
+    char* dst
+
+
+cdef void _copy_segments_body(void* ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
+    cdef _segments_job* j = <_segments_job*> ctx
+    cdef intp_t i, rb = j.row_bytes
+    for i in range(begin, end):
+        memcpy(j.dst + j.dst_row[i] * rb, j.src + j.src_row[i] * rb, j.n_rows[i] * rb)
+
+
 cdef void _copy_segments(const char* src, const int64_t* src_row, const int64_t* n_rows,
                          const int64_t* dst_row, intp_t n, intp_t row_bytes, char* dst,
                          int n_threads) noexcept nogil:
-    cdef intp_t i
-    for i in prange(n, schedule='static', nogil=True, num_threads=n_threads):
-        memcpy(dst + dst_row[i] * row_bytes, src + src_row[i] * row_bytes, n_rows[i] * row_bytes)
+    cdef _segments_job j
+    j.src = src
+    j.src_row = src_row
+    j.n_rows = n_rows
+    j.dst_row = dst_row
+    j.row_bytes = row_bytes
+    j.dst = dst
+    parallel_for(n_threads, n, _copy_segments_body, &j)
 
 
 def copy_segments(cnp.ndarray src, cnp.ndarray src_row, cnp.ndarray n_rows,
@@ -323,14 +368,14 @@ cdef void _group_by_index(const index_t* idx, intp_t n, intp_t num_rows,
     # now start[k + 1] == end of group k == beginning of group k + 1: already right.
 
 
-cdef void _segment_sum(const sum_t* dy, intp_t inner, const int64_t* start,
-                       const int64_t* order, intp_t num_rows, sum_t* dx, bint dx_is_zero,
-                       int n_threads) noexcept nogil:
+cdef inline void _segment_sum_range(const sum_t* dy, intp_t inner, const int64_t* start,
+                                    const int64_t* order, intp_t num_rows, sum_t* dx,
+                                    bint dx_is_zero, intp_t k0, intp_t k1) noexcept nogil:
     cdef intp_t k, j
     cdef int64_t p
     cdef sum_t* out
     cdef const sum_t* row
-    for k in prange(num_rows, schedule='static', nogil=True, num_threads=n_threads):
+    for k in range(k0, k1):
         out = dx + k * inner
         if k + PREFETCH_GROUPS < num_rows:
             for p in range(start[k + PREFETCH_GROUPS], start[k + PREFETCH_GROUPS + 1]):
@@ -348,70 +393,90 @@ cdef void _segment_sum(const sum_t* dy, intp_t inner, const int64_t* start,
                 out[j] = out[j] + row[j]
 
 
-cdef int _segment_sum_half(const uint16_t* dy, intp_t inner, const int64_t* start,
-                           const int64_t* order, intp_t num_rows, uint16_t* dx, bint dx_is_zero,
-                           int n_threads) noexcept nogil:
-    """float16 rows summed in a float32 scratch row per thread; -1 if malloc failed."""
+cdef void _segment_sum_half_range(const uint16_t* dy, intp_t inner, const int64_t* start,
+                                  const int64_t* order, uint16_t* dx, bint dx_is_zero,
+                                  float* acc, intp_t k0, intp_t k1) noexcept nogil:
+    """float16 rows summed in the float32 scratch row ``acc``, rounded once."""
     cdef intp_t k, j
     cdef int64_t p
-    cdef float* acc
     cdef const uint16_t* row
-    cdef int failed = 0
-    cdef int* pfailed = &failed
-    with parallel(num_threads=n_threads):
-        acc = <float*> malloc(inner * sizeof(float) + 1)
-        if acc == NULL:
-            pfailed[0] = 1
-        for k in prange(num_rows, schedule='static'):
-            if acc == NULL:
-                continue
-            if start[k] == start[k + 1]:
-                if not dx_is_zero:
-                    memset(dx + k * inner, 0, inner * sizeof(uint16_t))
-                continue
-            row = dy + order[start[k]] * inner
+    for k in range(k0, k1):
+        if start[k] == start[k + 1]:
+            if not dx_is_zero:
+                memset(dx + k * inner, 0, inner * sizeof(uint16_t))
+            continue
+        row = dy + order[start[k]] * inner
+        for j in range(inner):
+            acc[j] = <float> 0 + rl_half_to_float(row[j])
+        for p in range(start[k] + 1, start[k + 1]):
+            row = dy + order[p] * inner
             for j in range(inner):
-                acc[j] = <float> 0 + rl_half_to_float(row[j])
-            for p in range(start[k] + 1, start[k + 1]):
-                row = dy + order[p] * inner
-                for j in range(inner):
-                    acc[j] = acc[j] + rl_half_to_float(row[j])
-            for j in range(inner):
-                dx[k * inner + j] = rl_float_to_half(acc[j])
-        free(acc)
-    return -1 if failed else 0
+                acc[j] = acc[j] + rl_half_to_float(row[j])
+        for j in range(inner):
+            dx[k * inner + j] = rl_float_to_half(acc[j])
+
+
+cdef struct _segment_sum_job:
+    const void* dy
+    void* dx
+    intp_t inner
+    const int64_t* start
+    const int64_t* order
+    intp_t num_rows
+    bint dx_is_zero
+    int num                 # NumPy type number of dy / dx
+    float* scratch          # float16: one float32 row per thread id
+
+
+cdef void _segment_sum_body(void* ctx, int64_t k0, int64_t k1, int tid) noexcept nogil:
+    cdef _segment_sum_job* j = <_segment_sum_job*> ctx
+    if j.num == cnp.NPY_FLOAT32:
+        _segment_sum_range(<const float32_t*> j.dy, j.inner, j.start, j.order, j.num_rows,
+                           <float32_t*> j.dx, j.dx_is_zero, k0, k1)
+    elif j.num == cnp.NPY_FLOAT64:
+        _segment_sum_range(<const float64_t*> j.dy, j.inner, j.start, j.order, j.num_rows,
+                           <float64_t*> j.dx, j.dx_is_zero, k0, k1)
+    elif j.num == cnp.NPY_INT32:
+        _segment_sum_range(<const int32_t*> j.dy, j.inner, j.start, j.order, j.num_rows,
+                           <int32_t*> j.dx, j.dx_is_zero, k0, k1)
+    elif j.num == cnp.NPY_INT64:
+        _segment_sum_range(<const int64_t*> j.dy, j.inner, j.start, j.order, j.num_rows,
+                           <int64_t*> j.dx, j.dx_is_zero, k0, k1)
+    elif j.num == cnp.NPY_UINT8:
+        _segment_sum_range(<const uint8_t*> j.dy, j.inner, j.start, j.order, j.num_rows,
+                           <uint8_t*> j.dx, j.dx_is_zero, k0, k1)
+    elif j.num == cnp.NPY_FLOAT16:
+        _segment_sum_half_range(<const uint16_t*> j.dy, j.inner, j.start, j.order,
+                                <uint16_t*> j.dx, j.dx_is_zero, j.scratch + tid * j.inner, k0, k1)
 
 
 cdef void _segment_sum_dispatch(cnp.ndarray dy, intp_t inner, const int64_t* start,
                                 const int64_t* order, intp_t num_rows, cnp.ndarray dx,
                                 bint z, int n_threads) except *:
-    cdef void* src = cnp.PyArray_DATA(dy)
-    cdef void* dst = cnp.PyArray_DATA(dx)
-    cdef int num = dy.dtype.num
-    cdef int rc = 0
-    if num == cnp.NPY_FLOAT32:
-        with nogil:
-            _segment_sum(<const float32_t*> src, inner, start, order, num_rows, <float32_t*> dst, z, n_threads)
-    elif num == cnp.NPY_FLOAT64:
-        with nogil:
-            _segment_sum(<const float64_t*> src, inner, start, order, num_rows, <float64_t*> dst, z, n_threads)
-    elif num == cnp.NPY_INT32:
-        with nogil:
-            _segment_sum(<const int32_t*> src, inner, start, order, num_rows, <int32_t*> dst, z, n_threads)
-    elif num == cnp.NPY_INT64:
-        with nogil:
-            _segment_sum(<const int64_t*> src, inner, start, order, num_rows, <int64_t*> dst, z, n_threads)
-    elif num == cnp.NPY_UINT8:
-        with nogil:
-            _segment_sum(<const uint8_t*> src, inner, start, order, num_rows, <uint8_t*> dst, z, n_threads)
-    elif num == cnp.NPY_FLOAT16:
-        with nogil:
-            rc = _segment_sum_half(<const uint16_t*> src, inner, start, order, num_rows,
-                                   <uint16_t*> dst, z, n_threads)
-        if rc != 0:
-            raise MemoryError("batch_reindex_grad: could not allocate a float32 scratch row")
-    else:  # the public function validates dtypes first
+    cdef _segment_sum_job j
+    j.dy = cnp.PyArray_DATA(dy)
+    j.dx = cnp.PyArray_DATA(dx)
+    j.inner = inner
+    j.start = start
+    j.order = order
+    j.num_rows = num_rows
+    j.dx_is_zero = z
+    j.num = dy.dtype.num
+    j.scratch = NULL
+    if j.num not in (cnp.NPY_FLOAT32, cnp.NPY_FLOAT64, cnp.NPY_INT32, cnp.NPY_INT64,
+                     cnp.NPY_UINT8, cnp.NPY_FLOAT16):   # the public function validates dtypes first
         raise TypeError(f"batch_reindex_grad: unsupported dtype {dy.dtype}")
+    if n_threads > num_rows:
+        n_threads = <int> max(num_rows, 1)
+    if j.num == cnp.NPY_FLOAT16:
+        j.scratch = <float*> malloc(n_threads * inner * sizeof(float) + 1)
+        if j.scratch == NULL:
+            raise MemoryError("batch_reindex_grad: could not allocate a float32 scratch row")
+    try:
+        with nogil:
+            parallel_for(n_threads, num_rows, _segment_sum_body, &j)
+    finally:
+        free(j.scratch)
 
 
 def scatter_add_rows(cnp.ndarray dy, cnp.ndarray idx, intp_t num_rows, cnp.ndarray out,

@@ -82,9 +82,9 @@ cdef int64_t columns_encode(const rl_layout *L, const rl_columns *C, int64_t i, 
 
 cdef int layout_from_schema(rl_layout *L, object schema) except -1
 
-# CRC-32C of a large buffer, split over the worker threads (READERLIB_NUM_THREADS).
+# CRC-32C of a buffer; a large one is split over readerlib's worker threads
+# (readerlib._parallel: readerlib.set_num_threads, READERLIB_NUM_THREADS).
 cdef uint32_t crc32c_parallel(const char *p, int64_t n) noexcept nogil
-cdef int num_threads() noexcept nogil
 
 # Split an encoded instance into per-field (pointer, rows); -1 if malformed.
 cdef int layout_parse(const rl_layout *L, const char *data, int64_t size,

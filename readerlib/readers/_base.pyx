@@ -23,59 +23,62 @@ cimport numpy as cnp
 from cpython.ref cimport PyObject
 from libc.stdlib cimport malloc, free, calloc, realloc
 from libc.string cimport memcpy, memset
-from cython.parallel cimport prange
 
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
+from readerlib._parallel cimport parallel_for, threads_for
 from readerlib.tensor import Field, LoDTensor, Schema
 
 cnp.import_array()
 rl_crc32c_init()
 
 
-def _threads_from_env():
-    v = os.environ.get("READERLIB_NUM_THREADS", "")
-    try:
-        n = int(v) if v else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                               else os.cpu_count() or 1)
-    except ValueError:
-        raise ValueError(f"READERLIB_NUM_THREADS must be an int, got {v!r}") from None
-    return max(1, min(n, 64))
+# Threads: one pool and one thread count per process, owned by readerlib._parallel
+# (set_num_threads / get_num_threads are re-exported here for old callers).
+from readerlib._parallel import get_num_threads, set_num_threads
 
 
-cdef int _num_threads = _threads_from_env()
-DEF PAR_MIN_BYTES = 262144      # below this, a second thread costs more than it saves
+cdef enum:
+    _PAR_MAX_PARTS = 64         # a chunk checksum uses at most 2 * 64 parts
 
 
-cdef int num_threads() noexcept nogil:
-    return _num_threads
+cdef struct _crc_job:
+    const char *p
+    int64_t n
+    int64_t part_len          # every part but the last; a multiple of 64
+    int64_t n_parts
+    uint32_t *crcs
 
 
-def set_num_threads(int n):
-    """Threads readerlib's compiled readers may use for one large chunk or batch
-    (checksums, batch copies).  Default: the CPUs this process may run on, or
-    READERLIB_NUM_THREADS."""
-    global _num_threads
-    if n < 1:
-        raise ValueError(f"num_threads must be >= 1, got {n}")
-    _num_threads = n
-
-
-def get_num_threads():
-    return _num_threads
+cdef void _crc_parts(void *ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
+    cdef _crc_job *j = <_crc_job *>ctx
+    cdef int64_t k, start
+    for k in range(begin, end):
+        start = k * j.part_len
+        j.crcs[k] = rl_crc32c(0, j.p + start,
+                              j.part_len if k + 1 < j.n_parts else j.n - start)
 
 
 cdef uint32_t crc32c_parallel(const char *p, int64_t n) noexcept nogil:
-    cdef uint32_t parts[2]
-    cdef int64_t half = (n // 2) & ~(<int64_t>63)
-    cdef int i
-    if n < PAR_MIN_BYTES or _num_threads < 2:
+    """CRC-32C of n bytes: serial below 2 * MIN_BYTES_PER_THREAD, else parts
+    checksummed on the pool's threads and combined in order (zlib's
+    crc32_combine; the result never depends on the thread count)."""
+    cdef int t = threads_for(n)
+    cdef _crc_job j
+    cdef uint32_t crcs[2 * _PAR_MAX_PARTS]
+    cdef uint32_t acc
+    cdef int64_t k
+    if t < 2:
         return rl_crc32c(0, p, n)
-    for i in prange(2, schedule='static', num_threads=2):
-        if i == 0:
-            parts[0] = rl_crc32c(0, p, half)
-        else:
-            parts[1] = rl_crc32c(0, p + half, n - half)
-    return rl_crc32c_combine(parts[0], parts[1], n - half)
+    j.n_parts = 2 * t if 2 * t <= 2 * _PAR_MAX_PARTS else 2 * _PAR_MAX_PARTS
+    j.part_len = (n // j.n_parts) & ~(<int64_t>63)
+    j.p = p
+    j.n = n
+    j.crcs = crcs
+    parallel_for(t, j.n_parts, _crc_parts, &j)
+    acc = crcs[0]
+    for k in range(1, j.n_parts):
+        acc = rl_crc32c_combine(acc, crcs[k], j.part_len if k + 1 < j.n_parts else n - k * j.part_len)
+    return acc
 
 
 def _crc32c_parallel_py(data):
@@ -1180,6 +1183,55 @@ cdef class ShuffleReader(DecoratedReader):
 
 
 # ------------------------------------------------------------------- batch
+# Parallel batch copies (readerlib._parallel bodies): each item is one instance
+# copied to its own place in the batch, so any split gives the same bytes.
+cdef struct _copy_fixed_job:
+    char *dst
+    rl_record *recs
+    int64_t rb
+
+
+cdef void _copy_fixed_records(void *ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
+    cdef _copy_fixed_job *j = <_copy_fixed_job *>ctx
+    cdef int64_t i
+    for i in range(begin, end):
+        rl_copy_big(j.dst + i * j.rb, j.recs[i].data, j.rb)
+    rl_copy_fence()   # streaming stores: each copying thread fences its own
+
+
+cdef struct _assemble_job:
+    const rl_layout *L
+    char *base
+    const int64_t *doff
+    const int64_t *loff
+    const char **parsed_ptrs
+    int64_t *parsed_rows
+    rl_record *recs
+
+
+cdef void _copy_instances(void *ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
+    """Copy held instances [begin, end) (parsed) into their places in the batch
+    (the caller lets them go afterwards, see _next_fixed_parallel)."""
+    cdef _assemble_job *j = <_assemble_job *>ctx
+    cdef const rl_layout *L = j.L
+    cdef int nf = L.nfields
+    cdef int f
+    cdef int64_t i, rb, row0
+    cdef const char **ptrs
+    cdef int64_t *rows
+    for i in range(begin, end):
+        ptrs = j.parsed_ptrs + i * nf
+        rows = j.parsed_rows + i * nf
+        for f in range(nf):
+            rb = L.row_bytes[f]
+            if L.lod[f]:
+                row0 = (<int64_t *>(j.base + j.loff[f]))[i]
+                rl_copy_big(j.base + j.doff[f] + row0 * rb, ptrs[f], rows[f] * rb)
+            else:
+                memcpy(j.base + j.doff[f] + i * rb, ptrs[f], rb)
+    rl_copy_fence()   # streaming stores: each copying thread fences its own
+
+
 cdef class BatchReader(DecoratedReader):
     """Group `batch_size` instances into one batch (Paddle's BatchReader).
 
@@ -1287,7 +1339,7 @@ cdef class BatchReader(DecoratedReader):
                 raise MemoryError(f"batch of {pos} bytes")
         cdef char *base = b.data
         rb = L.row_bytes[0]
-        if nf == 1 and rb >= 32768 and _num_threads > 1:
+        if nf == 1 and rb >= 32768 and threads_for(B * rb) > 1:
             return self._next_fixed_parallel(out, b, doff[0], pos)
         while n < B:
             r = self.reader.c_next(&rec)
@@ -1355,11 +1407,17 @@ cdef class BatchReader(DecoratedReader):
             self._release()
             rl_block_decref(b)
             return 0
-        for i in prange(n, schedule='static', num_threads=_num_threads):
-            rl_copy_big(base + doff + i * rb, self.recs[i].data, rb)
-            rl_record_consumed(&self.recs[i])
-            rl_copy_fence()   # streaming stores: each copying thread fences its own
+        cdef _copy_fixed_job job
+        job.dst = base + doff
+        job.recs = self.recs
+        job.rb = rb
+        parallel_for(threads_for(n * rb), n, _copy_fixed_records, &job)
         rl_copy_fence()
+        # Then let the records go (low_memory: one madvise each), on this thread
+        # after the copies: a madvise while another thread of the process runs
+        # sends it a TLB-shootdown interrupt, 256 per batch if done in the loop.
+        for i in range(n):
+            rl_record_consumed(&self.recs[i])
         self._release()
         rl_store_i64(base, n)
         rl_store_i64(base + 8, 1)
@@ -1432,36 +1490,26 @@ cdef class BatchReader(DecoratedReader):
                 if L.lod[f]:
                     total_rows[f] += rows[f]
                     (<int64_t *>(base + loff[f]))[i + 1] = total_rows[f]
-        if _num_threads > 1 and data_bytes >= (4 << 20) and data_bytes >= n * 32768:
-            for i in prange(n, schedule='static', num_threads=_num_threads):
-                self._copy_instance(L, base, doff, loff, i)
-                rl_copy_fence()   # streaming stores: each copying thread fences its own
+        cdef _assemble_job job
+        job.L = L
+        job.base = base
+        job.doff = doff
+        job.loff = loff
+        job.parsed_ptrs = self.parsed_ptrs
+        job.parsed_rows = self.parsed_rows
+        job.recs = self.recs
+        if data_bytes >= (4 << 20) and data_bytes >= n * 32768:
+            parallel_for(threads_for(data_bytes), n, _copy_instances, &job)
         else:
-            for i in range(n):
-                self._copy_instance(L, base, doff, loff, i)
+            _copy_instances(&job, 0, n, 0)
         rl_copy_fence()
+        for i in range(n):
+            rl_record_consumed(&self.recs[i])
         out.block = b
         out.data = b.data
         out.size = size
         self.hold = b
         return 1
-
-    cdef void _copy_instance(self, const rl_layout *L, char *base, const int64_t *doff,
-                             const int64_t *loff, int64_t i) noexcept nogil:
-        """Copy held instance i (parsed) into its place in the batch, then let it go."""
-        cdef int nf = L.nfields
-        cdef int f
-        cdef int64_t rb, row0
-        cdef const char **ptrs = self.parsed_ptrs + i * nf
-        cdef int64_t *rows = self.parsed_rows + i * nf
-        for f in range(nf):
-            rb = L.row_bytes[f]
-            if L.lod[f]:
-                row0 = (<int64_t *>(base + loff[f]))[i]
-                rl_copy_big(base + doff[f] + row0 * rb, ptrs[f], rows[f] * rb)
-            else:
-                memcpy(base + doff[f] + i * rb, ptrs[f], rb)
-        rl_record_consumed(&self.recs[i])
 
     cdef int c_reset(self) except -1:
         if self.hold != NULL:

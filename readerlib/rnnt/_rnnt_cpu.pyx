@@ -11,8 +11,8 @@ Design:
       double (ties -> lowest index, like numpy.argmax).  Only rows that are
       still searching are reduced (a window's frames after the first label
       are skipped), so the pass is serial: it costs ~1/J of the GEMM that made
-      the logits.  ``argmax_logsoftmax`` is the ``prange`` version (reference
-      and tests).
+      the logits.  ``argmax_logsoftmax`` is the parallel version (readerlib's
+      pool; reference and tests).
     * In the same pass: blank/active/advance masks, time-index updates,
       masked writes of labels, timestamps and scores into per-utterance
       buffers ``[B, capacity]``, alignment records, and the compacted list of
@@ -32,11 +32,11 @@ Invariants (loop labels): ``active[b] == time[b] < lengths[b]``;
 ``safe_time[b] == min(time[b], lengths[b] - 1)`` (always a valid frame).
 """
 cimport cython
-from cython.parallel cimport prange
 from libc.math cimport exp, log
 from libc.stdint cimport int64_t, uint8_t
 
 from readerlib._typedefs cimport float32_t, float64_t, real_t
+from readerlib._parallel cimport parallel_for
 
 ctypedef fused row_t:
     float32_t
@@ -70,15 +70,35 @@ cdef inline void _argmax_logsoftmax(const real_t* x, Py_ssize_t V, int64_t* k_ou
     lp_out[0] = -log(s)
 
 
+cdef struct _rows_job:
+    const void* logits
+    bint f32
+    Py_ssize_t V
+    int64_t* k
+    double* lp
+
+
+cdef void _rows_body(void* ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
+    cdef _rows_job* j = <_rows_job*> ctx
+    cdef int64_t r
+    for r in range(begin, end):
+        if j.f32:
+            _argmax_logsoftmax((<const float32_t*> j.logits) + r * j.V, j.V, j.k + r, j.lp + r)
+        else:
+            _argmax_logsoftmax((<const float64_t*> j.logits) + r * j.V, j.V, j.k + r, j.lp + r)
+
+
 cdef void _rows_argmax(const real_t[:, ::1] logits, Py_ssize_t n, int64_t[::1] k,
                        double[::1] lp, int n_threads) noexcept nogil:
-    cdef Py_ssize_t r, V = logits.shape[1]
-    if n_threads > 1 and n > 1:
-        for r in prange(n, schedule='static', nogil=True, num_threads=n_threads):
-            _argmax_logsoftmax(&logits[r, 0], V, &k[r], &lp[r])
-    else:
-        for r in range(n):
-            _argmax_logsoftmax(&logits[r, 0], V, &k[r], &lp[r])
+    cdef _rows_job j
+    if n == 0:
+        return
+    j.logits = &logits[0, 0]
+    j.f32 = real_t is float32_t
+    j.V = logits.shape[1]
+    j.k = &k[0]
+    j.lp = &lp[0]
+    parallel_for(n_threads, n, _rows_body, &j)
 
 
 def argmax_logsoftmax(const real_t[:, ::1] logits, int64_t[::1] labels, double[::1] logp,
