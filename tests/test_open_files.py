@@ -264,7 +264,13 @@ def test_stalled_reader_times_out(files, tmp_path):
         with pytest.raises(TimeoutError, match="slow.lines"):
             read(r)
         assert time.monotonic() - t0 < 2.5
-        r.close()
+        workers = [t for t in threading.enumerate() if t.name.startswith("readerlib-open_files")]
+        t0 = time.monotonic()
+        r.close()                   # bounded: the worker asleep in the user's function is left
+        assert time.monotonic() - t0 < 1.0
+        for t in workers:           # ... and leaves on its own when the function returns
+            t.join(10)
+            assert not t.is_alive()
     finally:
         unregister_file_reader(".lines")
 
