@@ -43,6 +43,7 @@ def _threads_from_env():
 
 
 cdef int _num_threads = _threads_from_env()
+cdef double _CLOSE_LOCK_WAIT_S = 0.25   # close() waits this long for a read in another thread
 DEF PAR_MIN_BYTES = 262144      # below this, a second thread costs more than it saves
 
 
@@ -425,25 +426,29 @@ cdef class ReaderBase:
         """
         cdef rl_record rec
         cdef int r
-        with self._lock:
-            if self._closed:
-                self._check_open()
-            if not self._started:
-                if self._resuming:
-                    self._resuming = False
-                else:
-                    self._epoch_snapshot = self._chain_epoch_state()
-                    self._position = 0
-                self._mark_started(True)
-            with nogil:
-                r = self.c_next(&rec)
-            if r == 0:
-                return None
-            self._position += 1
-            # the record is borrowed until the next c_next: wrap it under the lock
-            if self.item_kind == ITEM_BATCH:
-                return _wrap_batch(self, &rec)
-            return _decode_instance(self, &rec)
+        try:
+            with self._lock:
+                if self._closed:
+                    self._check_open()
+                if not self._started:
+                    if self._resuming:
+                        self._resuming = False
+                    else:
+                        self._epoch_snapshot = self._chain_epoch_state()
+                        self._position = 0
+                    self._mark_started(True)
+                with nogil:
+                    r = self.c_next(&rec)
+                if r == 0:
+                    return None
+                self._position += 1
+                # the record is borrowed until the next c_next: wrap it under the lock
+                if self.item_kind == ITEM_BATCH:
+                    return _wrap_batch(self, &rec)
+                return _decode_instance(self, &rec)
+        finally:
+            if self._close_pending:          # close() from another thread left it to us
+                self.close()
 
     def reset(self):
         """Restart the whole chain; shuffles draw a new order (next epoch)."""
@@ -543,15 +548,34 @@ cdef class ReaderBase:
         """Release files and buffers of the whole chain.  Idempotent.
 
         May be called from another thread while a read_next() is waiting on a
-        prefetcher: that read returns None and the chain is then closed.
+        prefetcher or open_files: that read returns None (or the partial batch
+        read so far) and the chain is then closed.  While a read_next() in
+        another thread is inside a slow user function, close() returns after
+        0.25 s with the reader marked closed, and that read closes the chain
+        when it returns.
         """
-        if not self._closed:
-            for r in self._walk():
-                r._interrupt()
-        with self._lock:
-            if not self._closed:
+        if self._closed and not self._close_pending:
+            return
+        for r in self._walk():
+            r._interrupt()
+        # The interrupts wake a read_next() (another thread's, holding the lock)
+        # that waits on a prefetcher or open_files.  One inside a slow user
+        # function (a PythonReader's iterator) cannot be woken: close() does not
+        # wait for it, it leaves the close to that read, which does it as soon as
+        # it returns (the checks below make one of the two do it, whatever the
+        # interleaving).
+        if not self._lock.acquire(True, _CLOSE_LOCK_WAIT_S):
+            self._close_pending = True
+            self._closed = True             # reads from now on raise
+            if not self._lock.acquire(False):
+                return
+        try:
+            if self._close_pending or not self._closed:
+                self._close_pending = False
                 self._closed = True
                 self.c_close()
+        finally:
+            self._lock.release()
 
     @property
     def closed(self):
