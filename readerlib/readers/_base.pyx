@@ -426,6 +426,8 @@ cdef class ReaderBase:
         """
         cdef rl_record rec
         cdef int r
+        if self._closed:                     # without waiting for a read in another thread
+            self._check_open()
         try:
             with self._lock:
                 if self._closed:
@@ -1700,6 +1702,7 @@ cdef class PythonReader(FileReader):
     cdef object _it
     cdef rl_block *cur
     cdef readonly int64_t index
+    cdef bint _interrupted          # close() from another thread: end at the next item
 
     def __init__(self, make_iterator, schema):
         if not callable(make_iterator):
@@ -1722,6 +1725,8 @@ cdef class PythonReader(FileReader):
         if self.cur != NULL:
             rl_block_decref(self.cur)
             self.cur = NULL
+        if self._interrupted:
+            return 0
         if self._it is None:
             self._it = iter(self.make_iterator())
         try:
@@ -1749,6 +1754,12 @@ cdef class PythonReader(FileReader):
         self._it = None
         self.index = 0
         return 0
+
+    def _interrupt(self):
+        # close() from another thread while a read (a batch of a slow source)
+        # is running: the stream ends at the next item, so that read returns
+        # and closes the chain; a call inside the user's function is not cut short
+        self._interrupted = True
 
     def __repr__(self):
         name = getattr(self.make_iterator, "__qualname__", type(self.make_iterator).__name__)
