@@ -23,6 +23,7 @@ what it read as JSON and the assertions are made here.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -224,6 +225,7 @@ def child_error_positions(name):
                     "next_epoch": _drain(kind, real), "oracle_next_epoch": _drain(kind, oracle)})
         real.close()
         oracle.close()
+    shutil.rmtree(d, ignore_errors=True)
     print(json.dumps(out))
 
 
@@ -325,7 +327,7 @@ def test_recordio_bad_chunk_under_shuffle_and_batch_read_on(tmp_path):
 
 # ---------------------------------------------------- Ctrl-C and close()
 PRELUDE = """
-import os, signal, sys, tempfile, threading, time
+import atexit, os, shutil, signal, sys, tempfile, threading, time
 import numpy as np
 import readerlib as rl
 from readerlib.readers.files import open_files, register_file_reader
@@ -355,7 +357,9 @@ def as_bytes(gen):
 
 def files_of(make):
     register_file_reader(".slow", lambda path, schema=None: rl.PythonReader(as_bytes(make), B), replace=True)
-    p = os.path.join(tempfile.mkdtemp(), "a.slow")
+    d = tempfile.mkdtemp()
+    atexit.register(shutil.rmtree, d, True)
+    p = os.path.join(d, "a.slow")
     open(p, "w").close()
     return open_files([p], num_threads=1)
 
