@@ -503,3 +503,44 @@ def test_reading_on_after_ctrl_c_loses_nothing(point):
     assert res["interrupts"] == "1", res
     assert res["ids"] == str(list(range(30))), res
     assert res["end"] == "True"
+
+
+# ------------------------------------------- what an interrupted batch holds
+@pytest.mark.parametrize("schema_kind", ["seq", "big"])
+def test_close_after_an_error_mid_batch_unmaps_the_file(tmp_path, schema_kind):
+    """A batch interrupted by a bad chunk holds the earlier chunk's records
+    (views of the file's mapping); close() must let them go (they leaked, and
+    the file stayed mapped)."""
+    path = str(tmp_path / f"mid-batch-{schema_kind}.rio")
+    n = 40 if schema_kind == "seq" else 12
+    with rl.RecordIOWriter(path, SCHEMAS[schema_kind], chunk_size=300 if schema_kind == "seq" else 70000) as w:
+        for i in range(n):
+            w.write(instance(schema_kind, i))
+    r = rl.RecordIOReader(path)
+    offs, nrec = r.chunk_table()
+    r.close()
+    assert len(offs) >= 3
+    with open(path, "r+b") as f:                  # the second chunk's body
+        f.seek(int(offs[1]) + 40)
+        b = f.read(1)
+        f.seek(int(offs[1]) + 40)
+        f.write(bytes([b[0] ^ 0xFF]))
+    code = f"""
+    import readerlib as rl
+    from readerlib.readers._base import set_num_threads
+    set_num_threads(2)
+    def mapped():
+        return sum(1 for line in open("/proc/self/maps") if {path!r} in line)
+    chain = rl.RecordIOReader({path!r}).batch({n})          # the error comes mid-batch
+    try:
+        chain.read_next()
+        print("error=none")
+    except rl.RecordIOError:
+        print("error=raised")
+    print("mapped_before_close=%d" % mapped())
+    chain.close()
+    print("mapped_after_close=%d" % mapped())
+    """
+    res = dict(l.split("=") for l in _run_child(code, timeout=60).split())
+    assert res["error"] == "raised" and int(res["mapped_before_close"]) >= 1, res
+    assert res["mapped_after_close"] == "0", res
