@@ -21,9 +21,9 @@ import numpy as np
 
 __all__ = ["Field", "Schema", "LoDTensor", "SparseTensor", "SUPPORTED_DTYPES"]
 
-#: dtypes a Field may carry (what RecordIO stores byte-exactly).
-_MAX_ROW_BYTES = (1 << 63) - 1
+_MAX_ROW_BYTES = (1 << 63) - 1          # compiled readers hold row sizes in int64
 
+#: dtypes a Field may carry (what RecordIO stores byte-exactly).
 SUPPORTED_DTYPES = tuple(np.dtype(t) for t in (
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
     "uint64", "float16", "float32", "float64"))
