@@ -502,13 +502,6 @@ cdef class MultiFileReader(FileReader):
                 raise self._failure
         if self.limit >= 0 and self.emitted >= self.limit:
             return 0
-        # Ctrl-C: a consumer fed slowly but steadily never waits a whole slice
-        # in _pop; look every 100 ms here, before anything is taken
-        now = _now_ns()
-        if now - self.signals_ns >= 100000000:
-            self.signals_ns = now
-            with gil:
-                PyErr_CheckSignals()
         while True:
             if self.hold != NULL:
                 if self.hold_i < self.hold.n:
@@ -527,6 +520,14 @@ cdef class MultiFileReader(FileReader):
                     self._start()
             if self.cur_unit >= self.nunits:
                 return 0
+            # Ctrl-C: a consumer fed slowly but steadily never waits a whole
+            # slice in _pop; look here too (once a packet, at most every 100 ms),
+            # before anything is taken
+            now = _now_ns()
+            if now - self.signals_ns >= 100000000:
+                self.signals_ns = now
+                with gil:
+                    PyErr_CheckSignals()
             t = <int>(self.cur_unit % self.num_threads)
             if self._pop(t, &p):
                 return 0                      # closed from another thread

@@ -534,31 +534,34 @@ cdef class PrefetchReader(DecoratedReader):
         if self.st == NULL or self.reset_pending:
             with gil:
                 self._ensure_running()
-        # Ctrl-C: items that arrive slowly but steadily (one every 50 ms under a
-        # batch of 10**6) never leave a whole wait slice below; look every
-        # slice here, before anything is taken from the ring (nothing is lost)
-        now = _now_ns()
-        if now - self.signals_ns >= SLICE_NS:
-            self.signals_ns = now
-            with gil:
-                code = PyErr_CheckSignals()
-            if code < 0:
-                return -1
-        if self.timeout_ns >= 0:
-            deadline = now + self.timeout_ns
-        if PyGILState_Check():           # called with the GIL held: never wait holding it
-            saved = PyEval_SaveThread()
-        while True:
-            code = _pf_pop(self.st, out, deadline, not self.nonblocking)
-            if code != POP_SLICE:
-                break
-            if self.st.stop:                    # close() from another thread: stop waiting
-                code = POP_END
-                break
-            with gil:
-                code = PyErr_CheckSignals()     # Ctrl-C while waiting on a slow chain
-            if code < 0:
-                break
+        code = _pf_pop(self.st, out, -1, False)     # an item ready: no clock, no wait
+        if code == POP_EMPTY and not self.nonblocking:
+            # About to wait.  Ctrl-C: items that arrive slowly but steadily (one
+            # every 50 ms under a batch of 10**6) never leave a whole wait slice
+            # below, so look here too, at most once a slice, before anything is
+            # taken from the ring (an interrupted caller loses nothing).
+            now = _now_ns()
+            if now - self.signals_ns >= SLICE_NS:
+                self.signals_ns = now
+                with gil:
+                    code = PyErr_CheckSignals()
+                if code < 0:
+                    return -1
+            if self.timeout_ns >= 0:
+                deadline = now + self.timeout_ns
+            if PyGILState_Check():           # called with the GIL held: never wait holding it
+                saved = PyEval_SaveThread()
+            while True:
+                code = _pf_pop(self.st, out, deadline, True)
+                if code != POP_SLICE:
+                    break
+                if self.st.stop:                    # close() from another thread: stop waiting
+                    code = POP_END
+                    break
+                with gil:
+                    code = PyErr_CheckSignals()     # Ctrl-C while waiting on a slow chain
+                if code < 0:
+                    break
         if saved != NULL:
             PyEval_RestoreThread(saved)
         if code == -1:
