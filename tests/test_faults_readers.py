@@ -325,6 +325,60 @@ def test_recordio_bad_chunk_under_shuffle_and_batch_read_on(tmp_path):
         assert sorted(c["ids"]) == sorted(set(range(300)) - lost)
 
 
+def test_tfrecord_bad_record_under_shuffle_and_batch_read_on(tmp_path):
+    """A TFRecord record that fails its CRC, under shuffle and batch: one error
+    (the rest of that 1 MiB chunk is dropped), then the following chunks; nothing
+    repeated, nothing that is not a record."""
+    from readerlib.formats._tfrecord import CHUNK_BYTES, TFRecordWriter
+    path = str(tmp_path / "one-bad-record.tfrecord")
+    size = 4096
+    n, bad = 4 * CHUNK_BYTES // size, CHUNK_BYTES // size + 40     # a record of the second chunk
+
+    def record(i):
+        x = np.full(size, i % 251, np.uint8)
+        x[:8] = np.frombuffer(np.int64(i).tobytes(), np.uint8)
+        return x
+    with TFRecordWriter(path) as w:
+        for i in range(n):
+            w.write(record(i))
+    with open(path, "r+b") as f:                  # per record: 12 bytes of header, the data, a 4-byte CRC
+        f.seek((size + 16) * bad + 12 + 100)
+        f.write(b"\xff")
+    code = f"""
+    import json, numpy as np, readerlib as rl
+    from readerlib.formats._tfrecord import TFRecordReader
+    for chain in (lambda r: r.shuffle(16, seed=0), lambda r: r.shuffle(32, seed=1).batch(5),
+                  lambda r: r.batch(4)):
+        reader = chain(TFRecordReader({path!r}))
+        ids, errors = [], []
+        while True:
+            try:
+                item = reader.read_next()
+            except rl.DataLossError as e:
+                errors.append(str(e))
+                continue
+            if item is None:
+                break
+            t = item[0]
+            if isinstance(t, rl.LoDTensor):
+                off = np.asarray(t.lod[0])
+                recs = [np.asarray(t.data[off[i]:off[i + 1]]) for i in range(len(off) - 1)]
+            else:
+                recs = [np.asarray(t)]
+            for x in recs:
+                i = int(x[:8].view(np.int64)[0]) if x.size == {size} else -1
+                ok = i >= 0 and bool(np.all(x[8:] == i % 251))
+                ids.append(i if ok else -1)
+        print(json.dumps({{"ids": ids, "errors": errors}}))
+    """
+    for line in _run_child(code, timeout=60).splitlines():
+        c = json.loads(line)
+        ids = c["ids"]
+        assert len(c["errors"]) == 1 and "one-bad-record.tfrecord" in c["errors"][0], c["errors"]
+        assert len(ids) == len(set(ids)) and set(ids) <= set(range(n)) - {bad}, "repeated or invented"
+        assert set(range(bad)) <= set(ids) and n - 1 in ids, "records before or after the bad one lost"
+
+
 # ---------------------------------------------------- Ctrl-C and close()
 PRELUDE = """
 import atexit, os, shutil, signal, sys, tempfile, threading, time
