@@ -195,6 +195,17 @@ def _open_files_case(kind, d, k, skip, chain):
     return chain(r) if chain is not None else r
 
 
+def force_parallel_copies():
+    """Make BatchReader copy big fixed records on threads even for small batches."""
+    from readerlib.readers._base import set_num_threads
+    set_num_threads(2)
+    try:                              # a build whose thread pool splits by bytes
+        from readerlib._parallel import _set_min_bytes_per_thread
+    except ImportError:
+        return
+    _set_min_bytes_per_thread(1)
+
+
 def _positions(name):
     if name.startswith("open-files"):
         return FILES * PER_FILE
@@ -205,8 +216,7 @@ def child_error_positions(name):
     """Run in a child: every error position for chain `name`; print JSON per position."""
     kind, chain, sticky = CHAINS[name]
     if kind == "big":
-        from readerlib.readers._base import set_num_threads
-        set_num_threads(2)           # BatchReader copies big records on threads
+        force_parallel_copies()
     d = tempfile.mkdtemp()
     n = _positions(name)
     out = []
@@ -581,8 +591,8 @@ def test_close_after_an_error_mid_batch_unmaps_the_file(tmp_path, schema_kind):
         f.write(bytes([b[0] ^ 0xFF]))
     code = f"""
     import readerlib as rl
-    from readerlib.readers._base import set_num_threads
-    set_num_threads(2)
+    import test_faults_readers as t
+    t.force_parallel_copies()
     def mapped():
         return sum(1 for line in open("/proc/self/maps") if {path!r} in line)
     chain = rl.RecordIOReader({path!r}).batch({n})          # the error comes mid-batch
