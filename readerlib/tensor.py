@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import numbers
 
 import numpy as np
 
 __all__ = ["Field", "Schema", "LoDTensor", "SparseTensor", "SUPPORTED_DTYPES"]
+
+_MAX_ROW_BYTES = (1 << 63) - 1          # compiled readers hold row sizes in int64
 
 #: dtypes a Field may carry (what RecordIO stores byte-exactly).
 SUPPORTED_DTYPES = tuple(np.dtype(t) for t in (
@@ -85,15 +88,22 @@ class Field:
         if lod_level not in (0, 1) or isinstance(lod_level, bool):
             raise ValueError(
                 f"Field {name!r}: lod_level must be 0 (fixed shape) or 1 (sequence), got {lod_level!r}")
+        shape = tuple(int(d) for d in shape)
+        # compiled readers keep row sizes in int64: a shape whose row does not
+        # fit is an error here, not a size that wrapped around later
+        if math.prod(shape) * dt.itemsize > _MAX_ROW_BYTES:
+            raise ValueError(
+                f"Field {name!r}: shape {shape!r} of {dt} is {math.prod(shape) * dt.itemsize} bytes "
+                f"per {'step' if lod_level else 'value'}, more than the 2**63 - 1 a row may have")
         self.name = name
         self.dtype = dt.newbyteorder("=")
-        self.shape = tuple(int(d) for d in shape)
+        self.shape = shape
         self.lod_level = int(lod_level)
 
     @property
     def row_elems(self):
         """Elements in one value (lod 0) or in one step of a sequence (lod 1)."""
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def row_bytes(self):

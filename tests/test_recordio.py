@@ -768,3 +768,54 @@ def test_every_byte_of_a_page_aligned_file_is_checked(tmp_path):
         except rl.RecordIOError:
             continue
         raise AssertionError(f"flip at byte {i} of {len(good)} went undetected: {got != recs}")
+
+
+# ----------------------------------------------- issue 12: crafted headers and indexes
+def _crc(data):
+    return rl.crc32c(data)
+
+
+def test_schema_with_more_fields_than_readers_take_names_the_file(tmp_path):
+    """A header (valid checksum) holding a 65-field schema: a ValueError naming the file."""
+    from readerlib.formats._recordio import FILE_MAGIC
+    schema = rl.Schema([rl.Field(f"f{i}", "int8") for i in range(65)])
+    body = schema.to_json().encode()
+    file_id = os.urandom(8)
+    head = FILE_MAGIC + len(body).to_bytes(4, "little")
+    crc = rl.crc32c(body, rl.crc32c(file_id, rl.crc32c(head)))
+    path = tmp_path / "wide.rio"
+    path.write_bytes(head + crc.to_bytes(4, "little") + file_id + body)
+    with pytest.raises(ValueError, match=r"wide\.rio.*at most 64 fields, got 65"):
+        rl.RecordIOReader(str(path))
+
+
+def _overflowing_index(path):
+    """Rewrite a two-chunk file's index so its counts (2**62 + 2**62) sum past 2**63,
+    with every checksum valid."""
+    data = bytearray(open(path, "rb").read())
+    S = len(data)
+    ioff = int.from_bytes(data[S - 16:S - 8], "little")
+    n = int.from_bytes(data[ioff + 8:ioff + 16], "little")
+    assert n == 2
+    for i in range(n):
+        data[ioff + 32 + 16 * i:ioff + 40 + 16 * i] = (2**62).to_bytes(8, "little")
+    data[ioff + 16:ioff + 24] = (2**63 % 2**64).to_bytes(8, "little")     # what the wrapped sum gives
+    data[ioff + 24 + 16 * n:ioff + 28 + 16 * n] = _crc(bytes(data[ioff:ioff + 24 + 16 * n])).to_bytes(4, "little")
+    open(path, "wb").write(bytes(data))
+
+
+def test_index_counts_that_overflow_int64_are_rejected(tmp_path):
+    # len(reader) used to fail with "SystemError: returned NULL without setting an exception"
+    path = str(tmp_path / "counts.rio")
+    with rl.RecordIOWriter(path, rl.Schema([rl.Field("x", "int64")]), chunk_size=64) as w:
+        for i in range(10):
+            w.write((i,))
+    assert rl.RecordIOReader(path).num_chunks == 2
+    _overflowing_index(path)
+    with pytest.raises(rl.RecordIOError, match=r"counts\.rio: index record counts overflow int64 at byte offset"):
+        rl.RecordIOReader(path)
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter("always")
+        r = rl.RecordIOReader(path, on_error="skip")       # the index is not used: chunks scanned
+    assert any("index record counts overflow" in str(w.message) for w in ws)
+    assert len(r) == 10 and [int(x[0]) for x in r] == list(range(10))

@@ -329,3 +329,19 @@ def test_array_copy_false_never_copies():
     assert np.shares_memory(np.asarray(t, copy=False), t.data)
     with pytest.raises(ValueError):
         np.asarray(t, dtype=np.float64, copy=False)
+
+
+@pytest.mark.parametrize("dtype,shape", [("float32", (2**62 + 1, 4)), ("int8", (2**32, 2**32)),
+                                         ("float64", (2**31, 2**31, 2)), ("uint8", (2**63,))])
+@pytest.mark.parametrize("lod", [0, 1])
+def test_field_whose_row_overflows_int64_is_rejected(dtype, shape, lod):
+    # it used to wrap: (2**62 + 1, 4) float32 had row_bytes == 16, (2**32, 2**32) had 0
+    with pytest.raises(ValueError, match=r"'x'.*more than the 2\*\*63 - 1"):
+        rl.Field("x", dtype, shape, lod_level=lod)
+
+
+def test_field_row_sizes_up_to_int64_are_exact():
+    f = rl.Field("x", "int8", (2**31, 2**31))              # 2**62 bytes: fits
+    assert f.row_elems == 2**62 and f.row_bytes == 2**62
+    assert rl.Field("y", "uint8", (2**63 - 1,)).row_bytes == 2**63 - 1
+    assert rl.Field("z", "float32", (0, 2**62)).row_bytes == 0

@@ -17,6 +17,7 @@ import numpy as np
 cimport numpy as cnp
 from libc.stdlib cimport malloc, free, realloc
 from libc.string cimport memcpy, memcmp
+from libc.stdint cimport INT64_MAX
 from posix.mman cimport mmap, munmap, PROT_READ, MAP_PRIVATE, MAP_FAILED
 
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t, uint8_t
@@ -466,7 +467,10 @@ cdef class RecordIOReader(FileReader):
             schema = Schema.from_json((<bytes>b[HEADER_FIXED:HEADER_FIXED + slen]).decode())
         except Exception as e:
             self._fail(f"unreadable schema in the file header ({e})", HEADER_FIXED)
-        self._set_schema(schema, ITEM_INSTANCE)
+        try:
+            self._set_schema(schema, ITEM_INSTANCE)
+        except ValueError as e:             # e.g. more fields than compiled readers take
+            raise ValueError(f"{self.path}: the schema in the file header cannot be read here: {e}") from None
         self.salt = rl_crc32c(0, b + 16, 8)
         self.data_start = HEADER_FIXED + slen
 
@@ -511,6 +515,9 @@ cdef class RecordIOReader(FileReader):
                         if (o < self.data_start or end < o + CHUNK_HEADER or end > ioff
                                 or self.chunk_nrec[i] < 0 or (i == 0 and o != self.data_start)):
                             problem = ("index entry disagrees with the chunk layout", ioff + 24 + 16 * i)
+                            break
+                        if self.chunk_nrec[i] > INT64_MAX - total:      # the sum would wrap
+                            problem = ("index record counts overflow int64", ioff + 24 + 16 * i)
                             break
                         total += self.chunk_nrec[i]
                     if problem is None and total != <int64_t>rl_load_u64(b + ioff + 16):

@@ -105,6 +105,7 @@ cdef class ReaderBase:
     cdef readonly int64_t _position  # items read_next() returned this epoch
     cdef object _epoch_snapshot     # per-reader epoch state at the epoch's start
     cdef object _lock               # serialises read_next/reset/close across threads
+    cdef bint _close_pending        # close() from another thread did not get the lock: the read holding it closes
     # 1: *out holds the next item; 0: end of the epoch; -1: exception set.
     cdef int c_next(self, rl_record *out) except -1 nogil
     # Restart the whole chain below (next epoch).

@@ -39,6 +39,7 @@ from readerlib._parallel import get_num_threads, set_num_threads
 
 cdef enum:
     _PAR_MAX_PARTS = 64         # a chunk checksum uses at most 2 * 64 parts
+cdef double _CLOSE_LOCK_WAIT_S = 0.25   # close() waits this long for a read in another thread
 
 
 cdef struct _crc_job:
@@ -507,25 +508,31 @@ cdef class ReaderBase:
         """
         cdef rl_record rec
         cdef int r
-        with self._lock:
-            if self._closed:
-                self._check_open()
-            if not self._started:
-                if self._resuming:
-                    self._resuming = False
-                else:
-                    self._epoch_snapshot = self._chain_epoch_state()
-                    self._position = 0
-                self._mark_started(True)
-            with nogil:
-                r = self.c_next(&rec)
-            if r == 0:
-                return None
-            self._position += 1
-            # the record is borrowed until the next c_next: wrap it under the lock
-            if self.item_kind == ITEM_BATCH:
-                return _wrap_batch(self, &rec)
-            return _decode_instance(self, &rec)
+        if self._closed:                     # without waiting for a read in another thread
+            self._check_open()
+        try:
+            with self._lock:
+                if self._closed:
+                    self._check_open()
+                if not self._started:
+                    if self._resuming:
+                        self._resuming = False
+                    else:
+                        self._epoch_snapshot = self._chain_epoch_state()
+                        self._position = 0
+                    self._mark_started(True)
+                with nogil:
+                    r = self.c_next(&rec)
+                if r == 0:
+                    return None
+                self._position += 1
+                # the record is borrowed until the next c_next: wrap it under the lock
+                if self.item_kind == ITEM_BATCH:
+                    return _wrap_batch(self, &rec)
+                return _decode_instance(self, &rec)
+        finally:
+            if self._close_pending:          # close() from another thread left it to us
+                self.close()
 
     def reset(self):
         """Restart the whole chain; shuffles draw a new order (next epoch)."""
@@ -697,15 +704,34 @@ cdef class ReaderBase:
         """Release files and buffers of the whole chain.  Idempotent.
 
         May be called from another thread while a read_next() is waiting on a
-        prefetcher: that read returns None and the chain is then closed.
+        prefetcher or open_files: that read returns None (or the partial batch
+        read so far) and the chain is then closed.  While a read_next() in
+        another thread is inside a slow user function, close() returns after
+        0.25 s with the reader marked closed, and that read closes the chain
+        when it returns.
         """
-        if not self._closed:
-            for r in self._walk():
-                r._interrupt()
-        with self._lock:
-            if not self._closed:
+        if self._closed and not self._close_pending:
+            return
+        for r in self._walk():
+            r._interrupt()
+        # The interrupts wake a read_next() (another thread's, holding the lock)
+        # that waits on a prefetcher or open_files.  One inside a slow user
+        # function (a PythonReader's iterator) cannot be woken: close() does not
+        # wait for it, it leaves the close to that read, which does it as soon as
+        # it returns (the checks below make one of the two do it, whatever the
+        # interleaving).
+        if not self._lock.acquire(True, _CLOSE_LOCK_WAIT_S):
+            self._close_pending = True
+            self._closed = True             # reads from now on raise
+            if not self._lock.acquire(False):
+                return
+        try:
+            if self._close_pending or not self._closed:
+                self._close_pending = False
                 self._closed = True
                 self.c_close()
+        finally:
+            self._lock.release()
 
     @property
     def closed(self):
@@ -1099,9 +1125,9 @@ cdef class ShuffleReader(DecoratedReader):
             while self.count < self.cap:
                 if self.count == self.scap:
                     self._grow(min(self.cap, 2 * self.scap))
+                # an exception here leaves the buffer as it was: the next
+                # call goes on filling it
                 r = self.reader.c_next(&rec)
-                if r < 0:
-                    return -1
                 if r == 0:
                     self.upstream_done = True
                     break
@@ -1115,23 +1141,28 @@ cdef class ShuffleReader(DecoratedReader):
             j = <uint64_t>self.next_j
         else:
             j = rl_rng_below(&self.rng, <uint64_t>self.count)
-        self.next_j = -1
-        out[0] = self.slots[j]
-        self.hold = self.slot_ref[j]        # the slot's reference moves to `hold`
+            # kept until the slot is emitted: if the refill below raises, the
+            # next call emits this same slot (the order is the one the
+            # failed record's absence gives, and nothing is lost or repeated)
+            self.next_j = <int64_t>j
+        # Refill first, emit after.  c_next is `except -1`: an exception jumps
+        # straight out of this function, so nothing may be half-moved when it
+        # is called (the buffer keeps every record it holds, `hold` is empty).
         if not self.upstream_done:
             r = self.reader.c_next(&rec)
-            if r < 0:
-                # keep the buffer consistent: the emitted slot is gone
-                self.count -= 1
-                self.slots[j] = self.slots[self.count]
-                self.slot_ref[j] = self.slot_ref[self.count]
-                return -1
+            self.next_j = -1
+            out[0] = self.slots[j]
+            self.hold = self.slot_ref[j]    # the slot's reference moves to `hold`
             if r == 1:
                 self.slot_ref[j] = self._acquire(rec.block)
                 self.slots[j] = rec
                 self._draw_ahead()
                 return 1
             self.upstream_done = True
+        else:
+            self.next_j = -1
+            out[0] = self.slots[j]
+            self.hold = self.slot_ref[j]
         self.count -= 1
         self.slots[j] = self.slots[self.count]
         self.slot_ref[j] = self.slot_ref[self.count]
@@ -1249,8 +1280,15 @@ cdef class BatchReader(DecoratedReader):
     """
     cdef readonly int64_t batch_size
     cdef readonly bint drop_last
-    cdef rl_record *recs
+    # A batch an exception interrupted (the upstream raised, or a record did
+    # not fit the schema) is kept, not dropped: the next call goes on filling
+    # it, so reading on after an error loses only the record that failed.
+    # c_next is `except -1` (an exception jumps straight out), so this state
+    # is kept up to date *before* every upstream call, never fixed up after.
+    cdef rl_record *recs          # records held (sequence schemas, parallel copy)
     cdef int64_t nrecs
+    cdef rl_block *pend           # fixed schemas: the batch being filled
+    cdef int64_t pend_n           # rows of `pend` already copied
     cdef rl_block *hold
     cdef const char **parsed_ptrs
     cdef int64_t *parsed_rows
@@ -1283,11 +1321,19 @@ cdef class BatchReader(DecoratedReader):
             rl_block_decref(self.recs[i].block)
         self.nrecs = 0
 
+    cdef void _drop_partial(self) noexcept nogil:
+        """Let go of an interrupted batch (reset, close)."""
+        self._release()
+        if self.pend != NULL:
+            rl_block_decref(self.pend)
+            self.pend = NULL
+        self.pend_n = 0
+
     def __dealloc__(self):
         free(self.parsed_ptrs)
         free(self.parsed_rows)
         if self.recs != NULL:
-            self._release()
+            self._drop_partial()
             free(self.recs)
             self.recs = NULL
         if self.hold != NULL:
@@ -1296,20 +1342,26 @@ cdef class BatchReader(DecoratedReader):
 
     cdef int c_next(self, rl_record *out) except -1 nogil:
         cdef rl_record rec
-        cdef int r, f
-        cdef int64_t n = 0, i
+        cdef int r
+        cdef int nf = self.layout.nfields
+        cdef int64_t n = self.nrecs       # > 0: a batch an exception interrupted
         if self.hold != NULL:
             rl_block_decref(self.hold)
             self.hold = NULL
         if self.layout.n_lod == 0:
             return self._next_fixed(out)
         while n < self.batch_size:
-            r = self.reader.c_next(&rec)
-            if r < 0:
-                self._release()
-                return -1
+            r = self.reader.c_next(&rec)  # may raise: recs[:nrecs] stay held
             if r == 0:
                 break
+            # parsed as it arrives (the data is hot), so that a malformed
+            # record is rejected alone and the batch around it survives
+            if layout_parse(&self.layout, rec.data, rec.size, self.parsed_ptrs + n * nf,
+                            self.parsed_rows + n * nf) != 0:
+                with gil:
+                    raise ValueError(
+                        f"BatchReader: instance {n} of the batch is malformed "
+                        f"({rec.size} bytes) for schema {self.schema}")
             rl_block_incref(rec.block)
             self.recs[n] = rec
             n += 1
@@ -1317,7 +1369,7 @@ cdef class BatchReader(DecoratedReader):
         if n == 0 or (n < self.batch_size and self.drop_last):
             self._release()
             return 0
-        r = self._assemble(n, out)
+        r = self._assemble(n, out)        # may raise (MemoryError): the records stay held
         self._release()
         return r
 
@@ -1333,23 +1385,25 @@ cdef class BatchReader(DecoratedReader):
         for f in range(nf):
             doff[f] = pos
             pos = _align64(pos + B * L.row_bytes[f])
-        cdef rl_block *b = rl_block_new(pos)
+        cdef rl_block *b = self.pend      # not NULL: a batch an exception interrupted
         if b == NULL:
-            with gil:
-                raise MemoryError(f"batch of {pos} bytes")
+            b = rl_block_new(pos)
+            if b == NULL:
+                with gil:
+                    raise MemoryError(f"batch of {pos} bytes")
+            self.pend = b
+            self.pend_n = 0
+        n = self.pend_n
         cdef char *base = b.data
         rb = L.row_bytes[0]
-        if nf == 1 and rb >= 32768 and threads_for(B * rb) > 1:
+        # an interrupted parallel batch holds records (nrecs > 0): it goes on there
+        if self.nrecs > 0 or (n == 0 and nf == 1 and rb >= 32768 and threads_for(B * rb) > 1):
             return self._next_fixed_parallel(out, b, doff[0], pos)
         while n < B:
-            r = self.reader.c_next(&rec)
-            if r < 0:
-                rl_block_decref(b)
-                return -1
+            r = self.reader.c_next(&rec)  # may raise: pend / pend_n keep the rows so far
             if r == 0:
                 break
             if rec.size != L.fixed_size:
-                rl_block_decref(b)
                 with gil:
                     raise ValueError(
                         f"BatchReader: instance {n} of the batch has {rec.size} bytes, "
@@ -1362,6 +1416,9 @@ cdef class BatchReader(DecoratedReader):
                                 L.row_bytes[f])
             rl_record_consumed(&rec)
             n += 1
+            self.pend_n = n
+        self.pend = NULL
+        self.pend_n = 0
         rl_copy_fence()
         if n == 0 or (n < B and self.drop_last):
             rl_block_decref(b)
@@ -1381,21 +1438,15 @@ cdef class BatchReader(DecoratedReader):
     cdef int _next_fixed_parallel(self, rl_record *out, rl_block *b, int64_t doff, int64_t size) except -1 nogil:
         """One big fixed field: gather the batch's records, then copy them on
         several threads (one core's copy does not reach the memory bandwidth)."""
-        cdef int64_t n = 0, i, B = self.batch_size, rb = self.layout.row_bytes[0]
+        cdef int64_t n = self.nrecs, i, B = self.batch_size, rb = self.layout.row_bytes[0]
         cdef int r
         cdef rl_record rec
         cdef char *base = b.data
         while n < B:
-            r = self.reader.c_next(&rec)
-            if r < 0:
-                self._release()
-                rl_block_decref(b)
-                return -1
+            r = self.reader.c_next(&rec)  # may raise: pend and recs[:nrecs] stay held
             if r == 0:
                 break
             if rec.size != rb:
-                self._release()
-                rl_block_decref(b)
                 with gil:
                     raise ValueError(f"BatchReader: instance {n} of the batch has {rec.size} bytes, "
                                      f"the schema needs {rb}")
@@ -1403,6 +1454,7 @@ cdef class BatchReader(DecoratedReader):
             self.recs[n] = rec
             n += 1
             self.nrecs = n
+        self.pend = NULL                  # b is this call's from here on
         if n == 0 or (n < B and self.drop_last):
             self._release()
             rl_block_decref(b)
@@ -1436,7 +1488,6 @@ cdef class BatchReader(DecoratedReader):
         cdef int nf = L.nfields
         cdef int f
         cdef int64_t i, pos, size, rb
-        cdef const char **ptrs
         cdef int64_t *rows
         cdef int64_t total_rows[RL_MAX_FIELDS]
         cdef int64_t doff[RL_MAX_FIELDS]
@@ -1445,13 +1496,7 @@ cdef class BatchReader(DecoratedReader):
         for f in range(nf):
             total_rows[f] = 0 if L.lod[f] else n
         for i in range(n):
-            ptrs = self.parsed_ptrs + i * nf
-            rows = self.parsed_rows + i * nf
-            if layout_parse(L, self.recs[i].data, self.recs[i].size, ptrs, rows) != 0:
-                with gil:
-                    raise ValueError(
-                        f"BatchReader: instance {i} of the batch is malformed "
-                        f"({self.recs[i].size} bytes) for schema {self.schema}")
+            rows = self.parsed_rows + i * nf      # parsed (and checked) in c_next
             for f in range(nf):
                 if L.lod[f]:
                     total_rows[f] += rows[f]
@@ -1515,7 +1560,17 @@ cdef class BatchReader(DecoratedReader):
         if self.hold != NULL:
             rl_block_decref(self.hold)
             self.hold = NULL
+        self._drop_partial()
         return self.reader.c_reset()
+
+    cdef int c_close(self) except -1:
+        # what it holds pins the upstream's blocks (and so a file's mapping)
+        if self.hold != NULL:
+            rl_block_decref(self.hold)
+            self.hold = NULL
+        self._drop_partial()
+        self.reader.close()
+        return 0
 
     def __repr__(self):
         return f"BatchReader({self.reader!r}, batch_size={self.batch_size}, drop_last={self.drop_last})"
@@ -1543,9 +1598,9 @@ cdef class MultiPassReader(DecoratedReader):
     cdef int c_next(self, rl_record *out) except -1 nogil:
         cdef int r = self.reader.c_next(out)
         while r == 0 and self.pass_id + 1 < self.num_passes:
-            self.pass_id += 1
             with gil:
                 self.reader.c_reset()
+            self.pass_id += 1             # after the reset: if it raises, the next call retries it
             r = self.reader.c_next(out)
         return r
 
@@ -1897,6 +1952,7 @@ cdef class PythonReader(FileReader):
     cdef object _it
     cdef rl_block *cur
     cdef readonly int64_t index
+    cdef bint _interrupted          # close() from another thread: end at the next item
 
     def __init__(self, make_iterator, schema):
         if not callable(make_iterator):
@@ -1919,6 +1975,8 @@ cdef class PythonReader(FileReader):
         if self.cur != NULL:
             rl_block_decref(self.cur)
             self.cur = NULL
+        if self._interrupted:
+            return 0
         if self._it is None:
             self._it = iter(self.make_iterator())
         try:
@@ -1946,6 +2004,12 @@ cdef class PythonReader(FileReader):
         self._it = None
         self.index = 0
         return 0
+
+    def _interrupt(self):
+        # close() from another thread while a read (a batch of a slow source)
+        # is running: the stream ends at the next item, so that read returns
+        # and closes the chain; a call inside the user's function is not cut short
+        self._interrupted = True
 
     def __repr__(self):
         name = getattr(self.make_iterator, "__qualname__", type(self.make_iterator).__name__)

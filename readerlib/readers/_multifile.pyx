@@ -21,7 +21,17 @@ Design:
     its unit: the consumer raises it (the original object, traceback and
     all; DataLoss errors name file and offset, others get a note naming the
     file) after every record that came before it.  The consumer waits in
-    100 ms slices, so Ctrl-C and `timeout=` work while it waits.
+    100 ms slices, so Ctrl-C and `timeout=` work while it waits (and it
+    looks for Ctrl-C every 100 ms when records arrive slowly but steadily).
+
+    Lifetime: an epoch's threads and queues are a *run* (`_Run` + `_shared`,
+    reference counted).  Workers hold the run, never the reader: a reader
+    dropped mid-epoch (`for x in open_files(...): break`) is collected, its
+    __dealloc__ tells the run to stop, and the workers leave at their next
+    record or queue wait, closing their files; the last owner frees the
+    queued packets.  reset() and close() join the workers for at most
+    _JOIN_S; one stuck in a slow reader is left to leave on its own (no
+    later run shares its queues), so close() never hangs.
 
     Memory: at most T * QUEUE_BYTES of records in flight (plus the rest of
     the chunks they live in, which they pin).
@@ -29,8 +39,8 @@ Design:
 import threading
 import time
 
-from libc.stdlib cimport malloc, free
-from posix.time cimport timespec, clock_gettime, CLOCK_REALTIME
+from libc.stdlib cimport malloc, calloc, free
+from posix.time cimport timespec, clock_gettime, CLOCK_REALTIME, CLOCK_MONOTONIC
 from cpython.exc cimport PyErr_CheckSignals
 
 from readerlib._typedefs cimport int64_t
@@ -61,6 +71,12 @@ DEF PACKET_RECORDS = 1024
 DEF PACKET_BYTES = 4194304
 DEF QUEUE_PACKETS = 256
 DEF QUEUE_BYTES = 33554432        # record bytes a thread may queue ahead (32 MiB)
+
+
+cdef inline int64_t _now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
 
 
 cdef struct _packet:
@@ -104,90 +120,110 @@ cdef void _packet_free(_packet *p) noexcept nogil:
     free(p)
 
 
-cdef class MultiFileReader(FileReader):
-    """The reader `rl.open_files` returns: units of files read by threads.
+# -- one run's shared state ------------------------------------------------------
+# The queues of one run (an epoch's threads), shared by the MultiFileReader
+# and the run's worker threads through a reference count: either side may go
+# first.  The workers hold only the run (`_Run`), never the reader, so an
+# abandoned reader is collected, its __dealloc__ sets `stop`, and the workers
+# leave at their next record or queue wait; the last owner frees the queues
+# and the packets still in them (which pin the files' blocks and mappings).
+cdef struct _shared:
+    int64_t refcnt
+    int stop                      # consumer -> workers: leave now
+    int nq
+    _queue *queues
+    _packet **partial             # per worker: the packet being filled
 
-    Not built directly: see `readerlib.open_files`.
+
+cdef extern from *:
+    int64_t __atomic_add_fetch(int64_t *p, int64_t v, int order) nogil
+    int64_t __atomic_sub_fetch(int64_t *p, int64_t v, int order) nogil
+    int __ATOMIC_RELAXED
+    int __ATOMIC_ACQ_REL
+
+
+cdef _shared *_sh_new(int n) except NULL:
+    cdef int t
+    cdef _shared *sh = <_shared *>calloc(1, sizeof(_shared))
+    if sh == NULL:
+        raise MemoryError()
+    sh.queues = <_queue *>calloc(n, sizeof(_queue))
+    sh.partial = <_packet **>calloc(n, sizeof(_packet *))
+    if sh.queues == NULL or sh.partial == NULL:
+        free(sh.queues)
+        free(sh.partial)
+        free(sh)
+        raise MemoryError()
+    for t in range(n):
+        pthread_mutex_init(&sh.queues[t].mu, NULL)
+        pthread_cond_init(&sh.queues[t].cv, NULL)
+    sh.nq = n
+    sh.refcnt = 1
+    return sh
+
+
+cdef void _sh_incref(_shared *sh) noexcept nogil:
+    __atomic_add_fetch(&sh.refcnt, 1, __ATOMIC_RELAXED)
+
+
+cdef void _sh_decref(_shared *sh) noexcept nogil:
+    cdef int t
+    cdef _queue *q
+    if sh == NULL or __atomic_sub_fetch(&sh.refcnt, 1, __ATOMIC_ACQ_REL) != 0:
+        return
+    for t in range(sh.nq):
+        q = &sh.queues[t]
+        while q.count:
+            _packet_free(q.ring[q.head])
+            q.head = (q.head + 1) % QUEUE_PACKETS
+            q.count -= 1
+        pthread_mutex_destroy(&q.mu)
+        pthread_cond_destroy(&q.cv)
+        _packet_free(sh.partial[t])
+    free(sh.queues)
+    free(sh.partial)
+    free(sh)
+
+
+cdef void _sh_stop(_shared *sh) noexcept nogil:
+    """Ask the run's workers to leave, and wake any that wait on a full queue."""
+    cdef int t
+    for t in range(sh.nq):
+        pthread_mutex_lock(&sh.queues[t].mu)
+        sh.stop = 1
+        pthread_cond_broadcast(&sh.queues[t].cv)
+        pthread_mutex_unlock(&sh.queues[t].mu)
+
+
+cdef double _JOIN_S = 0.5         # reset()/close() wait this long for workers inside a slow reader
+
+
+cdef class _Run:
+    """One epoch's worker threads: what they read and where they put it.
+
+    The threads' target is a method of this object, so they keep it (and the
+    shared queues) alive while they run -- and nothing else: not the reader.
     """
-    cdef object _plan
-    cdef list _units
+    cdef _shared *sh
+    cdef object plan
+    cdef list units
     cdef int64_t nunits
-    cdef readonly int num_threads
-    cdef _queue *queues
-    cdef _packet **partial
-    cdef list _threads
-    cdef list _errors
-    cdef int stop
-    cdef bint running
-    cdef bint failed
-    cdef object _failure
-    cdef int64_t cur_unit
-    cdef _packet *hold
-    cdef int64_t hold_i
-    cdef readonly int64_t limit
-    cdef readonly int64_t emitted
-    cdef readonly int64_t epoch
-    cdef double timeout
-
-    def __cinit__(self):
-        self.queues = NULL
-        self.partial = NULL
-
-    def __init__(self, plan, schema, num_threads=1, limit=-1, timeout=None):
-        cdef int t
-        n = _check_positive_int(num_threads, "num_threads")
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-        self._set_schema(schema, ITEM_INSTANCE)
-        self.layout.bare = bool(getattr(plan, "bare", False))   # FilePlan.open enforces it
-        self._plan = plan
-        self.num_threads = n
-        self.limit = limit
-        self.timeout = -1.0 if timeout is None else float(timeout)
-        self.queues = <_queue *>malloc(n * sizeof(_queue))
-        self.partial = <_packet **>malloc(n * sizeof(_packet *))
-        if self.queues == NULL or self.partial == NULL:
-            raise MemoryError()
-        for t in range(n):
-            pthread_mutex_init(&self.queues[t].mu, NULL)
-            pthread_cond_init(&self.queues[t].cv, NULL)
-            self.queues[t].head = 0
-            self.queues[t].count = 0
-            self.queues[t].nbytes = 0
-            self.partial[t] = NULL
-        self._threads = []
-        self._errors = [None] * n
-        self.epoch = 0
-        self.running = False
+    cdef int num_threads
+    cdef int bare
+    cdef list errors
 
     def __dealloc__(self):
-        cdef int t
-        if self.queues != NULL:
-            for t in range(self.num_threads):
-                while self.queues[t].count:
-                    _packet_free(self.queues[t].ring[self.queues[t].head])
-                    self.queues[t].head = (self.queues[t].head + 1) % QUEUE_PACKETS
-                    self.queues[t].count -= 1
-                pthread_mutex_destroy(&self.queues[t].mu)
-                pthread_cond_destroy(&self.queues[t].cv)
-            free(self.queues)
-            self.queues = NULL
-        if self.partial != NULL:
-            for t in range(self.num_threads):
-                _packet_free(self.partial[t])
-            free(self.partial)
-            self.partial = NULL
-        _packet_free(self.hold)
-        self.hold = NULL
+        _sh_decref(self.sh)
+        self.sh = NULL
 
     # -- queues (no GIL) -------------------------------------------------------
     cdef int _push(self, int t, _packet *p) noexcept nogil:
         """0 when queued; -1 when the reader is stopping (the caller frees p)."""
-        cdef _queue *q = &self.queues[t]
+        cdef _queue *q = &self.sh.queues[t]
         pthread_mutex_lock(&q.mu)
-        while (q.count == QUEUE_PACKETS or (q.count > 0 and q.nbytes >= QUEUE_BYTES)) and not self.stop:
+        while (q.count == QUEUE_PACKETS or (q.count > 0 and q.nbytes >= QUEUE_BYTES)) and not self.sh.stop:
             pthread_cond_wait(&q.cv, &q.mu)
-        if self.stop:
+        if self.sh.stop:
             pthread_mutex_unlock(&q.mu)
             return -1
         q.ring[(q.head + q.count) % QUEUE_PACKETS] = p
@@ -197,12 +233,168 @@ cdef class MultiFileReader(FileReader):
         pthread_mutex_unlock(&q.mu)
         return 0
 
+    # -- workers -----------------------------------------------------------------
+    cdef int _pump(self, ReaderBase rd, int t, int64_t u) except -1 nogil:
+        """Read one unit into packets.  0: done; 1: stopped."""
+        cdef rl_record rec
+        cdef int64_t nbytes = 0
+        cdef _packet *p = _packet_new(u)
+        if p == NULL:
+            with gil:
+                raise MemoryError()
+        self.sh.partial[t] = p
+        while True:
+            if rd.c_next(&rec) == 0:
+                break
+            if p.nblocks == 0 or p.blocks[p.nblocks - 1] != rec.block:
+                rl_block_incref(rec.block)
+                p.blocks[p.nblocks] = rec.block
+                p.nblocks += 1
+            p.recs[p.n] = rec
+            p.n += 1
+            nbytes += rec.size
+            p.nbytes = nbytes
+            if p.n == PACKET_RECORDS or nbytes >= PACKET_BYTES:
+                self.sh.partial[t] = NULL
+                if self._push(t, p) != 0:
+                    _packet_free(p)
+                    return 1
+                nbytes = 0
+                p = _packet_new(u)
+                if p == NULL:
+                    with gil:
+                        raise MemoryError()
+                self.sh.partial[t] = p
+            if self.sh.stop:
+                return 1
+        p.last = 1
+        self.sh.partial[t] = NULL
+        if self._push(t, p) != 0:
+            _packet_free(p)
+            return 1
+        return 0
+
+    def _worker(self, int t):
+        cdef ReaderBase rd
+        cdef int r
+        cdef int64_t u = t
+        cdef _packet *p
+        cache_path = None
+        cache = None
+        path = None
+        try:
+            while u < self.nunits and not self.sh.stop:
+                path, chunks = self.units[u]
+                if cache_path != path:
+                    if cache is not None:
+                        cache.close()
+                        cache = None
+                    cache_path = path
+                    cache = self.plan.open(path)
+                    if (<ReaderBase>cache).layout.bare != self.bare:
+                        raise ValueError(f"open_files: {path!r} gives "
+                                         f"{'bare' if cache.bare_instances else 'prefixed'} "
+                                         f"instances, the stream the other form")
+                rd = cache
+                if chunks is not None:
+                    cache.select_chunks(chunks)
+                else:
+                    rd.c_reset()
+                with nogil:
+                    r = self._pump(rd, t, u)
+                if r:
+                    break
+                u += self.num_threads
+        except BaseException as e:
+            if not self.sh.stop:
+                if not isinstance(e, DataLossError) or str(path) not in str(e):
+                    e.add_note(f"open_files: while reading {path!r} (unit {u}, worker thread {t})")
+                self.errors[t] = e
+                # what was read before the error still comes out, in order
+                p = self.sh.partial[t]
+                self.sh.partial[t] = NULL
+                if p != NULL and p.n > 0:
+                    if self._push(t, p) != 0:
+                        _packet_free(p)
+                        p = NULL
+                else:
+                    _packet_free(p)
+                p = _packet_new(u)
+                if p != NULL:
+                    p.error = 1
+                    if self._push(t, p) != 0:
+                        _packet_free(p)
+        finally:
+            _packet_free(self.sh.partial[t])
+            self.sh.partial[t] = NULL
+            if cache is not None:
+                try:
+                    cache.close()
+                except Exception:
+                    pass
+
+
+cdef class MultiFileReader(FileReader):
+    """The reader `rl.open_files` returns: units of files read by threads.
+
+    Not built directly: see `readerlib.open_files`.
+    """
+    cdef object _plan
+    cdef list _units
+    cdef int64_t nunits
+    cdef readonly int num_threads
+    cdef _Run run                 # the current epoch's threads (None between runs)
+    cdef _shared *sh              # its queues (a C pointer: survives GC's tp_clear)
+    cdef list _threads
+    cdef bint running
+    cdef bint failed
+    cdef object _failure
+    cdef int interrupted          # close() from another thread: a waiting read returns
+    cdef int64_t cur_unit
+    cdef _packet *hold
+    cdef int64_t hold_i
+    cdef readonly int64_t limit
+    cdef readonly int64_t emitted
+    cdef readonly int64_t epoch
+    cdef double timeout
+    cdef int64_t signals_ns       # when c_next last checked for Ctrl-C
+
+    def __cinit__(self):
+        self.sh = NULL
+
+    def __init__(self, plan, schema, num_threads=1, limit=-1, timeout=None):
+        n = _check_positive_int(num_threads, "num_threads")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        self._set_schema(schema, ITEM_INSTANCE)
+        self.layout.bare = bool(getattr(plan, "bare", False))   # FilePlan.open enforces it
+        self._plan = plan
+        self.num_threads = n
+        self.limit = limit
+        self.timeout = -1.0 if timeout is None else float(timeout)
+        self._threads = []
+        self.epoch = 0
+        self.running = False
+
+    def __dealloc__(self):
+        _packet_free(self.hold)
+        self.hold = NULL
+        if self.sh != NULL:
+            _sh_stop(self.sh)             # the workers leave on their own; nothing here waits
+            _sh_decref(self.sh)
+            self.sh = NULL
+
+    # -- the consumer's queue wait (no GIL) ---------------------------------------
     cdef int _pop(self, int t, _packet **out) except -1 nogil:
-        cdef _queue *q = &self.queues[t]
+        """0: *out is the next packet of thread t; 1: close() from another thread."""
+        cdef _queue *q = &self.sh.queues[t]
         cdef timespec ts
         cdef double waited = 0.0
         pthread_mutex_lock(&q.mu)
         while q.count == 0:
+            if self.interrupted:
+                pthread_mutex_unlock(&q.mu)
+                return 1
             clock_gettime(CLOCK_REALTIME, &ts)
             ts.tv_nsec += 100000000
             if ts.tv_nsec >= 1000000000:
@@ -230,123 +422,38 @@ cdef class MultiFileReader(FileReader):
         if self.timeout > 0 and waited >= self.timeout:
             raise TimeoutError(f"open_files: no record from {unit[0]!r} (unit {self.cur_unit}, thread {t}) "
                                f"for {waited:.1f} s (timeout={self.timeout})")
-        if t < len(self._threads) and not self._threads[t].is_alive() and self.queues[t].count == 0:
+        if t < len(self._threads) and not self._threads[t].is_alive() and self.sh.queues[t].count == 0:
             raise RuntimeError(f"open_files: worker thread {t} ended without finishing "
                                f"{unit[0] if unit else '?'!r}")
 
-    # -- workers -----------------------------------------------------------------
-    cdef int _pump(self, ReaderBase rd, int t, int64_t u) except -1 nogil:
-        """Read one unit into packets.  0: done; 1: stopped."""
-        cdef rl_record rec
-        cdef int64_t nbytes = 0
-        cdef _packet *p = _packet_new(u)
-        if p == NULL:
-            with gil:
-                raise MemoryError()
-        self.partial[t] = p
-        while True:
-            if rd.c_next(&rec) == 0:
-                break
-            if p.nblocks == 0 or p.blocks[p.nblocks - 1] != rec.block:
-                rl_block_incref(rec.block)
-                p.blocks[p.nblocks] = rec.block
-                p.nblocks += 1
-            p.recs[p.n] = rec
-            p.n += 1
-            nbytes += rec.size
-            p.nbytes = nbytes
-            if p.n == PACKET_RECORDS or nbytes >= PACKET_BYTES:
-                self.partial[t] = NULL
-                if self._push(t, p) != 0:
-                    _packet_free(p)
-                    return 1
-                nbytes = 0
-                p = _packet_new(u)
-                if p == NULL:
-                    with gil:
-                        raise MemoryError()
-                self.partial[t] = p
-            if self.stop:
-                return 1
-        p.last = 1
-        self.partial[t] = NULL
-        if self._push(t, p) != 0:
-            _packet_free(p)
-            return 1
-        return 0
-
-    def _worker(self, int t):
-        cdef ReaderBase rd
-        cdef int r
-        cdef int64_t u = t
-        cdef _packet *p
-        cache_path = None
-        cache = None
-        path = None
-        try:
-            while u < self.nunits and not self.stop:
-                path, chunks = self._units[u]
-                if cache_path != path:
-                    if cache is not None:
-                        cache.close()
-                        cache = None
-                    cache_path = path
-                    cache = self._plan.open(path)
-                    if (<ReaderBase>cache).layout.bare != self.layout.bare:
-                        raise ValueError(f"open_files: {path!r} gives "
-                                         f"{'bare' if cache.bare_instances else 'prefixed'} "
-                                         f"instances, the stream the other form")
-                rd = cache
-                if chunks is not None:
-                    cache.select_chunks(chunks)
-                else:
-                    rd.c_reset()
-                with nogil:
-                    r = self._pump(rd, t, u)
-                if r:
-                    break
-                u += self.num_threads
-        except BaseException as e:
-            if not self.stop:
-                if not isinstance(e, DataLossError) or str(path) not in str(e):
-                    e.add_note(f"open_files: while reading {path!r} (unit {u}, worker thread {t})")
-                self._errors[t] = e
-                # what was read before the error still comes out, in order
-                p = self.partial[t]
-                self.partial[t] = NULL
-                if p != NULL and p.n > 0:
-                    if self._push(t, p) != 0:
-                        _packet_free(p)
-                        p = NULL
-                else:
-                    _packet_free(p)
-                p = _packet_new(u)
-                if p != NULL:
-                    p.error = 1
-                    if self._push(t, p) != 0:
-                        _packet_free(p)
-        finally:
-            _packet_free(self.partial[t])
-            self.partial[t] = NULL
-            if cache is not None:
-                try:
-                    cache.close()
-                except Exception:
-                    pass
+    def _interrupt(self):
+        # close() from another thread: a read_next() waiting for a packet returns
+        # (end of stream) within one 100 ms slice, so close() can take the lock
+        self.interrupted = 1
 
     cdef int _start(self) except -1:
         cdef int t
+        cdef _Run run
         if self.failed:
             raise self._failure
-        self._units = list(self._plan.epoch_units(self.epoch))
-        self.nunits = len(self._units)
+        run = _Run.__new__(_Run)
+        run.plan = self._plan
+        run.units = list(self._plan.epoch_units(self.epoch))
+        run.nunits = len(run.units)
+        run.num_threads = self.num_threads
+        run.bare = self.layout.bare
+        run.errors = [None] * self.num_threads
+        run.sh = _sh_new(self.num_threads)
+        _sh_incref(run.sh)
+        self.sh = run.sh
+        self.run = run
+        self._units = run.units
+        self.nunits = run.nunits
         self.cur_unit = 0
         self.emitted = 0
-        self.stop = 0
-        self._errors = [None] * self.num_threads
         self._threads = []
         for t in range(min(self.num_threads, max(self.nunits, 1))):
-            th = threading.Thread(target=self._worker, args=(t,), daemon=True,
+            th = threading.Thread(target=run._worker, args=(t,), daemon=True,
                                   name=f"readerlib-open_files-{t}")
             self._threads.append(th)
         self.running = True
@@ -355,33 +462,30 @@ cdef class MultiFileReader(FileReader):
         return 0
 
     cdef int _stop_threads(self) except -1:
-        cdef int t
-        cdef _queue *q
-        self.stop = 1
-        for t in range(self.num_threads):
-            q = &self.queues[t]
-            pthread_mutex_lock(&q.mu)
-            pthread_cond_broadcast(&q.cv)
-            pthread_mutex_unlock(&q.mu)
+        """End the run: workers told to stop, joined for at most _JOIN_S.
+
+        A worker still inside a slow reader after that (a user function that
+        sleeps) is left to leave on its own: it holds only its run, whose
+        queues no later run shares, and closes its file when it goes.
+        """
+        if self.sh != NULL:
+            with nogil:
+                _sh_stop(self.sh)
+        deadline = time.monotonic() + _JOIN_S
         for th in self._threads:
-            th.join()
+            th.join(max(0.0, deadline - time.monotonic()))
         self._threads = []
-        for t in range(self.num_threads):
-            q = &self.queues[t]
-            while q.count:
-                _packet_free(q.ring[q.head])
-                q.head = (q.head + 1) % QUEUE_PACKETS
-                q.count -= 1
-            q.head = 0
-            q.nbytes = 0
         _packet_free(self.hold)
         self.hold = NULL
         self.hold_i = 0
+        self.run = None
+        _sh_decref(self.sh)
+        self.sh = NULL
         self.running = False
         return 0
 
     cdef int _raise_worker_error(self, int t) except -1:
-        e = self._errors[t]
+        e = self.run.errors[t]
         if e is None:
             e = RuntimeError(f"open_files: worker thread {t} failed")
         self.failed = True
@@ -392,6 +496,7 @@ cdef class MultiFileReader(FileReader):
     cdef int c_next(self, rl_record *out) except -1 nogil:
         cdef _packet *p
         cdef int t
+        cdef int64_t now
         if self.failed:
             with gil:
                 raise self._failure
@@ -408,13 +513,24 @@ cdef class MultiFileReader(FileReader):
                     self.cur_unit += 1
                 _packet_free(self.hold)
                 self.hold = NULL
+            if self.interrupted:
+                return 0
             if not self.running:
                 with gil:
                     self._start()
             if self.cur_unit >= self.nunits:
                 return 0
+            # Ctrl-C: a consumer fed slowly but steadily never waits a whole
+            # slice in _pop; look here too (once a packet, at most every 100 ms),
+            # before anything is taken
+            now = _now_ns()
+            if now - self.signals_ns >= 100000000:
+                self.signals_ns = now
+                with gil:
+                    PyErr_CheckSignals()
             t = <int>(self.cur_unit % self.num_threads)
-            self._pop(t, &p)
+            if self._pop(t, &p):
+                return 0                      # closed from another thread
             if p.error:
                 _packet_free(p)
                 with gil:

@@ -149,7 +149,9 @@ def _expand(paths_or_glob):
     out = []
     for item in items:
         item = os.fspath(item)
-        if _glob.has_magic(item):
+        # an existing file is that file, even if its name has glob characters
+        # ("data[1].rio"); a pattern is expanded only when nothing matches literally
+        if _glob.has_magic(item) and not os.path.exists(item):
             # a pattern like "data/*" also matches the TFRecord index sidecars: not data files
             found = sorted(f for f in _glob.glob(item) if not _is_sidecar(f))
             if not found:
