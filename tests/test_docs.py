@@ -50,10 +50,9 @@ def test_training_loop_examples_run(tmp_path):
     script = tmp_path / "training_loop.py"
     script.write_text("\n\n".join(run) + "\nprint('DOC OK')\n")
     where = os.path.dirname(os.path.dirname(os.path.abspath(rl.__file__)))
-    # READERLIB_NUM_THREADS=1 / OMP_NUM_THREADS=1: no OpenMP region in the parent before the
-    # DataLoader forks (issue 11 finding 1, libgomp is not fork-safe; fixed on its own branch)
-    env = dict(os.environ, PYTHONPATH=where + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               READERLIB_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    # Default thread settings, as a user runs the doc (readerlib's pool is fork-safe).
+    env = dict(os.environ, PYTHONPATH=where + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("READERLIB_NUM_THREADS", None)
     try:
         out = subprocess.run([sys.executable, "-P", str(script)], cwd=str(tmp_path), env=env,
                              capture_output=True, text=True, timeout=300)

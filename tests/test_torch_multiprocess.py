@@ -84,9 +84,8 @@ def data_dir(tmp_path_factory):
 
 def _env(rank):
     where = os.path.dirname(os.path.dirname(os.path.abspath(rl.__file__)))
-    # (READERLIB_NUM_THREADS=1: no OpenMP region before the DataLoader forks its workers)
-    return dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), READERLIB_NUM_THREADS="1",
-                OMP_NUM_THREADS="1", PYTHONPATH=where + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD),
+                PYTHONPATH=where + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
 def _run_ranks(tmp_path, data_dir, tag, die_at):
