@@ -99,7 +99,7 @@ def schema_from_arrow(arrow):
     meta = arrow.metadata or {}
     if _SCHEMA_KEY in meta:
         stored = Schema.from_json(meta[_SCHEMA_KEY].decode())
-        if stored.names == list(arrow.names):
+        if list(stored.names) == list(arrow.names):
             return stored
     fields = []
     for f in arrow:
@@ -236,8 +236,9 @@ class RecordIODatasource(Datasource):
     Design).  Use `read_recordio` / `read_tfrecord` rather than this class.
     """
 
-    def __init__(self, paths, schema=None, columns=None):
+    def __init__(self, paths, schema=None, columns=None, name="RecordIO"):
         super().__init__()
+        self._name = name
         self._paths = _expand_paths(paths)
         self._user_schema = None if schema is None else Schema.coerce(schema)
         units = []                   # (file index, chunk or None, records, bytes)
@@ -281,7 +282,7 @@ class RecordIODatasource(Datasource):
         return sum(u[2] for u in self._units)
 
     def get_name(self):
-        return "RecordIO"
+        return self._name
 
     def estimate_inmemory_data_size(self):
         lod = sum(1 for f in self._schema if f.lod_level)
@@ -420,7 +421,7 @@ def read_tfrecord(paths, *, schema=None, columns=None, override_num_blocks=None,
     index (``<file>.idx``, built by a scan in the driver when missing);
     compressed ones are read whole, one per task at most.  Records whose
     CRCs fail raise `TFRecordError` naming the file and offset."""
-    ds = RecordIODatasource(paths, schema=schema, columns=columns)
+    ds = RecordIODatasource(paths, schema=schema, columns=columns, name="TFRecord")
     return ray.data.read_datasource(ds, override_num_blocks=override_num_blocks, parallelism=parallelism,
                                     ray_remote_args=ray_remote_args, **read_args)
 
