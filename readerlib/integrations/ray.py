@@ -43,6 +43,7 @@ Design:
 Ray is imported only here; ``pip install "readerlib[ray]"`` installs it.
 """
 import glob as _glob
+import inspect
 import os
 import uuid
 
@@ -66,6 +67,7 @@ __all__ = ["read_recordio", "read_tfrecord", "write_recordio", "iter_lod_batches
            "batch_to_arrow", "arrow_to_columns"]
 
 _SCHEMA_KEY = b"readerlib.schema"
+_READ_TASK_ARGS = set(inspect.signature(ReadTask.__init__).parameters)
 _DEFAULT_BLOCK_BYTES = 128 << 20
 
 
@@ -336,7 +338,10 @@ class RecordIODatasource(Datasource):
             def read_fn(plan=plan, rows=rows):
                 return _read_units(plan, user_schema, schema, columns, rows)
 
-            tasks.append(ReadTask(read_fn, meta, schema=out_schema, per_task_row_limit=per_task_row_limit))
+            extra = {}
+            if _READ_TASK_ARGS >= {"schema", "per_task_row_limit"}:     # Ray >= 2.48 or so
+                extra = {"schema": out_schema, "per_task_row_limit": per_task_row_limit}
+            tasks.append(ReadTask(read_fn, meta, **extra))
         return tasks
 
 
