@@ -49,8 +49,9 @@ import uuid
 
 import numpy as np
 
-from readerlib.formats._recordio import RecordIOWriter
-from readerlib.readers.files import _expand, open_file
+from readerlib.formats._recordio import RecordIOReader, RecordIOWriter
+from readerlib.readers.files import _expand, file_reader_for, open_file
+from readerlib.readers.files import _recordio as _recordio_factory
 from readerlib.tensor import Field, LoDTensor, Schema
 
 try:
@@ -348,7 +349,12 @@ class RecordIODatasource(Datasource):
 def _read_units(plan, user_schema, schema, columns, rows):
     """A read task's body: its chunks, through readerlib's batcher, as Arrow tables."""
     for path, chunks in plan:
-        r = open_file(path, user_schema)
+        if file_reader_for(path) is _recordio_factory:
+            # a task batches its chunks in order, without a shuffle buffer: whole
+            # chunks mapped until consumed hold one chunk, and are faster
+            r = RecordIOReader(path, low_memory=False)
+        else:
+            r = open_file(path, user_schema)
         try:
             if chunks is not None:
                 r.select_chunks(chunks)
