@@ -82,6 +82,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--out")
+    ap.add_argument("--sizes", default="64,65536", help="record sizes in bytes, comma-separated")
     args = ap.parse_args()
 
     import ray
@@ -89,7 +90,9 @@ def main():
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=1_000_000_000,
              log_to_driver=False, configure_logging=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
-    cases = [(64, 20_000 if args.quick else 200_000), (64 << 10, 200 if args.quick else 2_000)]
+    count = {64: 20_000 if args.quick else 200_000, 64 << 10: 200 if args.quick else 2_000}
+    cases = [(int(s), count.get(int(s), max(1, (13 << 20 if args.quick else 128 << 20) // int(s))))
+             for s in args.sizes.split(",")]
     lines = [f"###### Ray Data readers, {FILES} files each, override_num_blocks={FILES}, "
              f"ray.init(num_cpus=2), best / median of {args.repeat} passes (Ray {ray.__version__}, "
              f"pyarrow {__import__('pyarrow').__version__}, Python {platform.python_version()})",

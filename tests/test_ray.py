@@ -212,6 +212,18 @@ def test_read_tfrecord_by_index_chunks(tmp_path, cluster):
         assert all(len(r) == 8 + int(np.frombuffer(r[:8], np.int64)[0]) % 11 for r in recs)
 
 
+@pytest.mark.skipif(bool(os.environ.get("READERLIB_NUM_THREADS")), reason="READERLIB_NUM_THREADS is set")
+def test_a_task_uses_the_cpus_ray_gave_it(cluster):
+    # two 1-CPU tasks on a 2-core node must not each run 2 threads (oversubscribed
+    # OpenMP regions spin: ~10x slower on a busy machine)
+    @ray.remote(num_cpus=1)
+    def threads():
+        from readerlib.readers._base import get_num_threads
+        rlray._threads_for_this_task()
+        return get_num_threads()
+    assert ray.get(threads.remote()) == 1
+
+
 # ----------------------------------------------------------------------- writing
 def test_write_then_read_back_bit_for_bit(files, tmp_path):
     ds = rlray.read_recordio(files, override_num_blocks=3)
