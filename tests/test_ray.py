@@ -174,6 +174,16 @@ def test_columns_and_a_checked_schema(files):
         rlray.read_recordio(files, schema=rl.Schema([rl.Field("id", "int64")]))
 
 
+def test_relative_paths_work_in_tasks_run_elsewhere(tmp_path, cluster, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_files("rel", [120, 80])
+    ds = rlray.read_recordio("rel/*.rio", override_num_blocks=2)
+    assert np.array_equal(ids_of(ds), np.arange(200))
+    out = rlray.write_recordio(ds, "out/part")
+    assert all(os.path.isabs(p) and p.startswith(str(tmp_path / "out")) for p in out)
+    assert sorted(int(i[0]) for p in out for i in rl.RecordIOReader(p)) == list(range(200))
+
+
 def test_a_corrupted_chunk_raises_in_its_task_naming_file_and_offset(tmp_path, cluster):
     paths = write_files(str(tmp_path), [300, 300])
     offs, _ = rl.RecordIOReader(paths[1]).chunk_table()

@@ -399,7 +399,8 @@ def _expand_paths(paths):
             out.extend(_expand(item))
     if not out:
         raise ValueError("read_recordio needs at least one path")
-    return out
+    # absolute, as Ray's own file readers resolve them: tasks run in other directories
+    return [os.path.abspath(p) for p in out]
 
 
 def read_recordio(paths, *, schema=None, columns=None, override_num_blocks=None, parallelism=-1,
@@ -461,7 +462,7 @@ class RecordIODatasink(Datasink):
 
     def __init__(self, path_prefix, schema=None, records_per_file=None, chunk_size=1 << 20,
                  compressor="none"):
-        self.path_prefix = os.fspath(path_prefix)
+        self.path_prefix = os.path.abspath(os.fspath(path_prefix))   # tasks run elsewhere
         self.schema = None if schema is None else Schema.coerce(schema)
         if records_per_file is not None and (not isinstance(records_per_file, (int, np.integer))
                                              or isinstance(records_per_file, bool) or records_per_file < 1):
