@@ -111,6 +111,15 @@ def test_arrow_nulls_and_wrong_shapes_are_named():
         rlray.arrow_to_columns(t, rl.Schema([rl.Field("s", "int32", (2,), lod_level=1)]))
     with pytest.raises(KeyError, match="'nope'"):
         rlray.arrow_to_columns(t, rl.Schema([rl.Field("nope", "int32")]))
+    # casts: lossless ones pass, lossy ones are named
+    t = pa.table({"v": pa.array([1, 2, 300], pa.int64())})
+    (v,) = rlray.arrow_to_columns(t, rl.Schema([rl.Field("v", "int16")]))
+    assert v.dtype == np.int16 and v.tolist() == [1, 2, 300]
+    with pytest.raises(ValueError, match="'v'.*row 2"):
+        rlray.arrow_to_columns(t, rl.Schema([rl.Field("v", "uint8")]))
+    t = pa.table({"v": pa.array([1.0, 2.5])})
+    with pytest.raises(ValueError, match="'v'.*row 1"):
+        rlray.arrow_to_columns(t, rl.Schema([rl.Field("v", "int64")]))
     with pytest.raises(TypeError, match="'s'.*string"):
         rlray.schema_from_arrow(pa.schema([("s", pa.string())]))
 

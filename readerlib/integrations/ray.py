@@ -170,6 +170,22 @@ def _column_numpy(col, name):
     return col.to_numpy(zero_copy_only=False)
 
 
+def _cast(arr, f):
+    """`arr` as the field's dtype: safe casts freely, others only when every value
+    survives (an int64 column of small ints into int16 is fine; 2.5 into int64 is not)."""
+    if arr.dtype == f.dtype:
+        return arr
+    out = arr.astype(f.dtype)
+    if not np.can_cast(arr.dtype, f.dtype, casting="safe"):
+        with np.errstate(invalid="ignore"):
+            back = out.astype(arr.dtype)
+        if not np.array_equal(back, arr, equal_nan=arr.dtype.kind == "f"):
+            bad = int(np.flatnonzero((back != arr).reshape(len(arr), -1).any(axis=1))[0]) if len(arr) else 0
+            raise ValueError(f"column {f.name!r}: {arr.dtype} values do not fit field {f} "
+                             f"(row {bad}: {arr[bad]!r})")
+    return out
+
+
 def arrow_to_columns(table, schema):
     """A pyarrow Table (or one Ray block) as readerlib columns, schema order:
     NumPy ``[B, *shape]`` for fixed fields, `LoDTensor` (rows + int64 offsets)
@@ -210,9 +226,9 @@ def _to_field(col, f):
         arr = np.asarray(arr)
         if arr.shape[1:] != f.shape:
             raise ValueError(f"column {f.name!r}: values of shape {arr.shape[1:]}, field {f} wants {f.shape}")
-        return arr.astype(f.dtype, copy=False)
+        return _cast(arr, f)
     if isinstance(t, ArrowVariableShapedTensorType):
-        seqs = [np.asarray(s, f.dtype).reshape(-1, *f.shape) for s in col.to_numpy()]
+        seqs = [_cast(np.asarray(s), f).reshape(-1, *f.shape) for s in col.to_numpy()]
         return LoDTensor.from_sequences(seqs) if seqs else LoDTensor(np.empty((0, *f.shape), f.dtype), [np.zeros(1, np.int64)])
     if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
         raise ValueError(f"column {f.name!r} has Arrow type {t}; sequence field {f} needs a list column")
@@ -230,7 +246,7 @@ def _to_field(col, f):
         values = values.flatten()
     if tuple(inner) != f.shape:
         raise ValueError(f"column {f.name!r}: rows of shape {tuple(inner)}, field {f} wants {f.shape}")
-    data = _column_numpy(values, f.name).astype(f.dtype, copy=False).reshape(-1, *f.shape)
+    data = _cast(_column_numpy(values, f.name), f).reshape(-1, *f.shape)
     return LoDTensor(data, [offsets])
 
 
