@@ -243,6 +243,34 @@ def test_a_task_uses_the_cpus_ray_gave_it(cluster):
     assert ray.get(threads.remote()) == 1
 
 
+def test_a_corrupted_tfrecord_names_file_and_offset(tmp_path, cluster):
+    p = str(tmp_path / "c.tfrecord")
+    with rl.TFRecordWriter(p) as w:
+        for k in range(2000):
+            w.write(bytes([k % 251]) * 100)
+    bad = 1500 * (16 + 100) + 12 + 50                # inside record 1500's payload
+    with open(p, "r+b") as f:
+        f.seek(bad)
+        b = f.read(1)
+        f.seek(bad)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(rl.TFRecordError) as e:
+        rlray.read_tfrecord(p, override_num_blocks=3).materialize()
+    assert p in str(e.value) and f"corrupted record at {1500 * 116}" in str(e.value)
+
+
+def test_a_read_task_called_outside_ray_starts_no_cluster(tmp_path):
+    # run in a fresh interpreter: this module's cluster is up here
+    paths = write_files(str(tmp_path), [30])
+    code = ("import ray, readerlib.integrations.ray as rlray\n"
+            f"tasks = rlray.RecordIODatasource({paths!r}).get_read_tasks(2)\n"
+            "n = sum(b.num_rows for t in tasks for b in t())\n"
+            "print(n, ray.is_initialized())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["30", "False"]
+
+
 # ----------------------------------------------------------------------- writing
 def test_write_then_read_back_bit_for_bit(files, tmp_path):
     ds = rlray.read_recordio(files, override_num_blocks=3)

@@ -369,12 +369,12 @@ def _threads_for_this_task():
     """readerlib threads = the CPUs Ray gave this task (as Ray sets OMP_NUM_THREADS),
     unless READERLIB_NUM_THREADS says otherwise.  Several tasks share a node:
     each using every core oversubscribes it (10x slower on a busy machine)."""
-    if os.environ.get("READERLIB_NUM_THREADS"):
-        return
-    try:
-        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
-    except Exception:          # not in a Ray worker (a task called directly)
-        return
+    if os.environ.get("READERLIB_NUM_THREADS") or not ray.is_initialized():
+        return                 # (not ray.get_runtime_context() first: it would start a cluster)
+    ctx = ray.get_runtime_context()
+    if ctx.worker.mode != ray.WORKER_MODE:
+        return                 # the driver (a task's function called directly): leave it alone
+    cpus = ctx.get_assigned_resources().get("CPU", 1)
     from readerlib.readers._base import set_num_threads
     set_num_threads(max(1, int(cpus)))
 
