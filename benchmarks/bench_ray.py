@@ -83,6 +83,8 @@ def main():
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--out")
     ap.add_argument("--sizes", default="64,65536", help="record sizes in bytes, comma-separated")
+    ap.add_argument("--fixed-cost", action="store_true",
+                    help="only time passes over 8 files of 10 records (Ray's fixed cost per pass)")
     args = ap.parse_args()
 
     import ray
@@ -93,6 +95,18 @@ def main():
     # 64 B: 200k records (read_tfrecords parses ~6k Examples/s here); 64 KiB: 512 MiB, so
     # that Ray's fixed cost per pass (planning, scheduling 8 tasks: ~0.1 s) is not the figure
     count = {64: 20_000 if args.quick else 200_000, 64 << 10: 200 if args.quick else 8_000}
+    if args.fixed_cost:
+        root = tempfile.mkdtemp(prefix="bench_ray_")
+        try:
+            paths, _ = write_all(root, 80, 64)
+            make = lambda: rlray.read_recordio(paths["rio"], override_num_blocks=FILES)  # noqa: E731
+            one_pass(make)
+            ts = [one_pass(make)[0] for _ in range(10)]
+            print(f"80-record pass, {FILES} tasks: best {min(ts):.3f} s, median {statistics.median(ts):.3f} s")
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+            ray.shutdown()
+        return
     cases = [(int(s), count.get(int(s), max(1, (13 << 20 if args.quick else 128 << 20) // int(s))))
              for s in args.sizes.split(",")]
     lines = [f"###### Ray Data readers, {FILES} files each, override_num_blocks={FILES}, "
