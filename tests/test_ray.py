@@ -9,7 +9,6 @@ import glob
 import os
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
