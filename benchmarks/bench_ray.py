@@ -1,0 +1,160 @@
+"""Ray Data: readerlib's read_recordio against Ray Data's own readers (issue 17).
+
+    python benchmarks/bench_ray.py [--quick] [--repeat 5] [--out ray.md]
+
+The same records (64 B and 64 KiB of random bytes each), written as
+  * RecordIO files (one field ``data``: uint8[size]) -> ``readerlib.integrations.ray.read_recordio``
+  * TFRecord files of ``tf.train.Example`` (one bytes feature ``data``) -> ``ray.data.read_tfrecords``
+  * ``.npy`` files (uint8 [n, size]) -> ``ray.data.read_numpy``
+  * TFRecord files of the raw records -> ``readerlib.integrations.ray.read_tfrecord`` (fixed schema)
+8 files of each, every reader with ``override_num_blocks=8``, on one local
+cluster (``ray.init(num_cpus=2)``) started once for the whole run.  A pass is
+building the Dataset and iterating all of it (``iter_batches(batch_size=None,
+batch_format="pyarrow")``, as a training loop would) -- planning included.
+Each reader runs one untimed pass first (worker start-up, TensorFlow import in
+the workers), then `--repeat` timed ones; best and median are reported, and
+ratios of best to best against ``read_tfrecords``.  The files are in the page
+cache.  The machine is shared: read the ratios.
+"""
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import readerlib as rl  # noqa: E402
+
+COPY_GBS = 23.0     # DESIGN.md: CPU copy ~23 GB/s (read+write)
+FILES = 8
+
+
+def example_bytes(payload):
+    import tensorflow as tf
+    return tf.train.Example(features=tf.train.Features(feature={
+        "data": tf.train.Feature(bytes_list=tf.train.BytesList(value=[payload]))})).SerializeToString()
+
+
+def write_all(root, n, size, seed=0):
+    """The same n records of `size` bytes in four formats, FILES files each."""
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    schema = rl.Schema([rl.Field("data", "uint8", (size,))])
+    out = {k: [] for k in ("rio", "tfex", "npy", "tfraw")}
+    for d in out:
+        os.makedirs(os.path.join(root, d), exist_ok=True)
+    for i, part in enumerate(np.array_split(data, FILES)):
+        p = os.path.join(root, "rio", f"part-{i}.rio")
+        with rl.RecordIOWriter(p, schema) as w:
+            w.write_batch({"data": part})
+        out["rio"].append(p)
+        p = os.path.join(root, "tfex", f"part-{i}.tfrecords")
+        with rl.TFRecordWriter(p) as w:          # byte-compatible with tf.io.TFRecordWriter
+            for rec in part:
+                w.write(example_bytes(rec.tobytes()))
+        out["tfex"].append(p)
+        p = os.path.join(root, "npy", f"part-{i}.npy")
+        np.save(p, part)
+        out["npy"].append(p)
+        p = os.path.join(root, "tfraw", f"part-{i}.tfrecord")
+        with rl.TFRecordWriter(p) as w:
+            w.write_batch(part)
+        out["tfraw"].append(p)
+    return out, schema
+
+
+def one_pass(make):
+    t = time.perf_counter()
+    ds = make()
+    n = 0
+    for b in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        n += b.num_rows
+    return time.perf_counter() - t, n
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--out")
+    ap.add_argument("--sizes", default="64,65536", help="record sizes in bytes, comma-separated")
+    ap.add_argument("--fixed-cost", action="store_true",
+                    help="only time passes over 8 files of 10 records (Ray's fixed cost per pass)")
+    args = ap.parse_args()
+
+    import ray
+    import readerlib.integrations.ray as rlray
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=1_500_000_000,
+             log_to_driver=False, configure_logging=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    # 64 B: 200k records (read_tfrecords parses ~6k Examples/s here); 64 KiB: 512 MiB, so
+    # that Ray's fixed cost per pass (planning, scheduling 8 tasks: ~0.1 s) is not the figure
+    count = {64: 20_000 if args.quick else 200_000, 64 << 10: 200 if args.quick else 8_000}
+    if args.fixed_cost:
+        root = tempfile.mkdtemp(prefix="bench_ray_")
+        try:
+            paths, _ = write_all(root, 80, 64)
+            make = lambda: rlray.read_recordio(paths["rio"], override_num_blocks=FILES)  # noqa: E731
+            one_pass(make)
+            ts = [one_pass(make)[0] for _ in range(10)]
+            print(f"80-record pass, {FILES} tasks: best {min(ts):.3f} s, median {statistics.median(ts):.3f} s")
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+            ray.shutdown()
+        return
+    cases = [(int(s), count.get(int(s), max(1, (13 << 20 if args.quick else 128 << 20) // int(s))))
+             for s in args.sizes.split(",")]
+    lines = [f"###### Ray Data readers, {FILES} files each, override_num_blocks={FILES}, "
+             f"ray.init(num_cpus=2), best / median of {args.repeat} passes (Ray {ray.__version__}, "
+             f"pyarrow {__import__('pyarrow').__version__}, Python {platform.python_version()})",
+             "", "| records | reader | best rec/s | median rec/s | best GB/s | median GB/s | vs read_tfrecords (best) |",
+             "|---|---|---|---|---|---|---|"]
+    root = tempfile.mkdtemp(prefix="bench_ray_")
+    try:
+        for size, n in cases:
+            paths, schema = write_all(os.path.join(root, str(size)), n, size)
+            readers = [
+                ("readerlib read_recordio", lambda: rlray.read_recordio(paths["rio"], override_num_blocks=FILES)),
+                ("ray.data.read_tfrecords", lambda: ray.data.read_tfrecords(paths["tfex"], override_num_blocks=FILES)),
+                ("ray.data.read_numpy", lambda: ray.data.read_numpy(paths["npy"], override_num_blocks=FILES)),
+                ("readerlib read_tfrecord (raw records)",
+                 lambda: rlray.read_tfrecord(paths["tfraw"], schema=schema, override_num_blocks=FILES)),
+            ]
+            times = {}
+            for name, make in readers:
+                _, got = one_pass(make)                     # warm-up (workers, imports, page cache)
+                assert got == n, (name, got, n)
+                ts = []
+                for _ in range(args.repeat):
+                    t, got = one_pass(make)
+                    assert got == n, (name, got, n)
+                    ts.append(t)
+                times[name] = ts
+                print(f"{size} B  {name}: best {n / min(ts):,.0f} rec/s, median {n / statistics.median(ts):,.0f}",
+                      flush=True)
+            peer = min(times["ray.data.read_tfrecords"])
+            label = f"{n:,} x {size if size < 1024 else str(size >> 10) + ' Ki'}B"
+            for name, ts in times.items():
+                best, med = min(ts), statistics.median(ts)
+                lines.append(f"| {label} | {name} | {n / best:,.0f} | {n / med:,.0f} | {n * size / best / 1e9:.3f} | "
+                             f"{n * size / med / 1e9:.3f} | {peer / best:.1f}x |")
+            shutil.rmtree(os.path.join(root, str(size)))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        ray.shutdown()
+    lines.append("")
+    lines.append(f"(CPU copy bandwidth for scale: ~{COPY_GBS:.0f} GB/s read+write, DESIGN.md.)")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
