@@ -39,12 +39,13 @@ cdef class InstanceCodec:
     cdef Py_ssize_t vdims[RL_MAX_FIELDS][CODEC_MAX_NDIM]
     # record bytes -> tuple of fresh arrays; -1 (ValueError set) if malformed
     cdef tuple decode(self, const char *data, int64_t size)
-    # a tuple / list / dict / single value -> list of C-contiguous arrays of the
-    # schema's dtypes and shapes; TypeError/ValueError naming `what` and the field
-    cdef list normalize(self, object instance, str what)
+    # a tuple / list / dict / single value -> tuple of C-contiguous arrays of the
+    # schema's dtypes and shapes (the instance itself when it is one already);
+    # TypeError/ValueError naming `what` and the field
+    cdef tuple normalize(self, object instance, str what)
     # encoded size of normalised arrays, and the encoding itself
-    cdef int64_t encoded_size(self, list arrays) except -1
-    cdef int64_t encode_into(self, list arrays, char *out) except -1
+    cdef int64_t encoded_size(self, tuple arrays) except -1
+    cdef int64_t encode_into(self, tuple arrays, char *out) except -1
 
 
 cdef class BatchCodec:

@@ -14,6 +14,8 @@ Design:
 import numpy as np
 cimport numpy as cnp
 from libc.string cimport memcpy, memset
+from cpython.ref cimport Py_INCREF
+from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
 
 from readerlib._typedefs cimport int64_t
 from readerlib.readers._base cimport (
@@ -106,7 +108,7 @@ cdef class InstanceCodec:
         cdef int64_t nbytes
         if layout_parse(&self.L, data, size, ptrs, rows) != 0:
             raise ValueError(f"malformed record of {size} bytes for schema {self.schema}")
-        out = [None] * self.L.nfields
+        out = PyTuple_New(self.L.nfields)
         for f in range(self.L.nfields):
             nd = self.vndim[f]
             nbytes = rows[f] * self.L.row_bytes[f]
@@ -121,10 +123,11 @@ cdef class InstanceCodec:
                 a = np.empty(((rows[f],) if fd.lod_level else ()) + fd.shape, dtype=fd.dtype)
             if nbytes:
                 memcpy(cnp.PyArray_DATA(<cnp.ndarray>a), ptrs[f], nbytes)
-            out[f] = a
-        return tuple(out)
+            Py_INCREF(a)
+            PyTuple_SET_ITEM(out, f, a)
+        return <tuple>out
 
-    cdef list normalize(self, object instance, str what):
+    cdef tuple normalize(self, object instance, str what):
         cdef int n = self.L.nfields
         cdef int f, k, nd
         cdef cnp.ndarray a
@@ -152,7 +155,7 @@ cdef class InstanceCodec:
         else:
             raise TypeError(f"{what}: an instance is a tuple or dict of {n} values, "
                             f"got {type(instance).__name__}")
-        out = [None] * n
+        out = None
         for f in range(n):
             v = values[f]
             ok = False
@@ -167,10 +170,15 @@ cdef class InstanceCodec:
                         if shp[k] != self.vdims[f][k]:
                             ok = False
                             break
-            out[f] = v if ok else _as_field_array_slow(v, self.fields[f], what)
-        return out
+            if not ok:
+                if out is None:
+                    out = list(values)
+                out[f] = _as_field_array_slow(v, self.fields[f], what)
+        if out is None:                 # every value fits as it is
+            return values if type(values) is tuple else tuple(values)
+        return tuple(out)
 
-    cdef int64_t encoded_size(self, list arrays) except -1:
+    cdef int64_t encoded_size(self, tuple arrays) except -1:
         cdef int f
         cdef int64_t s = 0
         for f in range(self.L.nfields):
@@ -179,7 +187,7 @@ cdef class InstanceCodec:
             s += cnp.PyArray_NBYTES(<cnp.ndarray>arrays[f])
         return s
 
-    cdef int64_t encode_into(self, list arrays, char *out) except -1:
+    cdef int64_t encode_into(self, tuple arrays, char *out) except -1:
         cdef int f
         cdef int64_t pos = 0, nb
         cdef cnp.ndarray a
@@ -297,8 +305,9 @@ cdef class BatchCodec:
                     raise ValueError(f"{what}: field {fd.name!r} rows have shape {fd.shape}, "
                                      f"got data of shape {data.shape}")
                 off = np.ascontiguousarray(lod[0], dtype=np.int64)
-                if off.ndim != 1 or off.shape[0] < 1 or off[0] != 0 or off[-1] != data.shape[0] \
-                        or (off.shape[0] > 1 and np.any(off[1:] < off[:-1])):
+                if off.ndim != 1 or off.shape[0] < 1 or off[0] != 0 or \
+                        off[off.shape[0] - 1] != data.shape[0] or \
+                        (off.shape[0] > 1 and np.any(np.diff(off) < 0)):
                     raise ValueError(f"{what}: field {fd.name!r} has malformed offsets "
                                      f"(need 0 .. {data.shape[0]}, non-decreasing)")
                 n = off.shape[0] - 1

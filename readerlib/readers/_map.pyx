@@ -55,6 +55,7 @@ cnp.import_array()
 __all__ = ["MapReader", "MapBatchesReader", "FilterReader"]
 
 DEF CHUNK_PER_THREAD = 64
+DEF ARENA_BYTES = 65536          # one thread's outputs are carved from blocks of this size
 
 
 def _source_of(reader):
@@ -239,10 +240,13 @@ cdef class MapReader(DecoratedReader):
     cdef int64_t nchunk           # outcomes in the chunk
     cdef int64_t ichunk           # next outcome to hand out
     cdef list failures            # None, or per outcome None / the exception to raise
+    cdef bint has_failures        # failures is not None
     cdef int64_t chunk_pos        # input position of outcome 0
     cdef int64_t in_pos           # inputs pulled this epoch
     cdef object upstream_error    # raised after the chunk's outcomes
     cdef object _probe            # the inference call's output, for input 0 of the first epoch
+    cdef rl_block *arena          # num_threads=1: outputs are carved from it (no malloc per record)
+    cdef int64_t arena_used
     cdef object _pool
     cdef object _pool_pid
     cdef object _source
@@ -287,6 +291,7 @@ cdef class MapReader(DecoratedReader):
 
     def __dealloc__(self):
         self._drop_chunk()
+        self._drop_arena()
         free(self.recs)
         free(self.offs)
         self.recs = NULL
@@ -304,6 +309,27 @@ cdef class MapReader(DecoratedReader):
         self.nchunk = 0
         self.ichunk = 0
         self.failures = None
+        self.has_failures = False
+
+    cdef void _drop_arena(self) noexcept:
+        if self.arena != NULL:
+            rl_block_decref(self.arena)
+            self.arena = NULL
+        self.arena_used = 0
+
+    cdef char *_arena_alloc(self, int64_t size) except NULL:
+        """Room for one output record.  Bump allocation: a record handed out stays
+        valid while its block lives (consumers that keep it hold a reference)."""
+        cdef int64_t need = (size + 15) & ~(<int64_t>15)
+        cdef char *p
+        if self.arena == NULL or self.arena_used + need > self.arena.size:
+            self._drop_arena()
+            self.arena = rl_block_new(need if need > ARENA_BYTES else ARENA_BYTES)
+            if self.arena == NULL:
+                raise MemoryError(f"map output of {size} bytes")
+        p = self.arena.data + self.arena_used
+        self.arena_used += need
+        return p
 
     cdef int _pull(self) except -1 nogil:
         """Fill recs[] from the reader below (references taken); self.nrecs counts them."""
@@ -417,6 +443,7 @@ cdef class MapReader(DecoratedReader):
         self.nchunk = n
         self.ichunk = 0
         self.failures = failures if any_failure else None
+        self.has_failures = any_failure
         return 1
 
     cdef int _next_py(self, rl_record *out) except -1:
@@ -443,12 +470,66 @@ cdef class MapReader(DecoratedReader):
             out.size = self.offs[i + 1] - self.offs[i]
             return 1
 
+    cdef int _one(self, rl_record *rec, rl_record *out) except -1:
+        """num_threads=1: the record just read -> one call -> one record out (no read-ahead)."""
+        cdef int64_t pos, size
+        cdef char *p
+        pos = self.in_pos
+        self.in_pos += 1
+        if self._probe is not None and pos == 0:
+            arrays = self._probe                  # the inference call's output, checked
+            self._probe = None
+        else:
+            self._probe = None
+            try:
+                x = self.incodec.decode(rec.data, rec.size)
+            except ValueError as e:
+                _note(e, f"at {self._where(pos)}")
+                raise
+            rl_record_consumed(rec)
+            try:
+                y = self.fn(x)
+            except Exception as e:
+                _note(e, f"raised by the function of MapReader on {self._where(pos)}")
+                raise
+            try:
+                arrays = self.outcodec.normalize(y, "map: the function's output")
+            except (TypeError, ValueError) as e:
+                _note(e, f"at {self._where(pos)}")
+                raise
+        size = self.outcodec.encoded_size(arrays)
+        p = self._arena_alloc(size)
+        self.outcodec.encode_into(arrays, p)
+        out.block = self.arena
+        out.data = p
+        out.size = size
+        return 1
+
     cdef int c_next(self, rl_record *out) except -1 nogil:
+        # The GIL only for the Python work: once per record (one thread), once
+        # per chunk (threads; its records are handed out without it).
+        cdef rl_record rec
+        cdef int r
+        cdef int64_t i
+        if self.num_threads == 1:
+            r = self.reader.c_next(&rec)
+            if r <= 0:
+                return r
+            with gil:
+                return self._one(&rec, out)
+        if self.ichunk < self.nchunk and not self.has_failures:
+            i = self.ichunk
+            self.ichunk += 1
+            out.block = self.chunk
+            out.data = self.chunk.data + self.offs[i]
+            out.size = self.offs[i + 1] - self.offs[i]
+            return 1
         with gil:
             return self._next_py(out)
 
     cdef int c_reset(self) except -1:
         self._drop_chunk()
+        self._drop_arena()
         self.in_pos = 0
         self.upstream_error = None
         self._probe = None
@@ -456,6 +537,7 @@ cdef class MapReader(DecoratedReader):
 
     cdef int c_close(self) except -1:
         self._drop_chunk()
+        self._drop_arena()
         self._probe = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)

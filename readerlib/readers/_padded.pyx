@@ -622,7 +622,7 @@ cdef class BucketByLengthReader(_SequenceBatcher):
                 with gil:
                     raise ValueError(
                         f"BucketByLengthReader: instance {pos} of the epoch has length {length}, not "
-                        f"below the last boundary {self._boundaries[-1]} (pad_to_bucket_boundary=True)")
+                        f"below the last boundary {self._boundaries[len(self._boundaries) - 1]} (pad_to_bucket_boundary=True)")
             if self.max_tok >= 0 and (self._padded_len(j, length) if self.padded else length) > self.max_tok:
                 with gil:
                     raise ValueError(
