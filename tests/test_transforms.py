@@ -561,3 +561,24 @@ def test_state_of_a_map_restores_under_another_thread_count(data):
     b = src(data).shuffle(6, seed=1).map(double_seq, num_threads=4)
     b.set_state(state)
     assert drain_canon(b) == rest
+
+
+@pytest.mark.parametrize("nt", [1, 3])
+def test_map_outputs_kept_long_by_a_shuffle_stay_intact(data, nt):
+    # one thread carves outputs from shared blocks: a shuffle after the map keeps
+    # records of many blocks at once; none may be overwritten or freed early
+    got = drain_canon(src(data).map(double_seq, num_threads=nt).shuffle(30, seed=1).batch(7))
+    assert_exactly_once(got, [canon(double_seq(x)) for x in instances(data)])
+    big = rl.ArrayReader(np.arange(6)).map(lambda x: (np.full(40_000, x[0], np.int32),), num_threads=nt)
+    got = [b[0].data for b in big.shuffle(4, seed=0).batch(2)]
+    assert sorted(int(r[0]) for g in got for r in g) == list(range(6))
+    assert all((r == r[0]).all() for g in got for r in g)
+
+
+def test_map_over_a_python_source_and_under_prefetch(data):
+    insts = instances(data)
+    schema = data[1]
+    r = rl.PythonReader(lambda: iter(insts), schema).map(double_seq, num_threads=2).prefetch(2)
+    assert drain_canon(r) == [canon(double_seq(x)) for x in insts]
+    r.close()
+    assert r.closed
