@@ -105,8 +105,8 @@ def test_map_runs_on_several_threads_when_asked():
     barrier = threading.Barrier(2, timeout=10)
 
     def fn(x):
-        seen.add(threading.get_ident())
-        if int(x[0]) in (0, 64):   # the first of each thread's slice of the first chunk:
+        if threading.get_ident() not in seen:
+            seen.add(threading.get_ident())
             barrier.wait()         # returns only when two threads are in fn at once
         return x
     r = rl.ArrayReader(np.arange(200)).map(fn, num_threads=2, output_schema=rl.Schema(
@@ -582,3 +582,17 @@ def test_map_over_a_python_source_and_under_prefetch(data):
     assert drain_canon(r) == [canon(double_seq(x)) for x in insts]
     r.close()
     assert r.closed
+
+
+def test_map_batches_read_directly_or_through_a_reader_after_it_agree(data):
+    def fn(b):
+        ids, seq, fixed = b
+        return {"fixed": fixed.data.astype(np.float64), "id": ids.data + 1,
+                "seq": rl.LoDTensor(seq.data[:, :1].copy(), seq.lod)}
+    out = rl.Schema([rl.Field("id", "int64"), rl.Field("seq", "float32", (1,), lod_level=1),
+                     rl.Field("fixed", "float32", (2,))])
+    direct = drain(src(data).batch(4).map_batches(fn, output_schema=out))
+    nested = drain(src(data).batch(4).map_batches(fn, output_schema=out).prefetch(2))
+    assert [[canon(i) for i in unbatch(b)] for b in direct] == [[canon(i) for i in unbatch(b)] for b in nested]
+    assert direct[0][2].data.dtype == np.float32        # cast to the schema on both paths
+    assert direct[0][0].data.tolist() == [1, 2, 3, 4]
