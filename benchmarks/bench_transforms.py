@@ -71,6 +71,18 @@ def tfdata_case(path_tf, with_map):
     return run
 
 
+def python_floor(n=300_000):
+    """records/s of the least a per-record Python function costs here: one fresh
+    64-byte array per instance (what a map hands the function), a tuple, the call."""
+    fn = identity
+    empty = np.empty
+    u8 = np.uint8
+    t = time.perf_counter()
+    for _ in range(n):
+        fn((empty(64, u8),))
+    return n, time.perf_counter() - t
+
+
 def small_cases(tmp, n_records, repeat, peers):
     path = os.path.join(tmp, "small.rio")
     bench.make_dataset(path, "small", n_records)
@@ -96,6 +108,7 @@ def small_cases(tmp, n_records, repeat, peers):
         "chain + map(identity), 1 thread": chain("map1"),
         "chain + map(identity), 2 threads": chain("map2"),
         "chain + map_batches(identity)": chain("map_batches"),
+        "Python floor: fn((np.empty(64, uint8),)) in a loop, no chain": python_floor,
     }
     if "tf" in peers:
         try:

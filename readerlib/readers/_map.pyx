@@ -87,6 +87,7 @@ def _field_name(i, in_schema, n_out):
 def infer_instance_schema(output, in_schema, what):
     """The schema of one function output (tuple / dict / single array).
 
+    Containers are tuples and dicts; anything else is one field's value.
     Names: a dict's keys; a tuple's values take the input's field names
     position by position, values past those f<i>.  A field named like an input sequence field stays
     a sequence when its value has a time axis; every other field is fixed, with
@@ -94,11 +95,10 @@ def infer_instance_schema(output, in_schema, what):
     """
     if isinstance(output, dict):
         items = list(output.items())
-    elif isinstance(output, (tuple, list)):
+    elif isinstance(output, tuple):
         items = [(_field_name(i, in_schema, len(output)), v) for i, v in enumerate(output)]
-    else:
-        items = [(in_schema.fields[0].name if in_schema is not None and len(in_schema) == 1 else "f0",
-                  output)]
+    else:                                   # one value (a list is a value, as in PythonReader)
+        items = [(_field_name(0, in_schema, 1), output)]
     if not items:
         raise ValueError(f"{what}: the function returned an empty instance")
     fields = []
@@ -210,7 +210,7 @@ cdef class MapReader(DecoratedReader):
         Yields instances (for batches use `map_batches`).
     fn : callable
         Takes an instance (tuple of NumPy arrays in schema order, fresh and
-        writable) and returns one: a tuple, list or dict of arrays (a single
+        writable) and returns one: a tuple or dict of arrays (a single
         array for a one-field schema).  It may change the schema.
     num_threads : int
         Threads calling `fn` (pays when `fn` releases the GIL).  The output
