@@ -129,6 +129,28 @@ def small_cases(tmp, n_records, repeat, peers):
     return res
 
 
+def batch_cpu_cases(repeat, n_records=2_000_000):
+    """Thread CPU time per batch of 256 x 64 B (in memory, no file), without and
+    with map_batches(identity): robust to a busy machine, unlike wall time."""
+    x = np.zeros((n_records, 64), np.uint8)
+
+    def run(mb):
+        r = rl.ArrayReader({"x": x}).shuffle(BUFFER, seed=0).batch(BATCH)
+        if mb:
+            r = r.map_batches(identity)
+        n = 0
+        t = time.thread_time()
+        for b in r:
+            n += 1
+        return (time.thread_time() - t) / n * 1e6
+
+    out = {"batch(256)": [], "batch(256).map_batches(identity)": []}
+    for _ in range(repeat):
+        out["batch(256)"].append(run(False))
+        out["batch(256).map_batches(identity)"].append(run(True))
+    return out
+
+
 def gil_free_cases(tmp, n_records, repeat):
     path = os.path.join(tmp, "seq.rio")
     bench.make_dataset(path, "seq", n_records)
@@ -205,6 +227,7 @@ def main():
     lines = [f"- load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
              f"{os.cpu_count()} CPUs; {args.repeat} rounds, round robin"]
     small = small_cases(tmp, args.records, args.repeat, peers)
+    cpu = batch_cpu_cases(args.repeat)
     gil = gil_free_cases(tmp, args.seq_records, args.repeat)
     pad = padding_cases(tmp, args.seq_records)
     lines.append(f"- load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
@@ -224,6 +247,15 @@ def main():
         for name in ("chain + map(identity), 1 thread", "chain + map(identity), 2 threads"):
             lines.append(f"- {name} vs tf.data + map(identity, AUTOTUNE): {max(small[name]) / tfb:.1f}x "
                          f"(best), {statistics.median(small[name]) / tfm:.1f}x (median)")
+    lines.append("")
+    lines.append("###### thread CPU time per batch (ArrayReader of 2,000,000 x 64 B -> shuffle -> batch(256))")
+    lines.append("")
+    lines.append("| chain | best us/batch | median us/batch | cost vs batch(256), best | median |")
+    lines.append("|---|---|---|---|---|")
+    b0, m0 = min(cpu["batch(256)"]), statistics.median(cpu["batch(256)"])
+    for name, v in cpu.items():
+        b, m = min(v), statistics.median(v)
+        lines.append(f"| {name} | {b:.2f} | {m:.2f} | {b / b0 - 1:+.1%} | {m / m0 - 1:+.1%} |")
     lines.append("")
     lines.append(f"###### map with a function that releases the GIL ({args.seq_records:,} sequences "
                  f"50..500 x 80 float32, file -> map(feats @ W) -> batch(64))")
