@@ -596,3 +596,36 @@ def test_map_batches_read_directly_or_through_a_reader_after_it_agree(data):
     assert [[canon(i) for i in unbatch(b)] for b in direct] == [[canon(i) for i in unbatch(b)] for b in nested]
     assert direct[0][2].data.dtype == np.float32        # cast to the schema on both paths
     assert direct[0][0].data.tolist() == [1, 2, 3, 4]
+
+
+def test_map_refills_inputs_only_when_the_function_kept_no_reference():
+    x = np.arange(600, dtype=np.int64).reshape(200, 3)
+    r = rl.ArrayReader({"x": x}).map(lambda inst: inst)
+    assert np.array_equal(np.stack([v[0] for v in r]), x)
+    assert r.reused >= 190                       # identity keeps nothing: inputs are refilled
+    kept = []
+
+    def keep(inst):
+        kept.append(inst)                        # the tuple ...
+        return inst
+    r = rl.ArrayReader({"x": x}).map(keep)
+    drain(r)
+    assert r.reused == 0 and np.array_equal(np.stack([k[0] for k in kept]), x)
+    views = []
+
+    def keep_view(inst):
+        views.append(inst[0][1:])                # ... or a view of an array: never refilled
+        return (inst[0] * 2,)
+    r = rl.ArrayReader({"x": x}).map(keep_view)
+    assert np.array_equal(np.stack([v[0] for v in r]), x * 2)
+    assert r.reused == 0 and np.array_equal(np.stack(views), x[:, 1:])
+
+
+def test_filter_predicate_may_keep_its_inputs():
+    x = np.arange(300, dtype=np.int64).reshape(100, 3)
+    kept = []
+    r = rl.ArrayReader({"x": x}).filter(lambda inst: kept.append(inst) or True)
+    assert np.array_equal(np.stack([v[0] for v in r]), x)
+    assert np.array_equal(np.stack([k[0] for k in kept]), x)
+    r = rl.ArrayReader({"x": x}).filter(lambda inst: int(inst[0][0]) % 2 == 0)
+    assert np.array_equal(np.stack([v[0] for v in r]), x[::2])

@@ -39,6 +39,10 @@ cdef class InstanceCodec:
     cdef Py_ssize_t vdims[RL_MAX_FIELDS][CODEC_MAX_NDIM]
     # record bytes -> tuple of fresh arrays; -1 (ValueError set) if malformed
     cdef tuple decode(self, const char *data, int64_t size)
+    # copy a fixed-size record into `spare`, a tuple decode() made, when nothing
+    # but the caller's one reference holds it or its arrays (then no one can see
+    # the reuse); False (nothing written) otherwise
+    cdef bint refill(self, tuple spare, const char *data, int64_t size) except -1
     # a tuple / list / dict / single value -> tuple of C-contiguous arrays of the
     # schema's dtypes and shapes (the instance itself when it is one already);
     # TypeError/ValueError naming `what` and the field

@@ -14,8 +14,8 @@ Design:
 import numpy as np
 cimport numpy as cnp
 from libc.string cimport memcpy, memset
-from cpython.ref cimport Py_INCREF
-from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
+from cpython.ref cimport Py_INCREF, Py_REFCNT
+from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM, PyTuple_GET_SIZE
 
 from readerlib._typedefs cimport int64_t
 from readerlib.readers._base cimport (
@@ -126,6 +126,33 @@ cdef class InstanceCodec:
             Py_INCREF(a)
             PyTuple_SET_ITEM(out, f, a)
         return <tuple>out
+
+    cdef bint refill(self, tuple spare, const char *data, int64_t size) except -1:
+        cdef int f, k
+        cdef cnp.ndarray a
+        cdef cnp.npy_intp *shp
+        if self.L.n_lod != 0 or self.L.bare or size != self.L.fixed_size or \
+                Py_REFCNT(spare) != 1 or PyTuple_GET_SIZE(spare) != self.L.nfields:
+            return False
+        for f in range(self.L.nfields):
+            v = spare[f]                                 # the tuple's reference + this one
+            if not self.fast[f] or not cnp.PyArray_CheckExact(v) or Py_REFCNT(v) != 2:
+                return False
+            a = <cnp.ndarray>v
+            if cnp.PyArray_TYPE(a) != self.typenum[f] or cnp.PyArray_NDIM(a) != self.vndim[f] or \
+                    not cnp.PyArray_CHKFLAGS(a, cnp.NPY_ARRAY_OWNDATA | cnp.NPY_ARRAY_WRITEABLE |
+                                             cnp.NPY_ARRAY_C_CONTIGUOUS | cnp.NPY_ARRAY_ALIGNED) or \
+                    not cnp.PyArray_ISNOTSWAPPED(a) or cnp.PyArray_NBYTES(a) != self.L.row_bytes[f]:
+                return False
+            shp = cnp.PyArray_DIMS(a)
+            for k in range(self.vndim[f]):
+                if shp[k] != self.vdims[f][k]:
+                    return False
+        for f in range(self.L.nfields):
+            a = <cnp.ndarray>spare[f]
+            if self.L.row_bytes[f]:
+                memcpy(cnp.PyArray_DATA(a), data + self.L.fixed_offset[f], self.L.row_bytes[f])
+        return True
 
     cdef tuple normalize(self, object instance, str what):
         cdef int n = self.L.nfields

@@ -254,6 +254,9 @@ cdef class MapReader(DecoratedReader):
     cdef object upstream_error    # raised after the chunk's outcomes
     cdef object _probe            # the inference call's output, for input 0 of the first epoch
     cdef rl_block *arena          # num_threads=1: outputs are carved from it (no malloc per record)
+    cdef object _spare            # num_threads=1: the last input, to refill (see _one)
+    cdef bint spare_ok            # fixed-size input schema: refilling can apply
+    cdef readonly int64_t reused  # inputs refilled in place (a test hook)
     cdef int64_t arena_used
     cdef object _pool
     cdef object _pool_pid
@@ -296,6 +299,7 @@ cdef class MapReader(DecoratedReader):
         if self.recs == NULL or self.offs == NULL:
             raise MemoryError()
         self._source = _source_of(reader)
+        self.spare_ok = nt == 1 and self.incodec.L.n_lod == 0 and not self.incodec.L.bare
 
     def __dealloc__(self):
         self._drop_chunk()
@@ -484,6 +488,7 @@ cdef class MapReader(DecoratedReader):
         """num_threads=1: the record just read -> one call -> one record out (no read-ahead)."""
         cdef int64_t pos, size
         cdef char *p
+        x = None
         pos = self.in_pos
         self.in_pos += 1
         if self._probe is not None and pos == 0:
@@ -491,11 +496,20 @@ cdef class MapReader(DecoratedReader):
             self._probe = None
         else:
             self._probe = None
-            try:
-                x = self.incodec.decode(rec.data, rec.size)
-            except ValueError as e:
-                _note(e, f"at {self._where(pos)}")
-                raise
+            # The last input's tuple and arrays are refilled in place when the
+            # function kept no reference to them (fixed-size schemas): nobody
+            # can tell, and it saves allocating them per record.
+            x = self._spare
+            self._spare = None
+            if x is not None and self.incodec.refill(<tuple>x, rec.data, rec.size):
+                self.reused += 1
+            else:
+                x = None
+                try:
+                    x = self.incodec.decode(rec.data, rec.size)
+                except ValueError as e:
+                    _note(e, f"at {self._where(pos)}")
+                    raise
             rl_record_consumed(rec)
             try:
                 y = self.fn(x)
@@ -507,9 +521,13 @@ cdef class MapReader(DecoratedReader):
             except (TypeError, ValueError) as e:
                 _note(e, f"at {self._where(pos)}")
                 raise
+            y = None
         size = self.outcodec.encoded_size(arrays)
         p = self._arena_alloc(size)
         self.outcodec.encode_into(arrays, p)
+        arrays = None
+        if self.spare_ok:
+            self._spare = x
         out.block = self.arena
         out.data = p
         out.size = size
@@ -540,6 +558,7 @@ cdef class MapReader(DecoratedReader):
     cdef int c_reset(self) except -1:
         self._drop_chunk()
         self._drop_arena()
+        self._spare = None
         self.in_pos = 0
         self.upstream_error = None
         self._probe = None
@@ -548,6 +567,7 @@ cdef class MapReader(DecoratedReader):
     cdef int c_close(self) except -1:
         self._drop_chunk()
         self._drop_arena()
+        self._spare = None
         self._probe = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
@@ -761,6 +781,7 @@ cdef class FilterReader(DecoratedReader):
     position; reading on continues with the next item.
     """
     cdef readonly object predicate
+    cdef object _spare
     cdef InstanceCodec incodec
     cdef BatchCodec batchcodec
     cdef int64_t in_pos
@@ -785,8 +806,13 @@ cdef class FilterReader(DecoratedReader):
     cdef int _keep(self, rl_record *rec) except -1:
         cdef int64_t pos = self.in_pos
         self.in_pos += 1
+        item = None
         if self.incodec is not None:
-            item = self.incodec.decode(rec.data, rec.size)
+            item = self._spare             # refilled when the predicate kept nothing (see MapReader)
+            self._spare = None
+            if item is None or not self.incodec.refill(<tuple>item, rec.data, rec.size):
+                item = None
+                item = self.incodec.decode(rec.data, rec.size)
         else:
             item = self.batchcodec.wrap(rec)
         try:
@@ -795,6 +821,9 @@ cdef class FilterReader(DecoratedReader):
             src = f", reading {self._source!r}" if self._source is not None else ""
             _note(e, f"raised by the predicate of FilterReader on item {pos} of this epoch{src}")
             raise
+        if self.incodec is not None and self.incodec.L.n_lod == 0 and not self.incodec.L.bare:
+            self._spare = item
+        item = None
         if isinstance(k, (bool, np.bool_)):
             return 1 if k else 0
         if isinstance(k, (int, np.integer)) or (isinstance(k, np.ndarray) and k.shape == ()):
@@ -816,6 +845,7 @@ cdef class FilterReader(DecoratedReader):
 
     cdef int c_reset(self) except -1:
         self.in_pos = 0
+        self._spare = None
         return self.reader.c_reset()
 
     def __repr__(self):
