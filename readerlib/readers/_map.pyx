@@ -255,6 +255,7 @@ cdef class MapReader(DecoratedReader):
     cdef object _probe            # the inference call's output, for input 0 of the first epoch
     cdef rl_block *arena          # num_threads=1: outputs are carved from it (no malloc per record)
     cdef object _spare            # num_threads=1: the last input, to refill (see _one)
+    cdef object _spares           # num_threads>1: the last chunk's inputs, likewise
     cdef bint spare_ok            # fixed-size input schema: refilling can apply
     cdef readonly int64_t reused  # inputs refilled in place (a test hook)
     cdef int64_t arena_used
@@ -299,7 +300,7 @@ cdef class MapReader(DecoratedReader):
         if self.recs == NULL or self.offs == NULL:
             raise MemoryError()
         self._source = _source_of(reader)
-        self.spare_ok = nt == 1 and self.incodec.L.n_lod == 0 and not self.incodec.L.bare
+        self.spare_ok = self.incodec.L.n_lod == 0 and not self.incodec.L.bare
 
     def __dealloc__(self):
         self._drop_chunk()
@@ -403,14 +404,28 @@ cdef class MapReader(DecoratedReader):
         inputs = [None] * n
         failures = [None] * n          # None, or (exception, raised by fn?)
         any_failure = False
+        spares = self._spares            # the last chunk's inputs, refilled where unshared
+        self._spares = None
+        nspare = len(spares) if spares is not None else 0
         for i in range(n):
-            try:
-                inputs[i] = self.incodec.decode(self.recs[i].data, self.recs[i].size)
-            except ValueError as e:
-                failures[i] = (e, False)
-                any_failure = True
+            x = None
+            if i < nspare:
+                x = spares[i]
+                spares[i] = None
+            if x is not None and self.incodec.refill(<tuple>x, self.recs[i].data, self.recs[i].size):
+                self.reused += 1
+            else:
+                x = None
+                try:
+                    x = self.incodec.decode(self.recs[i].data, self.recs[i].size)
+                except ValueError as e:
+                    failures[i] = (e, False)
+                    any_failure = True
+            inputs[i] = x
+            x = None
             rl_record_consumed(&self.recs[i])
             rl_block_decref(self.recs[i].block)
+        spares = None
         self.nrecs = 0
         outputs = [None] * n
         probe = self._probe if self.chunk_pos == 0 else None
@@ -454,6 +469,10 @@ cdef class MapReader(DecoratedReader):
             if arrays[i] is not None:
                 pos += self.outcodec.encode_into(arrays[i], self.chunk.data + pos)
         self.offs[n] = pos
+        outputs = None
+        arrays = None
+        if self.spare_ok:
+            self._spares = inputs
         self.nchunk = n
         self.ichunk = 0
         self.failures = failures if any_failure else None
@@ -559,6 +578,7 @@ cdef class MapReader(DecoratedReader):
         self._drop_chunk()
         self._drop_arena()
         self._spare = None
+        self._spares = None
         self.in_pos = 0
         self.upstream_error = None
         self._probe = None
@@ -568,6 +588,7 @@ cdef class MapReader(DecoratedReader):
         self._drop_chunk()
         self._drop_arena()
         self._spare = None
+        self._spares = None
         self._probe = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
