@@ -151,6 +151,55 @@ def batch_cpu_cases(repeat, n_records=2_000_000):
     return out
 
 
+def cpu_cost_cases(repeat, peers, n_records=1_000_000):
+    """CPU seconds (all threads of the process) per record, in memory (no file, no
+    checksum threads): what each chain costs, which a busy machine does not
+    change much -- unlike its wall-clock rate.  Not a throughput: tf.data's
+    AUTOTUNE threads may turn up to a 2x lower CPU rate into the same wall rate
+    on two cores."""
+    x = np.random.default_rng(0).integers(0, 256, size=(n_records, 64), dtype=np.uint8)
+
+    def ours(kind):
+        def run():
+            r = rl.ArrayReader({"x": x}).shuffle(BUFFER, seed=0)
+            if kind == "map1":
+                r = r.map(identity)
+            elif kind == "map2":
+                r = r.map(identity, num_threads=2)
+            r = r.batch(BATCH)
+            if kind == "map_batches":
+                r = r.map_batches(identity)
+            n = 0
+            t = time.process_time()
+            for b in r:
+                n += len(b[0])
+            return n, time.process_time() - t
+        return run
+
+    cases = {"chain": ours("plain"), "chain + map(identity), 1 thread": ours("map1"),
+             "chain + map(identity), 2 threads": ours("map2"),
+             "chain + map_batches(identity)": ours("map_batches")}
+    if "tf" in peers:
+        try:
+            import tensorflow as tf
+
+            def tf_run():
+                ds = (tf.data.Dataset.from_tensor_slices(x).shuffle(BUFFER, seed=0)
+                      .map(lambda v: v, num_parallel_calls=tf.data.AUTOTUNE).batch(BATCH)
+                      .prefetch(tf.data.AUTOTUNE))
+                n = 0
+                t = time.process_time()
+                for b in ds.as_numpy_iterator():
+                    n += b.shape[0]
+                return n, time.process_time() - t
+            cases["tf.data from_tensor_slices + map(identity, AUTOTUNE)"] = tf_run
+        except ImportError:
+            pass
+    for run in cases.values():
+        run()
+    return round_robin(cases, repeat)
+
+
 def gil_free_cases(tmp, n_records, repeat):
     path = os.path.join(tmp, "seq.rio")
     bench.make_dataset(path, "seq", n_records)
@@ -228,6 +277,7 @@ def main():
              f"{os.cpu_count()} CPUs; {args.repeat} rounds, round robin"]
     small = small_cases(tmp, args.records, args.repeat, peers)
     cpu = batch_cpu_cases(args.repeat)
+    cost = cpu_cost_cases(args.repeat, peers)
     gil = gil_free_cases(tmp, args.seq_records, args.repeat)
     pad = padding_cases(tmp, args.seq_records)
     lines.append(f"- load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
@@ -247,6 +297,16 @@ def main():
         for name in ("chain + map(identity), 1 thread", "chain + map(identity), 2 threads"):
             lines.append(f"- {name} vs tf.data + map(identity, AUTOTUNE): {max(small[name]) / tfb:.1f}x "
                          f"(best), {statistics.median(small[name]) / tfm:.1f}x (median)")
+    lines.append("")
+    lines.append("###### CPU cost: records per CPU second, all threads (1,000,000 x 64 B in memory "
+                 "-> shuffle(10000) -> ... -> batch(256))")
+    lines.append("")
+    lines.append("| chain | best rec/CPU-s | median rec/CPU-s | best / chain | median / chain |")
+    lines.append("|---|---|---|---|---|")
+    c0, cm = max(cost["chain"]), statistics.median(cost["chain"])
+    for name, v in cost.items():
+        b, m = max(v), statistics.median(v)
+        lines.append(f"| {name} | {b:,.0f} | {m:,.0f} | {b / c0:.1%} | {m / cm:.1%} |")
     lines.append("")
     lines.append("###### thread CPU time per batch (ArrayReader of 2,000,000 x 64 B -> shuffle -> batch(256))")
     lines.append("")
