@@ -632,3 +632,23 @@ def test_filter_predicate_may_keep_its_inputs():
     assert np.array_equal(np.stack([k[0] for k in kept]), x)
     r = rl.ArrayReader({"x": x}).filter(lambda inst: int(inst[0][0]) % 2 == 0)
     assert np.array_equal(np.stack([v[0] for v in r]), x[::2])
+
+
+@pytest.mark.parametrize("nt", [1, 4])
+def test_map_an_error_below_comes_after_the_records_before_it(nt):
+    def gen():
+        for i in range(50):
+            if i == 17:
+                raise Boom("source broke")
+            yield (np.int64(i),)
+    src_ = rl.PythonReader(gen, rl.Schema([rl.Field("i", "int64")]))
+    r = src_.map(lambda x: (x[0] * 10,), num_threads=nt)
+    got = []
+    with pytest.raises(Boom, match="source broke"):
+        while (item := r.read_next()) is not None:
+            got.append(int(item[0]))
+    assert got == [10 * i for i in range(17)]
+    assert r.read_next() is None                 # the generator is done after raising
+    r.reset()
+    with pytest.raises(Boom):
+        drain(r)                                 # a new epoch reads (and fails) again

@@ -231,7 +231,7 @@ cdef class MapReader(DecoratedReader):
 
     Examples
     --------
-    >>> r = ArrayReader(np.arange(4)).map(lambda x: (x * 2,))
+    >>> r = ArrayReader(np.arange(4)).map(lambda x: (x[0] * 2,))
     >>> [int(v[0]) for v in r]
     [0, 2, 4, 6]
     """
