@@ -10,8 +10,16 @@ Design:
     prefetch) move like any other.  The Python call is the only per-record
     Python work.
 
+    Memory and allocation: outputs are carved from shared blocks (one
+    thread: 64 KiB blocks; threads: one block per chunk), and for fixed-size
+    schemas the last input's tuple and arrays are refilled in place when
+    their refcounts show that nothing but the map holds them (a function
+    that keeps its inputs gets fresh ones): allocating them per record cost
+    as much as everything else together.
+
     Threads: with num_threads=T > 1 the map pulls a chunk of up to
-    CHUNK_PER_THREAD * T records, splits the function calls into T
+    CHUNK_PER_THREAD * T records (at most CHUNK_MAX_BYTES of input, so that
+    hand-offs between threads are rare), splits the function calls into T
     contiguous slices (the calling thread runs one, a pool of T - 1 threads
     the others) and encodes the outputs in input order, so the output is the
     same, record for record, whatever T is.  This pays when the function
