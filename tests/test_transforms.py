@@ -652,3 +652,15 @@ def test_map_an_error_below_comes_after_the_records_before_it(nt):
     r.reset()
     with pytest.raises(Boom):
         drain(r)                                 # a new epoch reads (and fails) again
+
+
+def test_padded_and_bucketed_batches_of_bare_tfrecord_instances(tmp_path):
+    p = str(tmp_path / "t.tfrecord")
+    with rl.TFRecordWriter(p) as w:
+        for i in range(10):
+            w.write(bytes([i + 1]) * i)
+    b = next(iter(rl.TFRecordReader(p).padded_batch(4, pad_value=255)))
+    assert b[0].data.tolist() == [[255, 255, 255], [2, 255, 255], [3, 3, 255], [4, 4, 4]]
+    assert b[1].data.tolist() == [0, 1, 2, 3]
+    got = [b[1].data.tolist() for b in rl.TFRecordReader(p).bucket_by_length([3, 6], [2, 2, 2])]
+    assert got == bucket_reference(list(range(10)), [3, 6], [2, 2, 2])
