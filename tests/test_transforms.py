@@ -664,3 +664,24 @@ def test_padded_and_bucketed_batches_of_bare_tfrecord_instances(tmp_path):
     assert b[1].data.tolist() == [0, 1, 2, 3]
     got = [b[1].data.tolist() for b in rl.TFRecordReader(p).bucket_by_length([3, 6], [2, 2, 2])]
     assert got == bucket_reference(list(range(10)), [3, 6], [2, 2, 2])
+
+
+def test_the_docs_examples_run(tmp_path):
+    """docs/transformations.md's python blocks, as one script, in a subprocess
+    with a time limit (a hang fails instead of stalling the suite)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "transformations.md")) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    assert len(blocks) >= 3
+    script = tmp_path / "transformations.py"
+    script.write_text("\n\n".join(blocks) + "\nprint('DOC OK')\n")
+    where = os.path.dirname(os.path.dirname(os.path.abspath(rl.__file__)))
+    env = dict(os.environ, PYTHONPATH=where + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-P", str(script)], cwd=str(tmp_path), env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "DOC OK" in out.stdout

@@ -736,33 +736,41 @@ cdef class MapBatchesReader(DecoratedReader):
         """
         cdef rl_record rec
         cdef int r
-        with self._lock:
+        if self._closed:
+            self._check_open()
+        try:
+            with self._lock:
+                if self._closed:
+                    self._check_open()
+                if not self._started:
+                    if self._resuming:
+                        self._resuming = False
+                    else:
+                        self._epoch_snapshot = self._chain_epoch_state()
+                        self._position = 0
+                    self._mark_started(True)
+                if self.hold != NULL:
+                    rl_block_decref(self.hold)
+                    self.hold = NULL
+                with nogil:
+                    r = self.reader.c_next(&rec)
+                if r == 0:
+                    return None
+                res, batch = self._call(&rec)
+                if not self._unchanged(res, batch):
+                    try:
+                        parts = self.outcodec.normalize(res, "map_batches: the function's output")
+                    except (TypeError, ValueError) as e:
+                        _note(e, f"at batch {self.in_pos - 1} of this epoch's input to MapBatchesReader")
+                        raise
+                    batch = tuple(_lod(d, [] if o is None else [o]) for d, o in parts)
+                self._position += 1
+                return batch
+        finally:
             if self._closed:
-                self._check_open()
-            if not self._started:
-                if self._resuming:
-                    self._resuming = False
-                else:
-                    self._epoch_snapshot = self._chain_epoch_state()
-                    self._position = 0
-                self._mark_started(True)
-            if self.hold != NULL:
-                rl_block_decref(self.hold)
-                self.hold = NULL
-            with nogil:
-                r = self.reader.c_next(&rec)
-            if r == 0:
-                return None
-            res, batch = self._call(&rec)
-            if not self._unchanged(res, batch):
-                try:
-                    parts = self.outcodec.normalize(res, "map_batches: the function's output")
-                except (TypeError, ValueError) as e:
-                    _note(e, f"at batch {self.in_pos - 1} of this epoch's input to MapBatchesReader")
-                    raise
-                batch = tuple(_lod(d, [] if o is None else [o]) for d, o in parts)
-            self._position += 1
-            return batch
+                # a close() from another thread that found this read holding the
+                # lock leaves the closing to it; close() is a no-op otherwise
+                self.close()
 
     cdef int c_next(self, rl_record *out) except -1 nogil:
         cdef rl_record rec
