@@ -22,6 +22,9 @@ from .readers.files import (
     unregister_file_reader,
 )
 from .readers._prefetch import PrefetchReader
+from .readers._map import FilterReader, MapBatchesReader, MapReader
+from .readers._slice import RepeatReader, SkipReader, TakeReader
+from .readers._padded import BucketByLengthReader, PaddedBatchReader
 from .readers._base import (
     ArrayReader,
     BatchReader,
@@ -52,6 +55,8 @@ __all__ = [
     "ReaderBase", "FileReader", "DecoratedReader", "ReaderHolder",
     "ArrayReader", "RandomDataGenerator", "PythonReader",
     "ShuffleReader", "BatchReader", "MultiPassReader", "PrefetchReader", "ShardReader",
+    "MapReader", "MapBatchesReader", "FilterReader", "TakeReader", "SkipReader", "RepeatReader",
+    "PaddedBatchReader", "BucketByLengthReader",
     "RecordIOReader", "RecordIOWriter", "TFRecordReader", "TFRecordWriter", "masked_crc32c",
     "build_tfrecord_index", "MultiFileReader",
     "open_files", "open_file", "register_file_reader", "unregister_file_reader", "file_reader_for",

@@ -352,6 +352,9 @@ cdef tuple _wrap_batch(ReaderBase r, rl_record *rec):
         if loff >= 0:
             data = _view(owner, base + doff, rows, field)
             lod = [_view(owner, base + loff, n + 1, _OFFSETS_FIELD)]
+        elif loff == -2:    # a padded sequence field, dense [n, rows, *shape] (readers/_codec.pxd)
+            data = _view(owner, base + doff, n * rows, field).reshape((n, rows) + field.shape)
+            lod = []
         else:
             data = _view(owner, base + doff, n, field)
             lod = []
@@ -801,6 +804,75 @@ cdef class ReaderBase:
         up to `capacity` items ready (on the GPU with device="cuda")."""
         from readerlib.readers._prefetch import PrefetchReader
         return PrefetchReader(self, capacity, device=device, timeout=timeout)
+
+    # -- transformations (readers/_map.pyx, _slice.pyx, _padded.pyx; docs/transformations.md)
+    def map(self, fn, num_threads=1, deterministic=True, output_schema=None):
+        """`MapReader(self, fn, ...)`: `fn(instance) -> instance` on every instance,
+        on `num_threads` threads, in input order; the chain stays compiled."""
+        from readerlib.readers._map import MapReader
+        return MapReader(self, fn, num_threads=num_threads, deterministic=deterministic,
+                         output_schema=output_schema)
+
+    def map_batches(self, fn, output_schema=None):
+        """`MapBatchesReader(self, fn, output_schema)`: `fn(batch) -> batch` on every batch."""
+        from readerlib.readers._map import MapBatchesReader
+        return MapBatchesReader(self, fn, output_schema=output_schema)
+
+    def filter(self, predicate):
+        """`FilterReader(self, predicate)`: the items for which `predicate(item)` is true."""
+        from readerlib.readers._map import FilterReader
+        return FilterReader(self, predicate)
+
+    def take(self, count):
+        """`TakeReader(self, count)`: the first `count` items of each epoch."""
+        from readerlib.readers._slice import TakeReader
+        return TakeReader(self, count)
+
+    def skip(self, count):
+        """`SkipReader(self, count)`: each epoch without its first `count` items."""
+        from readerlib.readers._slice import SkipReader
+        return SkipReader(self, count)
+
+    def repeat(self, count=None):
+        """`RepeatReader(self, count)`: `count` epochs of this reader in one, or forever (None);
+        each pass a new epoch below (a new shuffle order)."""
+        from readerlib.readers._slice import RepeatReader
+        return RepeatReader(self, count)
+
+    def padded_batch(self, batch_size, pad_value=0, pad_to_multiple_of=None, drop_last=False):
+        """`PaddedBatchReader(self, ...)`: batches whose sequence fields are dense
+        [B, T, ...] arrays, padded with `pad_value`, plus an int64 `<name>_length` field each."""
+        from readerlib.readers._padded import PaddedBatchReader
+        return PaddedBatchReader(self, batch_size, pad_value=pad_value,
+                                 pad_to_multiple_of=pad_to_multiple_of, drop_last=drop_last)
+
+    def bucket_by_length(self, boundaries, batch_sizes=None, length_field=None, drop_remainder=False,
+                         max_tokens=None, pad_value=0, pad_to_bucket_boundary=False, padded=True):
+        """`BucketByLengthReader(self, ...)`: batches of similar lengths (tf.data's
+        `bucket_by_sequence_length`), or of at most `max_tokens` padded rows."""
+        from readerlib.readers._padded import BucketByLengthReader
+        return BucketByLengthReader(self, boundaries, batch_sizes, length_field=length_field,
+                                    drop_remainder=drop_remainder, max_tokens=max_tokens,
+                                    pad_value=pad_value, pad_to_bucket_boundary=pad_to_bucket_boundary,
+                                    padded=padded)
+
+    @property
+    def element_spec(self):
+        """The schema of what read_next() returns; `is_batched` says whether items are
+        batches (then every field has the batch dimension first)."""
+        return self.schema
+
+    def __len__(self):
+        """Items per epoch where the chain knows it without reading (sources with an
+        index, and take/skip/batch/shuffle/map/repeat(count) over them); else TypeError."""
+        from readerlib.readers._slice import length_of
+        n = length_of(self)
+        if n is None:
+            raise TypeError(f"the length of {type(self).__name__} is not known without reading it")
+        return n
+
+    def __bool__(self):
+        return True         # a reader is a reader, whatever len() says
 
 
 cdef class _EpochIterator:

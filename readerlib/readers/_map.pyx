@@ -1,0 +1,890 @@
+# cython: freethreading_compatible=False
+"""User functions in a compiled chain: map (per instance), map_batches, filter.
+
+Design:
+    A map is a compiled DecoratedReader: its c_next pulls records from the
+    reader below without the GIL, decodes them to NumPy (fresh, writable
+    arrays, as read_next() gives them), calls the function once per instance,
+    checks each output against the output schema and encodes the outputs back
+    into one block, which compiled readers after it (batch, shuffle,
+    prefetch) move like any other.  The Python call is the only per-record
+    Python work.
+
+    Memory and allocation: outputs are carved from shared blocks (one
+    thread: 64 KiB blocks; threads: one block per chunk), and for fixed-size
+    schemas the last input's tuple and arrays are refilled in place when
+    their refcounts show that nothing but the map holds them (a function
+    that keeps its inputs gets fresh ones): allocating them per record cost
+    as much as everything else together.
+
+    Threads: with num_threads=T > 1 the map pulls a chunk of up to
+    CHUNK_PER_THREAD * T records (at most CHUNK_MAX_BYTES of input, so that
+    hand-offs between threads are rare), splits the function calls into T
+    contiguous slices (the calling thread runs one, a pool of T - 1 threads
+    the others) and encodes the outputs in input order, so the output is the
+    same, record for record, whatever T is.  This pays when the function
+    releases the GIL (NumPy, image decoders, most C extensions).  With T = 1
+    there is no chunk: one record in, one call, one record out.
+
+    Errors: the outcome of every call (output or exception) is kept in input
+    order; an exception is raised by the c_next that would have returned its
+    record, after every record before it, with a note naming the position
+    (the map's input this epoch) and the source.  The failed record is
+    dropped: reading on continues with the next one, so an epoch read through
+    errors yields every other record exactly once.
+
+    State: a map keeps nothing across epochs and no randomness, so it adds
+    nothing to get_state(); restoring replays the epoch, calling the
+    function again for the replayed records.
+
+    Output schema: declared with output_schema=, or inferred from the
+    function's output on the first instance (read and then rewound with
+    get_state()/set_state() when the map is built).  That output is kept and
+    used for the first record of the first epoch, so the function still runs
+    once per instance.
+"""
+import concurrent.futures
+import os
+
+import numpy as np
+cimport numpy as cnp
+from libc.stdlib cimport malloc, free, realloc
+
+from readerlib._typedefs cimport int64_t
+from readerlib.readers._base cimport (
+    ReaderBase, DecoratedReader, rl_block, rl_record, rl_block_incref, rl_block_decref,
+    rl_block_new, rl_record_consumed, ITEM_INSTANCE, ITEM_BATCH)
+from readerlib.readers._base import _check_positive_int, _check_reader
+from readerlib.readers._codec cimport InstanceCodec, BatchCodec
+from readerlib.tensor import Field, LoDTensor, Schema
+
+cnp.import_array()
+
+__all__ = ["MapReader", "MapBatchesReader", "FilterReader"]
+
+DEF CHUNK_PER_THREAD = 512       # big chunks: a hand-off between threads costs ~10-30 us
+DEF CHUNK_MAX_BYTES = 4194304     # ... but at most 4 MiB of input records in flight
+DEF ARENA_BYTES = 65536          # one thread's outputs are carved from blocks of this size
+
+
+def _source_of(reader):
+    """The file reader at the bottom of a chain (for error messages), or None."""
+    seen = 0
+    while reader is not None and seen < 100:
+        up = reader._upstream()
+        if not up:
+            return reader
+        if len(up) > 1:
+            return reader          # several sources (open_files): the reader names them
+        reader = up[0]
+        seen += 1
+    return None
+
+
+def _note(exc, text):
+    if hasattr(exc, "add_note"):
+        exc.add_note(text)
+
+
+def _field_name(i, in_schema, n_out):
+    if in_schema is not None and i < len(in_schema):
+        return in_schema.fields[i].name
+    return f"f{i}"
+
+
+def infer_instance_schema(output, in_schema, what):
+    """The schema of one function output (tuple / dict / single array).
+
+    Containers are tuples and dicts; anything else is one field's value.
+    Names: a dict's keys; a tuple's values take the input's field names
+    position by position, values past those f<i>.  A field named like an input sequence field stays
+    a sequence when its value has a time axis; every other field is fixed, with
+    the shape of this first output (declare output_schema= for new sequences).
+    """
+    if isinstance(output, dict):
+        items = list(output.items())
+    elif isinstance(output, tuple):
+        items = [(_field_name(i, in_schema, len(output)), v) for i, v in enumerate(output)]
+    else:                                   # one value (a list is a value, as in PythonReader)
+        items = [(_field_name(0, in_schema, 1), output)]
+    if not items:
+        raise ValueError(f"{what}: the function returned an empty instance")
+    fields = []
+    for name, v in items:
+        if not isinstance(name, str):
+            raise TypeError(f"{what}: field names are str, got {name!r}")
+        a = np.asarray(v)
+        if a.dtype.kind in "OUSV":
+            raise TypeError(f"{what}: field {name!r} has dtype {a.dtype}, not a numeric array; "
+                            f"return NumPy arrays of numbers")
+        src = None
+        if in_schema is not None and name in in_schema.names:
+            src = in_schema[name]
+        if src is not None and src.lod_level and a.ndim == len(src.shape) + 1:
+            fields.append(Field(name, a.dtype, a.shape[1:], lod_level=1))
+        else:
+            fields.append(Field(name, a.dtype, a.shape))
+    return Schema(fields)
+
+
+def infer_batch_schema(output, in_schema, in_padded, what):
+    """(schema, padded flags) of one map_batches output (tuple / dict of LoDTensor or arrays)."""
+    if isinstance(output, dict):
+        items = list(output.items())
+    elif isinstance(output, (tuple, list)):
+        items = [(_field_name(i, in_schema, len(output)), v) for i, v in enumerate(output)]
+    else:
+        items = [(in_schema.fields[0].name if len(in_schema) == 1 else "f0", output)]
+    if not items:
+        raise ValueError(f"{what}: the function returned an empty batch")
+    fields, padded = [], []
+    for name, v in items:
+        if isinstance(v, LoDTensor):
+            data, lod = np.asarray(v.data), v.lod
+        else:
+            data, lod = np.asarray(v), []
+        if data.dtype.kind in "OUSV":
+            raise TypeError(f"{what}: field {name!r} has dtype {data.dtype}, not a numeric array")
+        if data.ndim == 0:
+            raise ValueError(f"{what}: field {name!r} is a scalar; a batch field has the batch "
+                             f"dimension first")
+        if len(lod) > 1:
+            raise ValueError(f"{what}: field {name!r} has {len(lod)} lod levels; at most one")
+        was_padded = False
+        if in_schema is not None and name in in_schema.names:
+            was_padded = in_padded[in_schema.index(name)]
+        if lod:
+            fields.append(Field(name, data.dtype, data.shape[1:], lod_level=1))
+            padded.append(False)
+        elif was_padded and data.ndim == len(in_schema[name].shape) + 2:
+            fields.append(Field(name, data.dtype, data.shape[2:], lod_level=1))
+            padded.append(True)
+        else:
+            fields.append(Field(name, data.dtype, data.shape[1:]))
+            padded.append(False)
+    return Schema(fields), tuple(padded)
+
+
+def _lod(data, lod):
+    t = LoDTensor.__new__(LoDTensor)       # checked by BatchCodec.normalize
+    t.data = data
+    t.lod = lod
+    return t
+
+
+def padded_flags(reader):
+    """Per field of a batch reader: is it a dense padded sequence field?"""
+    r = reader
+    for _ in range(100):
+        flags = getattr(r, "padded_flags", None)
+        if flags is not None:
+            return tuple(flags)
+        up = r._upstream()
+        if len(up) != 1 or up[0].item_kind != ITEM_BATCH or up[0].schema != r.schema:
+            break
+        r = up[0]
+    return (False,) * len(reader.schema)
+
+
+def _probe_first(ReaderBase reader, fn, what):
+    """fn(first item of the reader), leaving the reader where it was (top of an epoch)."""
+    state = reader.get_state()
+    try:
+        first = reader.read_next()
+    except BaseException:
+        reader.set_state(state)
+        raise
+    if first is None:
+        reader.set_state(state)
+        raise ValueError(f"{what}: cannot infer the output schema, the reader is empty; "
+                         f"pass output_schema=")
+    try:
+        out = fn(first)
+    except BaseException as e:
+        _note(e, f"raised by the function of {what} on the first item, called to infer the output "
+                 f"schema (pass output_schema= to skip this call)")
+        reader.set_state(state)
+        raise
+    reader.set_state(state)
+    return out
+
+
+cdef class MapReader(DecoratedReader):
+    """Apply `fn` to every instance (tf.data's / Grain's map), in a compiled chain.
+
+    Parameters
+    ----------
+    reader : ReaderBase
+        Yields instances (for batches use `map_batches`).
+    fn : callable
+        Takes an instance (tuple of NumPy arrays in schema order, fresh and
+        writable) and returns one: a tuple or dict of arrays (a single
+        array for a one-field schema).  It may change the schema.
+    num_threads : int
+        Threads calling `fn` (pays when `fn` releases the GIL).  The output
+        order is the input order whatever the number.
+    deterministic : bool
+        Accepted for tf.data compatibility; the output order is always the
+        input order (False permits reordering but does not reorder).
+    output_schema : Schema, optional
+        The schema of `fn`'s outputs.  Inferred from the output for the first
+        instance when omitted (see `infer_instance_schema`).
+
+    Raises
+    ------
+    Whatever `fn` raises, from the read that would have returned that
+    record, with a note naming its position; TypeError / ValueError naming
+    the field when an output does not fit the output schema.  Reading on
+    continues with the next record.
+
+    Examples
+    --------
+    >>> r = ArrayReader(np.arange(4)).map(lambda x: (x[0] * 2,))
+    >>> [int(v[0]) for v in r]
+    [0, 2, 4, 6]
+    """
+    cdef readonly object fn
+    cdef readonly int num_threads
+    cdef readonly bint deterministic
+    cdef InstanceCodec incodec
+    cdef InstanceCodec outcodec
+    cdef rl_record *recs          # the chunk's input records (referenced) while decoding
+    cdef int64_t nrecs
+    cdef int64_t cap              # records per chunk
+    cdef rl_block *chunk          # encoded outputs of the current chunk
+    cdef int64_t *offs            # output record i is chunk.data[offs[i]:offs[i + 1]]
+    cdef int64_t nchunk           # outcomes in the chunk
+    cdef int64_t ichunk           # next outcome to hand out
+    cdef list failures            # None, or per outcome None / the exception to raise
+    cdef bint has_failures        # failures is not None
+    cdef int64_t chunk_pos        # input position of outcome 0
+    cdef int64_t in_pos           # inputs pulled this epoch
+    cdef object upstream_error    # raised after the chunk's outcomes
+    cdef object _probe            # the inference call's output, for input 0 of the first epoch
+    cdef rl_block *arena          # num_threads=1: outputs are carved from it (no malloc per record)
+    cdef object _spare            # num_threads=1: the last input, to refill (see _one)
+    cdef object _spares           # num_threads>1: the last chunk's inputs, likewise
+    cdef bint spare_ok            # fixed-size input schema: refilling can apply
+    cdef readonly int64_t reused  # inputs refilled in place (a test hook)
+    cdef int64_t arena_used
+    cdef object _pool
+    cdef object _pool_pid
+    cdef object _source
+
+    def __init__(self, reader, fn, num_threads=1, deterministic=True, output_schema=None):
+        _check_reader(reader, "MapReader")
+        if not callable(fn):
+            raise TypeError(f"map needs a callable, got {type(fn).__name__}")
+        if reader.item_kind != ITEM_INSTANCE:
+            raise TypeError("map works on instances and this reader yields batches; use "
+                            ".map_batches(fn) for batches, or map before .batch()")
+        nt = _check_positive_int(num_threads, "num_threads")
+        if nt > 256:
+            raise ValueError(f"num_threads must be <= 256, got {nt}")
+        if not isinstance(deterministic, (bool, np.bool_)):
+            raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+        in_schema = reader.schema
+        self.incodec = InstanceCodec(in_schema, (<ReaderBase>reader).layout.bare)
+        probe = None
+        if output_schema is None:
+            reader._check_open()
+            if (<ReaderBase>reader)._started:
+                reader.reset()
+            probe = _probe_first(reader, fn, "map")
+            output_schema = infer_instance_schema(probe, in_schema, "map: the function's output")
+        output_schema = Schema.coerce(output_schema)
+        self.outcodec = InstanceCodec(output_schema)
+        if probe is not None:
+            self._probe = self.outcodec.normalize(probe, "map: output for instance 0")
+        DecoratedReader.__init__(self, reader)
+        self._set_schema(output_schema, ITEM_INSTANCE)
+        self.layout.bare = 0
+        self.fn = fn
+        self.num_threads = nt
+        self.deterministic = bool(deterministic)
+        self.cap = 1 if nt == 1 else CHUNK_PER_THREAD * nt
+        self.recs = <rl_record *>malloc(self.cap * sizeof(rl_record))
+        self.offs = <int64_t *>malloc((self.cap + 1) * sizeof(int64_t))
+        if self.recs == NULL or self.offs == NULL:
+            raise MemoryError()
+        self._source = _source_of(reader)
+        self.spare_ok = self.incodec.L.n_lod == 0 and not self.incodec.L.bare
+
+    def __dealloc__(self):
+        self._drop_chunk()
+        self._drop_arena()
+        free(self.recs)
+        free(self.offs)
+        self.recs = NULL
+        self.offs = NULL
+
+    cdef void _drop_chunk(self) noexcept:
+        cdef int64_t i
+        if self.recs != NULL:
+            for i in range(self.nrecs):
+                rl_block_decref(self.recs[i].block)
+        self.nrecs = 0
+        if self.chunk != NULL:
+            rl_block_decref(self.chunk)
+            self.chunk = NULL
+        self.nchunk = 0
+        self.ichunk = 0
+        self.failures = None
+        self.has_failures = False
+
+    cdef void _drop_arena(self) noexcept:
+        if self.arena != NULL:
+            rl_block_decref(self.arena)
+            self.arena = NULL
+        self.arena_used = 0
+
+    cdef char *_arena_alloc(self, int64_t size) except NULL:
+        """Room for one output record.  Bump allocation: a record handed out stays
+        valid while its block lives (consumers that keep it hold a reference)."""
+        cdef int64_t need = (size + 15) & ~(<int64_t>15)
+        cdef char *p
+        if self.arena == NULL or self.arena_used + need > self.arena.size:
+            self._drop_arena()
+            self.arena = rl_block_new(need if need > ARENA_BYTES else ARENA_BYTES)
+            if self.arena == NULL:
+                raise MemoryError(f"map output of {size} bytes")
+        p = self.arena.data + self.arena_used
+        self.arena_used += need
+        return p
+
+    cdef int _pull(self) except -1 nogil:
+        """Fill recs[] from the reader below (references taken); self.nrecs counts them."""
+        cdef rl_record rec
+        cdef int r
+        cdef int64_t nbytes = 0
+        while self.nrecs < self.cap and (nbytes < CHUNK_MAX_BYTES or self.nrecs < self.num_threads):
+            r = self.reader.c_next(&rec)
+            if r <= 0:
+                return r
+            rl_block_incref(rec.block)
+            self.recs[self.nrecs] = rec
+            self.nrecs += 1
+            nbytes += rec.size
+        return 1
+
+    def _where(self, int64_t pos):
+        src = f", reading {self._source!r}" if self._source is not None else ""
+        return f"instance {pos} of this epoch's input to {type(self).__name__}{src}"
+
+    def _call_slice(self, list inputs, list outputs, list failures, Py_ssize_t a, Py_ssize_t b):
+        fn = self.fn
+        for i in range(a, b):
+            x = inputs[i]
+            if x is None:
+                continue
+            try:
+                outputs[i] = fn(x)
+            except Exception as e:
+                failures[i] = (e, True)
+
+    cdef _get_pool(self):
+        pid = os.getpid()
+        if self._pool is None or self._pool_pid != pid:   # a fork()ed child makes its own
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=self.num_threads - 1, thread_name_prefix="readerlib-map")
+            self._pool_pid = pid
+        return self._pool
+
+    cdef int _fill(self) except -1:
+        """Read, decode, call, encode the next chunk.  0: nothing left."""
+        cdef int64_t i, n, size, pos
+        cdef int r = 1
+        self._drop_chunk()
+        try:
+            with nogil:
+                r = self._pull()
+        except BaseException as e:
+            self.upstream_error = e
+        n = self.nrecs
+        if n == 0:
+            if self.upstream_error is not None:
+                e = self.upstream_error
+                self.upstream_error = None
+                raise e
+            return 0
+        self.chunk_pos = self.in_pos
+        self.in_pos += n
+        inputs = [None] * n
+        failures = [None] * n          # None, or (exception, raised by fn?)
+        any_failure = False
+        spares = self._spares            # the last chunk's inputs, refilled where unshared
+        self._spares = None
+        nspare = len(spares) if spares is not None else 0
+        for i in range(n):
+            x = None
+            if i < nspare:
+                x = spares[i]
+                spares[i] = None
+            if x is not None and self.incodec.refill(<tuple>x, self.recs[i].data, self.recs[i].size):
+                self.reused += 1
+            else:
+                x = None
+                try:
+                    x = self.incodec.decode(self.recs[i].data, self.recs[i].size)
+                except ValueError as e:
+                    failures[i] = (e, False)
+                    any_failure = True
+            inputs[i] = x
+            x = None
+            rl_record_consumed(&self.recs[i])
+            rl_block_decref(self.recs[i].block)
+        spares = None
+        self.nrecs = 0
+        outputs = [None] * n
+        probe = self._probe if self.chunk_pos == 0 else None
+        self._probe = None
+        if probe is not None:
+            inputs[0] = None           # its output is the inference call's
+        nt = self.num_threads if n > 1 else 1
+        if nt == 1:
+            self._call_slice(inputs, outputs, failures, 0, n)
+        else:
+            pool = self._get_pool()
+            bounds = [(k * n) // nt for k in range(nt + 1)]
+            futs = [pool.submit(self._call_slice, inputs, outputs, failures, bounds[k], bounds[k + 1])
+                    for k in range(1, nt)]
+            try:
+                self._call_slice(inputs, outputs, failures, bounds[0], bounds[1])
+            finally:
+                concurrent.futures.wait(futs)
+        arrays = [None] * n
+        size = 0
+        for i in range(n):
+            if failures[i] is not None:
+                any_failure = True
+                continue
+            if i == 0 and probe is not None:
+                arrays[0] = probe                               # checked when the map was built
+            else:
+                try:
+                    arrays[i] = self.outcodec.normalize(outputs[i], "map: the function's output")
+                except (TypeError, ValueError) as e:
+                    failures[i] = (e, False)
+                    any_failure = True
+                    continue
+            size += self.outcodec.encoded_size(arrays[i])
+        self.chunk = rl_block_new(size)
+        if self.chunk == NULL:
+            raise MemoryError(f"map chunk of {size} bytes")
+        pos = 0
+        for i in range(n):
+            self.offs[i] = pos
+            if arrays[i] is not None:
+                pos += self.outcodec.encode_into(arrays[i], self.chunk.data + pos)
+        self.offs[n] = pos
+        outputs = None
+        arrays = None
+        if self.spare_ok:
+            self._spares = inputs
+        self.nchunk = n
+        self.ichunk = 0
+        self.failures = failures if any_failure else None
+        self.has_failures = any_failure
+        return 1
+
+    cdef int _next_py(self, rl_record *out) except -1:
+        cdef int64_t i
+        while True:
+            if self.ichunk >= self.nchunk:
+                if self.upstream_error is not None:
+                    e = self.upstream_error
+                    self.upstream_error = None
+                    self._drop_chunk()
+                    raise e
+                if self._fill() == 0:
+                    return 0
+            i = self.ichunk
+            self.ichunk += 1
+            if self.failures is not None and self.failures[i] is not None:
+                e, by_fn = self.failures[i]
+                self.failures[i] = None
+                where = self._where(self.chunk_pos + i)
+                _note(e, f"raised by the function of MapReader on {where}" if by_fn else f"at {where}")
+                raise e
+            out.block = self.chunk
+            out.data = self.chunk.data + self.offs[i]
+            out.size = self.offs[i + 1] - self.offs[i]
+            return 1
+
+    cdef int _one(self, rl_record *rec, rl_record *out) except -1:
+        """num_threads=1: the record just read -> one call -> one record out (no read-ahead)."""
+        cdef int64_t pos, size
+        cdef char *p
+        x = None
+        pos = self.in_pos
+        self.in_pos += 1
+        if self._probe is not None and pos == 0:
+            arrays = self._probe                  # the inference call's output, checked
+            self._probe = None
+        else:
+            self._probe = None
+            # The last input's tuple and arrays are refilled in place when the
+            # function kept no reference to them (fixed-size schemas): nobody
+            # can tell, and it saves allocating them per record.
+            x = self._spare
+            self._spare = None
+            if x is not None and self.incodec.refill(<tuple>x, rec.data, rec.size):
+                self.reused += 1
+            else:
+                x = None
+                try:
+                    x = self.incodec.decode(rec.data, rec.size)
+                except ValueError as e:
+                    _note(e, f"at {self._where(pos)}")
+                    raise
+            rl_record_consumed(rec)
+            try:
+                y = self.fn(x)
+            except Exception as e:
+                _note(e, f"raised by the function of MapReader on {self._where(pos)}")
+                raise
+            try:
+                arrays = self.outcodec.normalize(y, "map: the function's output")
+            except (TypeError, ValueError) as e:
+                _note(e, f"at {self._where(pos)}")
+                raise
+            y = None
+        size = self.outcodec.encoded_size(arrays)
+        p = self._arena_alloc(size)
+        self.outcodec.encode_into(arrays, p)
+        arrays = None
+        if self.spare_ok:
+            self._spare = x
+        out.block = self.arena
+        out.data = p
+        out.size = size
+        return 1
+
+    cdef int c_next(self, rl_record *out) except -1 nogil:
+        # The GIL only for the Python work: once per record (one thread), once
+        # per chunk (threads; its records are handed out without it).
+        cdef rl_record rec
+        cdef int r
+        cdef int64_t i
+        if self.num_threads == 1:
+            r = self.reader.c_next(&rec)
+            if r <= 0:
+                return r
+            with gil:
+                return self._one(&rec, out)
+        if self.ichunk < self.nchunk and not self.has_failures:
+            i = self.ichunk
+            self.ichunk += 1
+            out.block = self.chunk
+            out.data = self.chunk.data + self.offs[i]
+            out.size = self.offs[i + 1] - self.offs[i]
+            return 1
+        with gil:
+            return self._next_py(out)
+
+    cdef int c_reset(self) except -1:
+        self._drop_chunk()
+        self._drop_arena()
+        self._spare = None
+        self._spares = None
+        self.in_pos = 0
+        self.upstream_error = None
+        self._probe = None
+        return self.reader.c_reset()
+
+    cdef int c_close(self) except -1:
+        self._drop_chunk()
+        self._drop_arena()
+        self._spare = None
+        self._spares = None
+        self._probe = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.reader.close()
+        return 0
+
+    def _length(self):
+        from readerlib.readers._slice import length_of
+        return length_of(self.reader)
+
+    def __repr__(self):
+        name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
+        return f"MapReader({self.reader!r}, {name}, num_threads={self.num_threads})"
+
+
+cdef class MapBatchesReader(DecoratedReader):
+    """Apply `fn` to every batch (vectorised work), in a compiled chain.
+
+    Parameters
+    ----------
+    reader : ReaderBase
+        Yields batches (after `.batch()`, `.padded_batch()` ...).
+    fn : callable
+        Takes a batch (tuple of LoDTensor in schema order, views of the batch)
+        and returns one: a tuple, list or dict of LoDTensor (NumPy arrays for
+        fixed fields), all holding the same number of instances.  Returning
+        the input tensors unchanged costs no copy.
+    output_schema : Schema, optional
+        Inferred from the output for the first batch when omitted.
+
+    Raises
+    ------
+    Whatever `fn` raises, with a note naming the batch's position; ValueError
+    / TypeError naming the field when an output does not fit the schema.
+    """
+    cdef readonly object fn
+    cdef BatchCodec incodec
+    cdef BatchCodec outcodec
+    cdef readonly tuple padded_flags
+    cdef rl_block *hold
+    cdef int64_t in_pos
+    cdef bint same_schema
+    cdef object _probe
+    cdef object _source
+
+    def __init__(self, reader, fn, output_schema=None):
+        _check_reader(reader, "MapBatchesReader")
+        if not callable(fn):
+            raise TypeError(f"map_batches needs a callable, got {type(fn).__name__}")
+        if reader.item_kind != ITEM_BATCH:
+            raise TypeError("map_batches works on batches and this reader yields instances; call "
+                            ".batch(n) first, or use .map(fn) for instances")
+        in_padded = padded_flags(reader)
+        self.incodec = BatchCodec(reader.schema, in_padded)
+        probe = None
+        if output_schema is None:
+            reader._check_open()
+            if (<ReaderBase>reader)._started:
+                reader.reset()
+            probe = _probe_first(reader, fn, "map_batches")
+            output_schema, flags = infer_batch_schema(probe, reader.schema, in_padded,
+                                                      "map_batches: the function's output")
+        else:
+            output_schema = Schema.coerce(output_schema)
+            flags = tuple(f.lod_level == 1 and f.name in reader.schema.names
+                          and in_padded[reader.schema.index(f.name)] for f in output_schema)
+        self.outcodec = BatchCodec(output_schema, flags)
+        self.padded_flags = flags
+        if probe is not None:
+            self.outcodec.normalize(probe, "map_batches: output for batch 0")
+            self._probe = probe
+        DecoratedReader.__init__(self, reader)
+        self._set_schema(output_schema, ITEM_BATCH)
+        self.fn = fn
+        self.same_schema = output_schema == reader.schema and flags == in_padded
+        self._source = _source_of(reader)
+
+    def __dealloc__(self):
+        if self.hold != NULL:
+            rl_block_decref(self.hold)
+            self.hold = NULL
+
+    cdef tuple _call(self, rl_record *rec):
+        """(fn's output, the input batch or None): the one Python call per batch."""
+        cdef int64_t pos = self.in_pos
+        self.in_pos += 1
+        if self._probe is not None and pos == 0:
+            res = self._probe
+            self._probe = None
+            return res, None
+        self._probe = None
+        batch = self.incodec.wrap(rec)
+        try:
+            res = self.fn(batch)
+        except Exception as e:
+            src = f", reading {self._source!r}" if self._source is not None else ""
+            _note(e, f"raised by the function of MapBatchesReader on batch {pos} of this "
+                     f"epoch{src}")
+            raise
+        return res, batch
+
+    cdef bint _unchanged(self, object res, object batch):
+        """fn returned its input tensors themselves (in a tuple)."""
+        cdef Py_ssize_t k
+        if not self.same_schema or batch is None or type(res) is not tuple or \
+                len(<tuple>res) != len(<tuple>batch):
+            return False
+        for k in range(len(<tuple>res)):
+            if (<tuple>res)[k] is not (<tuple>batch)[k]:
+                return False
+        return True
+
+    cdef int _apply(self, rl_record *rec, rl_record *out) except -1:
+        res, batch = self._call(rec)
+        if self._unchanged(res, batch):      # hand the input record on, no copy
+            rl_block_incref(rec.block)
+            self.hold = rec.block
+            out[0] = rec[0]
+            return 1
+        try:
+            self.hold = self.outcodec.encode(res, "map_batches: the function's output")
+        except (TypeError, ValueError) as e:
+            _note(e, f"at batch {self.in_pos - 1} of this epoch's input to MapBatchesReader")
+            raise
+        out.block = self.hold
+        out.data = self.hold.data
+        out.size = self.hold.size
+        return 1
+
+    def read_next(self):
+        """The next batch, or None at the end of the epoch (see ReaderBase.read_next).
+
+        Read directly (the last reader of a chain), the function's output is
+        returned as it is, checked but not copied into a block and wrapped
+        again; the bookkeeping mirrors ReaderBase.read_next.
+        """
+        cdef rl_record rec
+        cdef int r
+        if self._closed:
+            self._check_open()
+        try:
+            with self._lock:
+                if self._closed:
+                    self._check_open()
+                if not self._started:
+                    if self._resuming:
+                        self._resuming = False
+                    else:
+                        self._epoch_snapshot = self._chain_epoch_state()
+                        self._position = 0
+                    self._mark_started(True)
+                if self.hold != NULL:
+                    rl_block_decref(self.hold)
+                    self.hold = NULL
+                with nogil:
+                    r = self.reader.c_next(&rec)
+                if r == 0:
+                    return None
+                res, batch = self._call(&rec)
+                if not self._unchanged(res, batch):
+                    try:
+                        parts = self.outcodec.normalize(res, "map_batches: the function's output")
+                    except (TypeError, ValueError) as e:
+                        _note(e, f"at batch {self.in_pos - 1} of this epoch's input to MapBatchesReader")
+                        raise
+                    batch = tuple(_lod(d, [] if o is None else [o]) for d, o in parts)
+                self._position += 1
+                return batch
+        finally:
+            if self._closed:
+                # a close() from another thread that found this read holding the
+                # lock leaves the closing to it; close() is a no-op otherwise
+                self.close()
+
+    cdef int c_next(self, rl_record *out) except -1 nogil:
+        cdef rl_record rec
+        cdef int r
+        if self.hold != NULL:
+            rl_block_decref(self.hold)
+            self.hold = NULL
+        r = self.reader.c_next(&rec)
+        if r <= 0:
+            return r
+        with gil:
+            return self._apply(&rec, out)
+
+    cdef int c_reset(self) except -1:
+        if self.hold != NULL:
+            rl_block_decref(self.hold)
+            self.hold = NULL
+        self.in_pos = 0
+        self._probe = None
+        return self.reader.c_reset()
+
+    cdef int c_close(self) except -1:
+        if self.hold != NULL:
+            rl_block_decref(self.hold)
+            self.hold = NULL
+        self._probe = None
+        self.reader.close()
+        return 0
+
+    def _length(self):
+        from readerlib.readers._slice import length_of
+        return length_of(self.reader)
+
+    def __repr__(self):
+        name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
+        return f"MapBatchesReader({self.reader!r}, {name})"
+
+
+cdef class FilterReader(DecoratedReader):
+    """Keep the items for which `predicate(item)` is true (tf.data's filter).
+
+    The predicate gets an instance (tuple of fresh NumPy arrays) or a batch
+    (tuple of LoDTensor) and returns a bool.  Kept records pass on unchanged
+    (no copy).  An exception in the predicate is raised with a note naming the
+    position; reading on continues with the next item.
+    """
+    cdef readonly object predicate
+    cdef object _spare
+    cdef InstanceCodec incodec
+    cdef BatchCodec batchcodec
+    cdef int64_t in_pos
+    cdef object _source
+
+    def __init__(self, reader, predicate):
+        _check_reader(reader, "FilterReader")
+        if not callable(predicate):
+            raise TypeError(f"filter needs a callable, got {type(predicate).__name__}")
+        DecoratedReader.__init__(self, reader)
+        if reader.item_kind == ITEM_INSTANCE:
+            self.incodec = InstanceCodec(reader.schema, (<ReaderBase>reader).layout.bare)
+        else:
+            self.batchcodec = BatchCodec(reader.schema, padded_flags(reader))
+        self.predicate = predicate
+        self._source = _source_of(reader)
+
+    @property
+    def padded_flags(self):
+        return None if self.batchcodec is None else self.batchcodec.padded
+
+    cdef int _keep(self, rl_record *rec) except -1:
+        cdef int64_t pos = self.in_pos
+        self.in_pos += 1
+        item = None
+        if self.incodec is not None:
+            item = self._spare             # refilled when the predicate kept nothing (see MapReader)
+            self._spare = None
+            if item is None or not self.incodec.refill(<tuple>item, rec.data, rec.size):
+                item = None
+                item = self.incodec.decode(rec.data, rec.size)
+        else:
+            item = self.batchcodec.wrap(rec)
+        try:
+            k = self.predicate(item)
+        except Exception as e:
+            src = f", reading {self._source!r}" if self._source is not None else ""
+            _note(e, f"raised by the predicate of FilterReader on item {pos} of this epoch{src}")
+            raise
+        if self.incodec is not None and self.incodec.L.n_lod == 0 and not self.incodec.L.bare:
+            self._spare = item
+        item = None
+        if isinstance(k, (bool, np.bool_)):
+            return 1 if k else 0
+        if isinstance(k, (int, np.integer)) or (isinstance(k, np.ndarray) and k.shape == ()):
+            return 1 if bool(k) else 0
+        raise TypeError(f"filter: the predicate must return a bool, got {type(k).__name__}"
+                        f"{' of shape ' + str(k.shape) if isinstance(k, np.ndarray) else ''} "
+                        f"for item {pos} of this epoch")
+
+    cdef int c_next(self, rl_record *out) except -1 nogil:
+        cdef int r, keep
+        while True:
+            r = self.reader.c_next(out)
+            if r <= 0:
+                return r
+            with gil:
+                keep = self._keep(out)
+            if keep:
+                return 1
+
+    cdef int c_reset(self) except -1:
+        self.in_pos = 0
+        self._spare = None
+        return self.reader.c_reset()
+
+    def __repr__(self):
+        name = getattr(self.predicate, "__qualname__", type(self.predicate).__name__)
+        return f"FilterReader({self.reader!r}, {name})"

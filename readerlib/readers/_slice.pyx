@@ -1,0 +1,192 @@
+# cython: freethreading_compatible=False
+"""take / skip / repeat, and the length of a chain where it is known.
+
+Design:
+    Each is a compiled DecoratedReader that only counts: records pass on
+    unchanged, without the GIL.  They work on instances and batches alike.
+
+    State: the position in the epoch is what get_state() stores, and the
+    epoch is replayed on restore, so take and skip need nothing more.  A
+    repeat's passes are part of its one (possibly endless) epoch: each pass
+    resets the reader below, which starts that reader's next epoch (a new
+    shuffle order), exactly as MultiPassReader does; restoring replays from
+    the repeat's start, through the passes already read (cost: the items
+    read so far, at the compiled chain's speed -- a map below a repeat calls
+    its function again for them).
+"""
+from readerlib._typedefs cimport int64_t
+from readerlib.readers._base cimport ReaderBase, DecoratedReader, rl_record
+from readerlib.readers._base import _check_positive_int, _check_reader
+
+__all__ = ["TakeReader", "SkipReader", "RepeatReader", "length_of"]
+
+
+def length_of(reader):
+    """Items per epoch of `reader`, or None when it is not known without reading."""
+    from readerlib.readers import _base, _multifile, _prefetch
+    from readerlib.formats._recordio import RecordIOReader
+    from readerlib.formats._tfrecord import TFRecordReader
+    f = getattr(reader, "_length", None)
+    if f is not None:
+        return f()
+    if isinstance(reader, (_base._ChunkedSource, RecordIOReader, TFRecordReader)):
+        return len(reader)
+    if isinstance(reader, (_base.ShuffleReader, _base.ReaderHolder, _prefetch.PrefetchReader)):
+        return length_of(reader._upstream()[0])
+    if isinstance(reader, _base.BatchReader):
+        n = length_of(reader.reader)
+        if n is None:
+            return None
+        b = reader.batch_size
+        return n // b if reader.drop_last else -(-n // b)
+    if isinstance(reader, _base.MultiPassReader):
+        n = length_of(reader.reader)
+        return None if n is None else n * reader.num_passes
+    if isinstance(reader, _multifile.ShardReader):
+        n = length_of(reader.reader)
+        if n is None:
+            return None
+        return max(0, -(-(n - reader.index) // reader.num_shards))
+    return None
+
+
+cdef class TakeReader(DecoratedReader):
+    """The first `count` items of each epoch (tf.data's take).
+
+    Parameters
+    ----------
+    reader : ReaderBase
+    count : int
+        >= 0; an epoch shorter than that ends early.
+    """
+    cdef readonly int64_t count
+    cdef int64_t taken
+
+    def __init__(self, reader, count):
+        _check_reader(reader, "TakeReader")
+        n = _check_positive_int(count, "count", allow_zero=True)
+        DecoratedReader.__init__(self, reader)
+        self.count = n
+        self.taken = 0
+
+    cdef int c_next(self, rl_record *out) except -1 nogil:
+        cdef int r
+        if self.taken >= self.count:
+            return 0
+        r = self.reader.c_next(out)
+        if r == 1:
+            self.taken += 1
+        return r
+
+    cdef int c_reset(self) except -1:
+        self.taken = 0
+        return self.reader.c_reset()
+
+    def _length(self):
+        r = self.reader
+        if isinstance(r, RepeatReader) and (<RepeatReader>r).num_passes < 0:
+            m = length_of(r.reader)          # endless unless the reader below is empty
+            return None if m is None else (0 if m == 0 else self.count)
+        n = length_of(r)
+        return None if n is None else min(n, self.count)
+
+    def __repr__(self):
+        return f"TakeReader({self.reader!r}, count={self.count})"
+
+
+cdef class SkipReader(DecoratedReader):
+    """Each epoch without its first `count` items (tf.data's skip).
+
+    The skipped items are read and dropped (the reader below cannot seek).
+    """
+    cdef readonly int64_t count
+    cdef int64_t nskipped
+
+    def __init__(self, reader, count):
+        _check_reader(reader, "SkipReader")
+        n = _check_positive_int(count, "count", allow_zero=True)
+        DecoratedReader.__init__(self, reader)
+        self.count = n
+        self.nskipped = 0
+
+    cdef int c_next(self, rl_record *out) except -1 nogil:
+        cdef int r
+        while self.nskipped < self.count:     # after an error below, the next call skips on
+            r = self.reader.c_next(out)
+            if r <= 0:
+                return r
+            self.nskipped += 1
+        return self.reader.c_next(out)
+
+    cdef int c_reset(self) except -1:
+        self.nskipped = 0
+        return self.reader.c_reset()
+
+    def _length(self):
+        n = length_of(self.reader)
+        return None if n is None else max(0, n - self.count)
+
+    def __repr__(self):
+        return f"SkipReader({self.reader!r}, count={self.count})"
+
+
+cdef class RepeatReader(DecoratedReader):
+    """The reader's epochs one after another: `count` of them, or forever.
+
+    Each pass is a new epoch of the reader below (a shuffle below draws a new
+    order), like `multi_pass`, but endless by default (tf.data's
+    `repeat()`).  A reader below that yields nothing ends the repeat instead
+    of looping forever.
+
+    Parameters
+    ----------
+    reader : ReaderBase
+    count : int or None
+        Passes per epoch of the repeat; None (default) repeats forever.
+    """
+    cdef readonly int64_t num_passes       # -1: forever
+    cdef readonly int64_t pass_id
+    cdef int64_t in_pass                    # items read in this pass
+
+    def __init__(self, reader, count=None):
+        _check_reader(reader, "RepeatReader")
+        n = -1 if count is None else _check_positive_int(count, "count", allow_zero=True)
+        DecoratedReader.__init__(self, reader)
+        self.num_passes = n
+        self.pass_id = 0
+        self.in_pass = 0
+
+    @property
+    def count(self):
+        return None if self.num_passes < 0 else self.num_passes
+
+    cdef int c_next(self, rl_record *out) except -1 nogil:
+        cdef int r
+        if self.num_passes == 0:
+            return 0
+        while True:
+            r = self.reader.c_next(out)
+            if r != 0:
+                if r == 1:
+                    self.in_pass += 1
+                return r
+            if self.in_pass == 0 or (self.num_passes > 0 and self.pass_id + 1 >= self.num_passes):
+                return 0            # done, or the reader below is empty: never spin
+            self.pass_id += 1
+            self.in_pass = 0
+            with gil:
+                self.reader.c_reset()
+
+    cdef int c_reset(self) except -1:
+        self.pass_id = 0
+        self.in_pass = 0
+        return self.reader.c_reset()
+
+    def _length(self):
+        if self.num_passes < 0:
+            return None
+        n = length_of(self.reader)
+        return None if n is None else n * self.num_passes
+
+    def __repr__(self):
+        return f"RepeatReader({self.reader!r}, count={self.count})"
