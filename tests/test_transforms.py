@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import readerlib as rl
-from helpers import (array_reader, assert_checkpoint_equal, assert_exactly_once, canon, drain,
+from helpers import (canon_value, array_reader, assert_checkpoint_equal, assert_exactly_once, canon, drain,
                      drain_canon, drain_instances, make_columns, unbatch, write_recordio)
 
 N = 37
@@ -685,3 +685,63 @@ def test_the_docs_examples_run(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "DOC OK" in out.stdout
+
+
+# ------------------------------------------------- pickling and refused states
+def not_multiple_of_3(inst):
+    return int(inst[0]) % 3 != 0
+
+
+def scale_floats(batch):
+    return (batch[0], batch[1], rl.LoDTensor(batch[2].data * 2))
+
+
+PICKLABLE = {
+    "map": lambda d: src(d).shuffle(6, seed=1).map(double_seq, num_threads=2).batch(3),
+    "map_batches": lambda d: src(d).batch(4).map_batches(scale_floats),
+    "filter": lambda d: src(d).filter(not_multiple_of_3).batch(2),
+    "take-skip-repeat": lambda d: src(d).shuffle(5, seed=3).skip(4).take(20).repeat(2),
+    "repeat-forever": lambda d: src(d).repeat().take(2 * N + 3),
+    "padded": lambda d: src(d).padded_batch(4, pad_value=-1, pad_to_multiple_of=2),
+    "bucket": lambda d: src(d).bucket_by_length([2, 4], [3, 2, 4], drop_remainder=True),
+    "bucket-tokens": lambda d: src(d).bucket_by_length([3], max_tokens=9, padded=False),
+}
+
+
+def _items(reader):
+    """The rest of the epoch, item by item (a batch as its fields' data and offsets)."""
+    out = []
+    while (x := reader.read_next()) is not None:
+        out.append(tuple((canon_value(np.asarray(v.data)), tuple(canon_value(l) for l in v.lod))
+                         if isinstance(v, rl.LoDTensor) else canon_value(v) for v in x))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(PICKLABLE))
+def test_a_pickled_transformation_chain_continues_where_it_was(data, name):
+    import pickle
+    full = _items(PICKLABLE[name](data))
+    for k in (0, 1, len(full) // 2):
+        c = PICKLABLE[name](data)
+        head = [c.read_next() for _ in range(k)]
+        assert all(h is not None for h in head)
+        other = pickle.loads(pickle.dumps(c))
+        assert _items(other) == full[k:], f"{name}: pickled after {k} items"
+
+
+@pytest.mark.parametrize("a, b, what", [
+    (lambda d: src(d).take(20), lambda d: src(d).take(21), "count"),
+    (lambda d: src(d).skip(2), lambda d: src(d).skip(3), "count"),
+    (lambda d: src(d).repeat(2), lambda d: src(d).repeat(), "count"),
+    (lambda d: src(d).map(double_seq), lambda d: src(d).map(add_length), "fn"),
+    (lambda d: src(d).filter(not_multiple_of_3), lambda d: src(d).filter(lambda x: True), "predicate"),
+    (lambda d: src(d).padded_batch(4), lambda d: src(d).padded_batch(5), "batch_size"),
+    (lambda d: src(d).padded_batch(4), lambda d: src(d).padded_batch(4, pad_value=-1), "pad_value"),
+    (lambda d: src(d).bucket_by_length([2, 4], [3, 2, 4]),
+     lambda d: src(d).bucket_by_length([2, 5], [3, 2, 4]), "boundaries"),
+])
+def test_a_state_of_another_transformation_is_refused_naming_the_difference(data, a, b, what):
+    ra = a(data)
+    next(iter(ra))
+    with pytest.raises(ValueError, match=what):
+        b(data).set_state(ra.get_state())

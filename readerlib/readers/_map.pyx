@@ -86,6 +86,12 @@ def _note(exc, text):
         exc.add_note(text)
 
 
+def _callable_name(fn):
+    """A user function as a state describes it: its module and qualified name
+    (a state saved with one function is refused by a chain mapping another)."""
+    return f"{getattr(fn, '__module__', None)}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
 def _field_name(i, in_schema, n_out):
     if in_schema is not None and i < len(in_schema):
         return in_schema.fields[i].name
@@ -608,6 +614,13 @@ cdef class MapReader(DecoratedReader):
         from readerlib.readers._slice import length_of
         return length_of(self.reader)
 
+    def _describe(self):
+        return {"fn": _callable_name(self.fn), "schema": self.schema.to_json()}
+
+    def _reduce_args(self):
+        return (self.fn,), {"num_threads": int(self.num_threads), "deterministic": bool(self.deterministic),
+                            "output_schema": self.schema}
+
     def __repr__(self):
         name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
         return f"MapReader({self.reader!r}, {name}, num_threads={self.num_threads})"
@@ -804,6 +817,12 @@ cdef class MapBatchesReader(DecoratedReader):
         from readerlib.readers._slice import length_of
         return length_of(self.reader)
 
+    def _describe(self):
+        return {"fn": _callable_name(self.fn), "schema": self.schema.to_json()}
+
+    def _reduce_args(self):
+        return (self.fn,), {}       # the output schema and padding are inferred again
+
     def __repr__(self):
         name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
         return f"MapBatchesReader({self.reader!r}, {name})"
@@ -884,6 +903,12 @@ cdef class FilterReader(DecoratedReader):
         self.in_pos = 0
         self._spare = None
         return self.reader.c_reset()
+
+    def _describe(self):
+        return {"predicate": _callable_name(self.predicate)}
+
+    def _reduce_args(self):
+        return (self.predicate,), {}
 
     def __repr__(self):
         name = getattr(self.predicate, "__qualname__", type(self.predicate).__name__)

@@ -111,6 +111,13 @@ cdef class _SequenceBatcher(DecoratedReader):
     cdef rl_block *hold
     cdef int64_t fixed_T              # >= 0: pad the length field to this (bucket boundary - 1)
     cdef int length_f                 # the length field's index
+    cdef dict _args                   # the constructor's keyword arguments (pickling, states)
+
+    def _describe(self):
+        return {k: (repr(v) if k == "pad_value" else v) for k, v in self._args.items()}
+
+    def _reduce_args(self):
+        return (), dict(self._args)
 
     cdef int _setup(self, reader, pad_value, pad_to_multiple_of, bint padded, str who) except -1:
         cdef int f
@@ -337,6 +344,8 @@ cdef class PaddedBatchReader(_SequenceBatcher):
         if not isinstance(drop_last, (bool, np.bool_)):
             raise TypeError(f"drop_last must be a bool, got {type(drop_last).__name__}")
         self._setup(reader, pad_value, pad_to_multiple_of, True, "PaddedBatchReader")
+        self._args = dict(batch_size=bs, pad_value=pad_value, pad_to_multiple_of=pad_to_multiple_of,
+                          drop_last=bool(drop_last))
         self.batch_size = bs
         self.drop_last = bool(drop_last)
         self.recs = <rl_record *>calloc(bs, sizeof(rl_record))
@@ -481,6 +490,10 @@ cdef class BucketByLengthReader(_SequenceBatcher):
         if not isinstance(drop_remainder, (bool, np.bool_)):
             raise TypeError(f"drop_remainder must be a bool, got {type(drop_remainder).__name__}")
         self._setup(reader, pad_value, None, bool(padded), "BucketByLengthReader")
+        self._args = dict(boundaries=bnd, batch_sizes=batch_sizes if batch_sizes is None else bs,
+                          length_field=length_field, drop_remainder=bool(drop_remainder),
+                          max_tokens=max_tokens, pad_value=pad_value,
+                          pad_to_bucket_boundary=bool(pad_to_bucket_boundary), padded=bool(padded))
         in_schema = self.reader.schema
         if length_field is None:
             lf = next(k for k, f in enumerate(in_schema) if f.lod_level)

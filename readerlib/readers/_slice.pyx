@@ -93,6 +93,11 @@ cdef class TakeReader(DecoratedReader):
     def __repr__(self):
         return f"TakeReader({self.reader!r}, count={self.count})"
 
+    def _describe(self):
+        return {"count": int(self.count)}
+
+    def _reduce_args(self):
+        return (int(self.count),), {}
 
 cdef class SkipReader(DecoratedReader):
     """Each epoch without its first `count` items (tf.data's skip).
@@ -129,6 +134,11 @@ cdef class SkipReader(DecoratedReader):
     def __repr__(self):
         return f"SkipReader({self.reader!r}, count={self.count})"
 
+    def _describe(self):
+        return {"count": int(self.count)}
+
+    def _reduce_args(self):
+        return (int(self.count),), {}
 
 cdef class RepeatReader(DecoratedReader):
     """The reader's epochs one after another: `count` of them, or forever.
@@ -190,3 +200,9 @@ cdef class RepeatReader(DecoratedReader):
 
     def __repr__(self):
         return f"RepeatReader({self.reader!r}, count={self.count})"
+
+    def _describe(self):
+        return {"count": None if self.num_passes < 0 else int(self.num_passes)}
+
+    def _reduce_args(self):
+        return (None if self.num_passes < 0 else int(self.num_passes),), {}
