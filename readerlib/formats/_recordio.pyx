@@ -1,13 +1,18 @@
 """RecordIO: chunked, checksummed, self-describing, seekable record files.
 
 Design:
-    See RECORDIO.md next to this file for the byte layout.  The reader maps
-    the file read-only; a chunk is verified (header CRC, body CRC-32C, sizes,
-    every record against the schema) when it is first touched, then its
-    records are handed downstream as pointers into the mapping (no copy)
-    while the chunk view is referenced.  zlib chunks are inflated into a
-    heap block instead.  Any single corrupted or truncated byte fails a
-    check; the error names the file and byte offset.
+    See RECORDIO.md next to this file for the byte layout.  A chunk is read
+    with pread(2) into a block the reader owns (page-aligned like the file,
+    see rl_mmap.h), verified there (header CRC, body CRC-32C, sizes, every
+    record against the schema) when it is first touched, then its records
+    are handed downstream as pointers into that block (no further copy)
+    while the block is referenced.  zlib chunks are read into a scratch
+    buffer and inflated into a block.  The bytes checked are the bytes
+    handed out: a file truncated or rewritten while it is read gives a
+    RecordIOError (or, for chunks already checked, the data as it was),
+    never SIGBUS (as a mapping would) nor unchecked bytes.  Any single
+    corrupted or truncated byte fails a check; the error names the file and
+    byte offset.
 """
 import os
 import warnings
@@ -17,7 +22,7 @@ import numpy as np
 cimport numpy as cnp
 from libc.stdlib cimport malloc, free, realloc
 from libc.string cimport memcpy, memcmp
-from posix.mman cimport mmap, munmap, PROT_READ, MAP_PRIVATE, MAP_FAILED
+from libc.errno cimport errno
 
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t, uint8_t
 from readerlib.readers._base cimport (
@@ -40,8 +45,8 @@ cdef extern from "zlib.h":
     int uncompress(unsigned char *dest, uLongf *destLen, const unsigned char *source, uLong sourceLen) nogil
 
 cdef extern from "rl_mmap.h":
-    rl_block *rl_mapping_new(char *data, int64_t size) nogil
-    rl_block *rl_chunkview_new(rl_block *mapping, char *data, int64_t size, int drop_pages) nogil
+    rl_block *rl_fileblock_new(int64_t file_off, int64_t size, int drop_pages) nogil
+    int64_t rl_pread_full(int fd, char *dst, int64_t n, int64_t off) nogil
 
 __all__ = ["RecordIOWriter", "RecordIOReader", "FILE_MAGIC"]
 
@@ -71,6 +76,8 @@ cdef enum:
     CK_SIZES = 9
     CK_RECORD = 10
     CK_NOMEM = 11
+    CK_SHRUNK = 12
+    CK_IO = 13
 
 _CHUNK_ERRORS = {
     CK_TRUNC_HEADER: "truncated chunk header",
@@ -84,6 +91,8 @@ _CHUNK_ERRORS = {
     CK_SIZES: "record sizes disagree with the chunk size",
     CK_RECORD: "record does not match the schema",
     CK_NOMEM: "out of memory decoding chunk",
+    CK_SHRUNK: "the file is shorter than when it was opened (truncated while being read?)",
+    CK_IO: "read error",
 }
 
 
@@ -371,9 +380,11 @@ cdef class RecordIOReader(FileReader):
         of a file's chunks, and their pages, alive.
     """
     cdef readonly str path
-    cdef rl_block *mapping
-    cdef const char *base
-    cdef int64_t fsize
+    cdef int fd                        # open until close(); -1 when closed
+    cdef int64_t fsize                 # at open: the chunk table covers this much
+    cdef char *zbuf                    # scratch for a zlib chunk's stored body
+    cdef int64_t zcap
+    cdef int err_errno
     cdef int64_t *chunk_off
     cdef int64_t *chunk_nrec
     cdef int64_t *chunk_end            # where the chunk must end (next chunk / index)
@@ -399,7 +410,7 @@ cdef class RecordIOReader(FileReader):
     cdef int64_t err_record
 
     def __cinit__(self):
-        self.mapping = NULL
+        self.fd = -1
 
     def __init__(self, path, on_error="raise", low_memory=True):
         if on_error not in ("raise", "skip"):
@@ -409,24 +420,12 @@ cdef class RecordIOReader(FileReader):
         self.path = os.fspath(path)
         if not isinstance(self.path, str):
             raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-        fd = os.open(self.path, os.O_RDONLY)
-        cdef void *p
-        try:
-            size = os.fstat(fd).st_size
-            self.fsize = size
-            if size < HEADER_FIXED:
-                raise RecordIOError(f"{self.path}: not a RecordIO file ({size} bytes, truncated header "
-                                    f"at byte offset {size})", self.path, size)
-            p = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0)
-            if p == MAP_FAILED:
-                raise OSError(f"{self.path}: mmap failed")
-        finally:
-            os.close(fd)
-        self.mapping = rl_mapping_new(<char *>p, size)
-        if self.mapping == NULL:
-            munmap(p, size)
-            raise MemoryError()
-        self.base = <const char *>p
+        self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        size = os.fstat(self.fd).st_size
+        self.fsize = size
+        if size < HEADER_FIXED:
+            raise RecordIOError(f"{self.path}: not a RecordIO file ({size} bytes, truncated header "
+                                f"at byte offset {size})", self.path, size)
         self._read_header()
         self._read_footer_or_scan()
         self._select_all()
@@ -434,9 +433,11 @@ cdef class RecordIOReader(FileReader):
 
     def __dealloc__(self):
         self._release_cur()
-        if self.mapping != NULL:
-            rl_block_decref(self.mapping)
-            self.mapping = NULL
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        free(self.zbuf)
+        self.zbuf = NULL
         free(self.chunk_off)
         free(self.chunk_nrec)
         free(self.chunk_end)
@@ -450,18 +451,27 @@ cdef class RecordIOReader(FileReader):
     def _fail(self, msg, offset):
         raise RecordIOError(f"{self.path}: {msg} at byte offset {offset}", self.path, offset)
 
+    cdef bytes _pread(self, int64_t off, int64_t n):
+        """Exactly n bytes at off (open-time reads); a shorter file fails."""
+        data = os.pread(self.fd, n, off)
+        if len(data) != n:
+            self._fail(_CHUNK_ERRORS[CK_SHRUNK], off + len(data))
+        return data
+
     cdef _read_header(self):
-        cdef const char *b = self.base
+        cdef bytes head = self._pread(0, HEADER_FIXED)
+        cdef const char *b = head
         if b[:8] != FILE_MAGIC:
             self._fail("not a readerlib RecordIO file (bad magic)", 0)
         cdef int64_t slen = rl_load_u32(b + 8)
         if slen > self.fsize - HEADER_FIXED:
             self._fail(f"truncated or corrupt file header (schema of {slen} bytes)", 8)
-        crc = rl_crc32c(rl_crc32c(rl_crc32c(0, b, 12), b + 16, 8), b + HEADER_FIXED, slen)
+        cdef bytes schema_bytes = self._pread(HEADER_FIXED, slen)
+        crc = rl_crc32c(rl_crc32c(rl_crc32c(0, b, 12), b + 16, 8), <const char *>schema_bytes, slen)
         if crc != rl_load_u32(b + 12):
             self._fail("file header checksum mismatch", 0)
         try:
-            schema = Schema.from_json((<bytes>b[HEADER_FIXED:HEADER_FIXED + slen]).decode())
+            schema = Schema.from_json(schema_bytes.decode())
         except Exception as e:
             self._fail(f"unreadable schema in the file header ({e})", HEADER_FIXED)
         self._set_schema(schema, ITEM_INSTANCE)
@@ -477,41 +487,52 @@ cdef class RecordIOReader(FileReader):
             raise MemoryError()
 
     cdef _read_footer_or_scan(self):
-        cdef const char *b = self.base
         cdef int64_t S = self.fsize
-        cdef int64_t ioff, n, i, total, o, end
+        cdef int64_t ioff, n, i, o, end, nrec
+        cdef const char *t
+        cdef const char *x
+        cdef bytes trailer, index
         problem = None
-        if S >= self.data_start + TRAILER and rl_load_u32(b + S - 4) == TRAILER_MAGIC:
-            ioff = <int64_t>rl_load_u64(b + S - 16)
-            if rl_crc32c(0, b + S - 16, 8) != rl_load_u32(b + S - 8):
+        trailer = self._pread(S - TRAILER, TRAILER) if S >= self.data_start + TRAILER else b""
+        t = trailer
+        if trailer and rl_load_u32(t + 12) == TRAILER_MAGIC:
+            ioff = <int64_t>rl_load_u64(t)
+            if rl_crc32c(0, t, 8) != rl_load_u32(t + 8):
                 problem = ("index trailer checksum mismatch", S - 16)
             elif ioff < self.data_start or ioff > S - TRAILER - 28:
                 problem = ("index offset out of range", S - 16)
-            elif rl_load_u32(b + ioff) != INDEX_MAGIC:
-                problem = ("bad index magic", ioff)
             else:
-                n = <int64_t>rl_load_u64(b + ioff + 8)
-                if n < 0 or n > (S - ioff) // 16 or ioff + 24 + 16 * n + 4 != S - TRAILER:
+                index = self._pread(ioff, S - TRAILER - ioff)
+                x = index
+                n = <int64_t>rl_load_u64(x + 8)
+                if rl_load_u32(x) != INDEX_MAGIC:
+                    problem = ("bad index magic", ioff)
+                elif n < 0 or n > (S - ioff) // 16 or ioff + 24 + 16 * n + 4 != S - TRAILER:
                     problem = ("index size disagrees with the file size", ioff + 8)
-                elif rl_crc32c(0, b + ioff, 24 + 16 * n) != rl_load_u32(b + ioff + 24 + 16 * n):
+                elif rl_crc32c(0, x, 24 + 16 * n) != rl_load_u32(x + 24 + 16 * n):
                     problem = ("index checksum mismatch", ioff)
                 else:
+                    # A footer with a valid CRC is still cross-checked: chunks tile
+                    # [data_start, index) in order, each with room for its header
+                    # and its record count's size table (u32 raw_size caps a chunk
+                    # at 2^30 records), so the counts are bounded by the file and
+                    # every chunk is then verified against its own header on load.
                     self._alloc_table(n)
-                    total = 0
-                    end = self.data_start
+                    total = 0                       # a Python int: cannot wrap
                     for i in range(n):
-                        o = <int64_t>rl_load_u64(b + ioff + 24 + 16 * i)
+                        o = <int64_t>rl_load_u64(x + 24 + 16 * i)
+                        nrec = <int64_t>rl_load_u64(x + 32 + 16 * i)
                         self.chunk_off[i] = o
-                        self.chunk_nrec[i] = <int64_t>rl_load_u64(b + ioff + 32 + 16 * i)
+                        self.chunk_nrec[i] = nrec
                         # a chunk ends where the next one starts (the last one at the index)
-                        end = <int64_t>rl_load_u64(b + ioff + 40 + 16 * i) if i + 1 < n else ioff
+                        end = <int64_t>rl_load_u64(x + 40 + 16 * i) if i + 1 < n else ioff
                         self.chunk_end[i] = end
                         if (o < self.data_start or end < o + CHUNK_HEADER or end > ioff
-                                or self.chunk_nrec[i] < 0 or (i == 0 and o != self.data_start)):
+                                or nrec < 0 or nrec > (1 << 30) or (i == 0 and o != self.data_start)):
                             problem = ("index entry disagrees with the chunk layout", ioff + 24 + 16 * i)
                             break
-                        total += self.chunk_nrec[i]
-                    if problem is None and total != <int64_t>rl_load_u64(b + ioff + 16):
+                        total += nrec
+                    if problem is None and total != rl_load_u64(x + 16):
                         problem = ("index record total disagrees with its entries", ioff + 16)
                     if problem is None:
                         self.num_chunks = n
@@ -532,35 +553,38 @@ cdef class RecordIOReader(FileReader):
 
     cdef _scan(self):
         """Build the chunk table from chunk headers (no footer)."""
-        cdef const char *b = self.base
         cdef int64_t S = self.fsize
         cdef int64_t pos = self.data_start, stored, total = 0
+        cdef bytes head
+        cdef const char *h
         offs, nrecs, ends = [], [], []
         skipped = 0
         while pos < S:
             code = CK_OK
-            if S - pos < CHUNK_HEADER:
-                code = CK_TRUNC_HEADER
-            elif rl_load_u32(b + pos) == INDEX_MAGIC:
+            head = os.pread(self.fd, CHUNK_HEADER, pos)
+            h = head
+            if len(head) < CHUNK_HEADER:
+                code = CK_TRUNC_HEADER if S - pos < CHUNK_HEADER else CK_SHRUNK
+            elif rl_load_u32(h) == INDEX_MAGIC:
                 self._fail_or_warn("index footer without a valid trailer (truncated or corrupt footer)",
                                    pos)
                 break
-            elif rl_load_u32(b + pos) != CHUNK_MAGIC:
+            elif rl_load_u32(h) != CHUNK_MAGIC:
                 code = CK_MAGIC
-            elif _chunk_header_crc(self.salt, b + pos) != rl_load_u32(b + pos + 28):
+            elif _chunk_header_crc(self.salt, h) != rl_load_u32(h + 28):
                 code = CK_HEADER_CRC
             else:
-                stored = <int64_t>rl_load_u64(b + pos + 16)
+                stored = <int64_t>rl_load_u64(h + 16)
                 if stored > S - pos - CHUNK_HEADER:
                     code = CK_TRUNC_BODY
             if code != CK_OK:
-                if not self.skip_errors:
+                if not self.skip_errors or code == CK_SHRUNK:
                     self._fail(_CHUNK_ERRORS[code], pos)
                 skipped += 1
                 pos = self._resync(pos + 1)
                 continue
             offs.append(pos)
-            k = rl_load_u32(b + pos + 4)
+            k = rl_load_u32(h + 4)
             nrecs.append(k)
             ends.append(pos + CHUNK_HEADER + stored)
             total += k
@@ -586,21 +610,32 @@ cdef class RecordIOReader(FileReader):
 
     cdef int64_t _resync(self, int64_t pos):
         """Next offset >= pos holding a chunk header with a valid checksum."""
-        cdef const char *b = self.base
-        cdef int64_t S = self.fsize
+        cdef int64_t S = self.fsize, i, L
+        cdef bytes window
+        cdef const char *w
         while pos + CHUNK_HEADER <= S:
-            if rl_load_u32(b + pos) == CHUNK_MAGIC and _chunk_header_crc(self.salt, b + pos) == rl_load_u32(b + pos + 28):
-                return pos
-            pos += 1
+            window = os.pread(self.fd, min(1 << 20, S - pos), pos)
+            L = len(window)
+            if L < CHUNK_HEADER:
+                return S
+            w = window
+            for i in range(L - CHUNK_HEADER + 1):
+                if rl_load_u32(w + i) == CHUNK_MAGIC and _chunk_header_crc(self.salt, w + i) == rl_load_u32(w + i + 28):
+                    return pos + i
+            pos += L - CHUNK_HEADER + 1
         return S
 
     # -- chunk loading (no GIL) ---------------------------------------------
     cdef int _load_chunk(self, int64_t c) noexcept nogil:
-        """Verify chunk c and make it current.  Returns CK_OK or an error code."""
-        cdef const char *b = self.base
+        """Read chunk c into a block of its own, verify it there and make it
+        current.  Returns CK_OK or an error code."""
         cdef int64_t off = self.chunk_off[c]
         cdef int64_t limit = self.chunk_end[c]
-        cdef const char *h = b + off
+        cdef char hbuf[CHUNK_HEADER]
+        cdef const char *h = hbuf
+        cdef const char *body
+        cdef char *zb
+        cdef int64_t got
         cdef int64_t stored, raw, n, i, total, pos
         cdef uint32_t comp
         cdef rl_block *blk
@@ -613,6 +648,9 @@ cdef class RecordIOReader(FileReader):
         self.err_record = -1
         if limit - off < CHUNK_HEADER:
             return CK_TRUNC_HEADER
+        got = rl_pread_full(self.fd, hbuf, CHUNK_HEADER, off)
+        if got != CHUNK_HEADER:
+            return self._read_failed(got, off)
         if rl_load_u32(h) != CHUNK_MAGIC:
             return CK_MAGIC
         if _chunk_header_crc(self.salt, h) != rl_load_u32(h + 28):
@@ -631,22 +669,39 @@ cdef class RecordIOReader(FileReader):
             return CK_COMPRESSOR
         if stored != limit - off - CHUNK_HEADER:
             return CK_TRUNC_BODY
-        if crc32c_parallel(h + CHUNK_HEADER, stored) != rl_load_u32(h + 12):
-            self.err_off = off + CHUNK_HEADER
-            return CK_BODY_CRC
         if comp == 0:
             if raw != stored:
                 return CK_SIZES
-            blk = rl_chunkview_new(self.mapping, <char *>h + CHUNK_HEADER, stored,
-                                   (3 if aligned else 2) if self.low_memory else 1)
+            blk = rl_fileblock_new(off + CHUNK_HEADER, stored,
+                                   (3 if aligned else 2) if self.low_memory else 0)
             if blk == NULL:
                 return CK_NOMEM
+            body = blk.data
         else:
+            if stored > self.zcap:
+                zb = <char *>realloc(self.zbuf, stored)
+                if zb == NULL:
+                    return CK_NOMEM
+                self.zbuf = zb
+                self.zcap = stored
+            body = self.zbuf
+            blk = NULL
+        got = rl_pread_full(self.fd, <char *>body, stored, off + CHUNK_HEADER)
+        if got != stored:
+            if blk != NULL:
+                rl_block_decref(blk)
+            return self._read_failed(got, off + CHUNK_HEADER)
+        if crc32c_parallel(body, stored) != rl_load_u32(h + 12):
+            if blk != NULL:
+                rl_block_decref(blk)
+            self.err_off = off + CHUNK_HEADER
+            return CK_BODY_CRC
+        if comp != 0:
             blk = rl_block_new(raw)
             if blk == NULL:
                 return CK_NOMEM
             dest_len = raw
-            if uncompress(<unsigned char *>blk.data, &dest_len, <const unsigned char *>h + CHUNK_HEADER,
+            if uncompress(<unsigned char *>blk.data, &dest_len, <const unsigned char *>body,
                           stored) != Z_OK or <int64_t>dest_len != raw:
                 rl_block_decref(blk)
                 return CK_INFLATE
@@ -690,6 +745,15 @@ cdef class RecordIOReader(FileReader):
         self.cur_payload_abs = payload_abs
         return CK_OK
 
+    cdef int _read_failed(self, int64_t got, int64_t off) noexcept nogil:
+        # a short read: the file shrank after open (the table came from its old size)
+        if got < 0:
+            self.err_errno = errno
+            self.err_off = off
+            return CK_IO
+        self.err_off = off + got
+        return CK_SHRUNK
+
     cdef int c_next(self, rl_record *out) except -1 nogil:
         cdef int code
         cdef uint32_t s
@@ -699,7 +763,7 @@ cdef class RecordIOReader(FileReader):
             self.cur_i = 0
             if self.iorder >= self.norder:
                 return 0
-            if self.mapping == NULL:
+            if self.fd < 0:
                 with gil:
                     raise ValueError(f"I/O operation on closed reader (RecordIOReader {self.path!r})")
             code = self._load_chunk(self.order[self.iorder])
@@ -725,6 +789,10 @@ cdef class RecordIOReader(FileReader):
             msg += f" (chunk {c})"
         if code == CK_NOMEM:
             raise MemoryError(f"{self.path}: {msg}")
+        if code == CK_IO:
+            msg += f" ({os.strerror(self.err_errno)})"
+        if code in (CK_SHRUNK, CK_IO):
+            self._fail(msg, self.err_off)        # not the chunk's fault: never skipped
         if not self.skip_errors:
             self._fail(msg, self.err_off)
         self.skipped_chunks += 1
@@ -774,10 +842,13 @@ cdef class RecordIOReader(FileReader):
         return offs, nrec
 
     cdef int c_close(self) except -1:
-        self._release_cur()
-        if self.mapping != NULL:
-            rl_block_decref(self.mapping)    # chunk views still held keep it mapped
-            self.mapping = NULL
+        self._release_cur()                  # blocks still held downstream stay valid
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        free(self.zbuf)
+        self.zbuf = NULL
+        self.zcap = 0
         return 0
 
     def __len__(self):

@@ -63,4 +63,57 @@ static inline rl_block *rl_chunkview_new(rl_block *mapping, char *data, int64_t 
     }
     return b;
 }
+
+/* ------------------------------------------------------------ file blocks
+ * What a reader hands out is read with pread(2) into memory the block owns,
+ * then checked there: the bytes checked are the bytes handed out, whatever
+ * happens to the file afterwards.  A file truncated while it is read gives a
+ * short read (a clear "the file shrank" error), never SIGBUS as a mapping
+ * would; a file rewritten in place cannot change records already checked.
+ *
+ * The buffer is page-aligned and starts `phase` = file_off % page bytes into
+ * its first page, so a record that starts a page of the file starts a page of
+ * the buffer too (page-aligned RecordIO chunks), and it is a whole number of
+ * pages, so dropping a record's pages (MADV_DONTNEED: the pages of a private
+ * anonymous allocation come back as zeros) never touches the allocator's own
+ * headers.  Those drops keep `low_memory` readers' resident memory bounded as
+ * they did over a mapping. */
+#include <errno.h>
+
+static void rl_fileblock_release(rl_block *b) {
+    free(b->ctx);
+    free(b);
+}
+
+/* An uninitialised block of `size` bytes for the file bytes at file_off.
+ * drop_pages: 0/1 none, 2 drop each big record's interior pages once
+ * consumed, 3 records are page-aligned: drop all of their pages. */
+static rl_block *rl_fileblock_new(int64_t file_off, int64_t size, int drop_pages) {
+    int64_t page = (int64_t)sysconf(_SC_PAGESIZE);
+    int64_t phase = file_off & (page - 1);
+    int64_t cap = (phase + (size > 0 ? size : 1) + page - 1) & ~(page - 1);
+    void *p = NULL;
+    if (posix_memalign(&p, (size_t)page, (size_t)cap) != 0) return NULL;
+    rl_block *b = rl_block_wrap((char *)p + phase, size, rl_fileblock_release, p, 0);
+    if (!b) { free(p); return NULL; }
+    if (drop_pages == 2) b->consumed = rl_chunkview_consumed;
+    else if (drop_pages == 3) b->consumed = rl_chunkview_consumed_aligned;
+    return b;
+}
+
+/* Read n bytes at off into dst: returns the bytes read (fewer at the end of
+ * the file), or -1 with errno set. */
+static int64_t rl_pread_full(int fd, char *dst, int64_t n, int64_t off) {
+    int64_t got = 0;
+    while (got < n) {
+        ssize_t r = pread(fd, dst + got, (size_t)(n - got), (off_t)(off + got));
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        if (r == 0) break;
+        got += r;
+    }
+    return got;
+}
 #endif
