@@ -7,7 +7,7 @@ Build a chain in Python, iterate batches::
     for feats, label in r:
         ...
 """
-from .errors import DataLossError, RecordIOError, RecordIOWarning, TFRecordError
+from .errors import DataLossError, RecordIOError, RecordIOWarning, TFRecordError, TFRecordWarning
 from .formats._recordio import RecordIOReader, RecordIOWriter
 from .formats._tfrecord import TFRecordReader, TFRecordWriter, masked_crc32c
 from .formats._tfrecord import build_index as build_tfrecord_index
@@ -55,7 +55,7 @@ __all__ = [
     "build_tfrecord_index", "MultiFileReader",
     "open_files", "open_file", "register_file_reader", "unregister_file_reader", "file_reader_for",
     "shard_from_env",
-    "DataLossError", "RecordIOError", "RecordIOWarning", "TFRecordError",
+    "DataLossError", "RecordIOError", "RecordIOWarning", "TFRecordError", "TFRecordWarning",
     "crc32c",
     "batch_reindex", "batch_reindex_grad", "ctc_greedy_decoder",
     "InvalidArgumentError", "FailedPreconditionError",
