@@ -31,7 +31,7 @@ from readerlib.readers._base cimport (
     rl_load_u32, rl_load_u64, rl_store_u32, rl_store_u64,
     layout_parse, crc32c_parallel, columns_encoded_size, columns_encode, encode_instance,
     ITEM_INSTANCE, RL_MAX_FIELDS)
-from readerlib.readers._base import _check_positive_int
+from readerlib.readers._base import _check_positive_int, _PieceFile
 from readerlib.tensor import Schema
 from readerlib.errors import RecordIOError, RecordIOWarning
 
@@ -158,8 +158,7 @@ cdef class RecordIOWriter(FileWriter):
             raise ValueError(f"page_align must be 'auto', True or False, got {page_align!r}")
         self.page_align = page_align
         self.path = os.fspath(path)
-        self._f = open(self.path, "wb")
-        self._closed = False
+        self._f = _PieceFile(self.path)
         self._index = []
         schema_bytes = self.schema.to_json().encode()
         file_id = os.urandom(8)
@@ -169,8 +168,16 @@ cdef class RecordIOWriter(FileWriter):
         head[12:16] = crc.to_bytes(4, "little")
         head += schema_bytes
         self.salt = rl_crc32c(0, <const char *>file_id, 8)
-        self._f.write(head)
+        try:
+            self._f.write(head)
+        except BaseException:
+            self._f.close()
+            raise
         self._pos = len(head)
+        self._closed = False
+
+    def _gc_warning(self):
+        return RecordIOWarning
 
     def __dealloc__(self):
         free(self.payload)
@@ -264,13 +271,13 @@ cdef class RecordIOWriter(FileWriter):
             body_crc = rl_crc32c(0, self.sizes, n * 4)
             body_crc = rl_crc32c(body_crc, self.payload, self.payload_len)
             stored = raw_size
-        self._f.write(self._chunk_header(n, self.compressor, body_crc, stored, raw_size))
+        # one piece, all or nothing: a failed write leaves the file at the last
+        # complete chunk and the chunk buffered, so a retry rewrites it in place
+        head = self._chunk_header(n, self.compressor, body_crc, stored, raw_size)
         if self.compressor == 1:
-            self._f.write(body_c)
+            self._f.write(head, body_c)
         else:
-            self._f.write(sizes_mv)
-            if self.payload_len:
-                self._f.write(payload_mv)
+            self._f.write(head, sizes_mv, payload_mv)
         self._index.append((self._pos, n))
         self._pos += 32 + stored
         self.nsizes = 0
@@ -313,8 +320,7 @@ cdef class RecordIOWriter(FileWriter):
             pos += pad + self.sizes[i]
             src += self.sizes[i]
         cdef int64_t stored = 4 * n + pos
-        self._f.write(self._chunk_header(n, FLAG_ALIGNED, crc, stored, stored))
-        self._f.writelines(pieces)
+        self._f.write(self._chunk_header(n, FLAG_ALIGNED, crc, stored, stored), *pieces)
         self._index.append((self._pos, n))
         self._pos += 32 + stored
         self.nsizes = 0

@@ -56,6 +56,7 @@ from readerlib.readers._base cimport (
     rl_store_u32, rl_store_u64, rl_store_i64, ITEM_INSTANCE)
 from readerlib.tensor import Field, Schema
 from readerlib.errors import TFRecordError, TFRecordWarning
+from readerlib.readers._base import _PieceFile
 
 cnp.import_array()
 rl_crc32c_init()
@@ -543,6 +544,17 @@ cdef class TFRecordReader(FileReader):
         """File offset of the next compressed byte inflate will take."""
         return self.zin_off + (<const char *>self.zs.next_in - self.zin)
 
+    cdef bint _cut_short(self, int64_t want_n, int64_t i) noexcept nogil:
+        """A greedy scan that reaches a truncated record (a killed or failing
+        writer, a file cut short) ends its chunk at the last complete record:
+        those are handed out, and the next scan, starting at the cut, raises
+        (TensorFlow's order: every complete record, then DataLoss)."""
+        if want_n < 0 and i > 0 and (self.err_code == E_OK or self.err_code == E_ZTRUNC
+                                     or self.err_code == E_SHRUNK):
+            self.err_code = E_OK
+            return True
+        return False
+
     cdef int _read_failed(self, int64_t got, int64_t off) noexcept nogil:
         # a short read: the file shrank after open (what was read is as it was)
         if got < 0:
@@ -660,6 +672,8 @@ cdef class TFRecordReader(FileReader):
             if z:
                 avail = self._zavail(rel + 12)
                 if avail < 0:
+                    if self._cut_short(want_n, i):
+                        break
                     return -1
                 cb = self.dbuf + self.dlo
             else:
@@ -671,6 +685,8 @@ cdef class TFRecordReader(FileReader):
                     return -1
                 break
             if avail < rel + 12:
+                if self._cut_short(want_n, i):
+                    break
                 self.err_code = E_TRUNC
                 self.err_off = pos + rel
                 return -1
@@ -678,6 +694,8 @@ cdef class TFRecordReader(FileReader):
                 p = cb + rel
             elif build:
                 if self._pfill(pos, rel + 12) != 0:
+                    if self._cut_short(want_n, i):
+                        break
                     return -1
                 p = self.pblk.data + rel
             else:
@@ -698,15 +716,21 @@ cdef class TFRecordReader(FileReader):
             if z:
                 avail = self._zavail(need)
                 if avail < 0:
+                    if self._cut_short(want_n, i):
+                        break
                     return -1
                 cb = self.dbuf + self.dlo
             if avail < need:
+                if self._cut_short(want_n, i):
+                    break
                 self.err_code = E_TRUNC
                 self.err_off = pos + rel
                 return -1
             if build:
                 if not z:
                     if self._pfill(pos, need) != 0:
+                        if self._cut_short(want_n, i):
+                            break
                         return -1
                 # data CRCs are checked next to the copy that follows (below, or
                 # in c_next for zero-copy records), while the record is in cache
@@ -1063,6 +1087,7 @@ cdef class TFRecordWriter(FileWriter):
     cdef readonly int64_t num_records
     cdef object _z
     cdef bytearray _buf
+    cdef object _pending            # bytes made for the file but not yet written (a failed write)
 
     def __init__(self, path, compression=None, compression_level=-1):
         ztype = _compression_code(compression)
@@ -1073,13 +1098,18 @@ cdef class TFRecordWriter(FileWriter):
         # TF's ZlibCompressionOptions: deflate, window 15 (+16 for gzip), memLevel 9
         self._z = (_pyzlib.compressobj(compression_level, _pyzlib.DEFLATED, 15 if ztype == 1 else 31, 9)
                    if ztype else None)
-        self._f = open(self.path, "wb")
+        self._f = _PieceFile(self.path)
         self._buf = bytearray()
         self._closed = False
+
+    def _gc_warning(self):
+        return TFRecordWarning
 
     cdef int _append(self, const char *data, int64_t n) except -1:
         cdef char head[12]
         cdef char foot[4]
+        if self._pending is not None or len(self._buf) + 16 + n > (1 << 20):
+            self._drain()            # before this record: if the write fails, it was not taken
         with nogil:
             rl_store_u64(head, <uint64_t>n)
             rl_store_u32(head + 8, rl_crc32c_mask(rl_crc32c(0, head, 8)))
@@ -1089,18 +1119,18 @@ cdef class TFRecordWriter(FileWriter):
             self._buf += (<char *>data)[:n]
         self._buf += (<char *>foot)[:4]
         self.num_records += 1
-        if len(self._buf) >= (1 << 20):
-            self._drain()
         return 0
 
     cdef _drain(self):
-        if not self._buf:
-            return
-        if self._z is not None:
-            self._f.write(self._z.compress(self._buf))
-        else:
-            self._f.write(self._buf)
-        self._buf = bytearray()
+        """Write the buffered records (compressed once: a failed write keeps the
+        compressor's output in `_pending`, written again by the next try)."""
+        if self._pending is None:
+            if not self._buf:
+                return
+            self._pending = self._z.compress(self._buf) if self._z is not None else self._buf
+            self._buf = bytearray()
+        self._f.write(self._pending)
+        self._pending = None
 
     def write(self, record):
         """Append one record: bytes-like, or an array (its raw bytes, C order)."""
@@ -1134,14 +1164,16 @@ cdef class TFRecordWriter(FileWriter):
         self._check_open()
         self._drain()
         if self._z is not None:
-            self._f.write(self._z.flush(_pyzlib.Z_SYNC_FLUSH))
-        self._f.flush()
+            self._pending = self._z.flush(_pyzlib.Z_SYNC_FLUSH)
+            self._drain()
 
     def _finish(self):
         """Buffered records and the end of the compressed stream (close() calls this)."""
         self._drain()
         if self._z is not None:
-            self._f.write(self._z.flush(_pyzlib.Z_FINISH))
+            self._pending = self._z.flush(_pyzlib.Z_FINISH)
+            self._z = None           # finished once; a retried close() writes what is pending
+            self._drain()
 
     def __repr__(self):
         return f"TFRecordWriter({self.path!r}, {self.num_records} records)"
