@@ -515,3 +515,244 @@ def test_piece_file_rolls_back_a_torn_write(tmp_path, monkeypatch):
     f.write(b"de")
     f.close()
     assert open(str(tmp_path / "p"), "rb").read() == b"abcde"
+
+
+# ------------------------------------------------------------------- kernels
+KERNEL_CRASH = """
+import numpy as np, readerlib as rl
+from readerlib.kernels import ctc_greedy_decoder, batch_reindex
+case = {case!r}
+t = rl.LoDTensor.from_sequences([np.ones((2, 3), np.float32), np.ones((1, 3), np.float32),
+                                 np.ones((2, 3), np.float32)])
+try:
+    if case == "ctc_lod_offset":
+        t.lod[0][2] = 1 << 40
+        ctc_greedy_decoder(t)
+    elif case == "ctc_lod_negative":
+        t.lod[0][1] = -(1 << 40)
+        ctc_greedy_decoder(t)
+    elif case == "reindex_short_data":
+        t.data = np.full((1, 3), 7, np.float32)
+        batch_reindex(t, [1])
+    elif case == "reindex_lod_replaced":
+        t.lod = [np.array([0, 5, 1 << 50, 5])]
+        batch_reindex(t, [2, 0])
+    elif case == "reindex_lod_uint64":
+        t.lod[0] = np.array([0, 2, 2**64 - 1, 5], np.uint64)
+        batch_reindex(t, [1])
+    print("NO ERROR")
+except (ValueError, TypeError, IndexError) as e:
+    print("OK", type(e).__name__, e)
+"""
+
+
+@pytest.mark.parametrize("case", ["ctc_lod_offset", "ctc_lod_negative", "reindex_short_data",
+                                  "reindex_lod_replaced", "reindex_lod_uint64"])
+def test_mutated_lodtensor_is_rejected_by_kernels(case):
+    out = run_py(KERNEL_CRASH.format(case=case))
+    assert out.startswith("OK") and "LoD level" in out, out
+
+
+@pytest.mark.parametrize("dtype", [np.uint64, np.uint32, np.int64])
+def test_ctc_lengths_checked_before_the_cast(dtype):
+    from readerlib.kernels import ctc_greedy_decoder, FailedPreconditionError
+    x = np.random.default_rng(0).standard_normal((4, 2, 3)).astype(np.float32)
+    big = np.iinfo(dtype).max
+    with pytest.raises(FailedPreconditionError, match=r"sequence_length\(1\) <= 4"):
+        ctc_greedy_decoder(x, np.array([4, big], dtype))
+    with pytest.raises(FailedPreconditionError, match=r"sequence_length\(1\) <= 4"):
+        ctc_greedy_decoder(x, np.array([4, 5], dtype))
+    if dtype == np.int64:        # a negative int64 that int32 would wrap to 3 decodes nothing
+        (d,), neg = ctc_greedy_decoder(x, np.array([4, -(1 << 32) + 3], dtype))
+        (d0,), neg0 = ctc_greedy_decoder(x, np.array([4, 0], np.int32))
+        assert d.indices.tolist() == d0.indices.tolist() and neg.tolist() == neg0.tolist()
+
+
+def test_reindex_index_checks_before_the_cast():
+    from readerlib.kernels import batch_reindex, batch_reindex_grad
+    x = np.arange(12.0).reshape(4, 3)
+    for bad in (np.array([1, 2**64 - 1], np.uint64), np.array([1, 4]), np.array([-1, 0]),
+                np.array([1, -(1 << 40)], np.int64)):
+        with pytest.raises(IndexError):
+            batch_reindex(x, bad)
+        with pytest.raises(IndexError):
+            batch_reindex_grad(np.ones((2, 3)), bad, 4)
+        t = rl.LoDTensor.from_sequences([np.ones((2, 3)), np.ones((1, 3)), np.ones((1, 3)), np.ones((3, 3))])
+        with pytest.raises(IndexError):
+            batch_reindex(t, bad)
+
+
+def _rnnt_nan_model(dtype=np.float64, seed=0):
+    from readerlib.rnnt import RNNTModel
+    model = RNNTModel.random(11, 6, 8, 7, predictor="lstm", blank_bias=0.0, dtype=dtype, rng=seed)
+    return model
+
+
+@pytest.mark.parametrize("where", ["frame_inf", "bias_nan"])
+def test_rnnt_nan_rule_is_numpys_in_every_algorithm(where):
+    """A NaN logit wins the argmax (the first NaN, numpy.argmax / torch.argmax);
+    every algorithm agrees with `single`, which uses numpy.argmax."""
+    from readerlib.rnnt import rnnt_greedy_decode
+    model = _rnnt_nan_model()
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 9, 6))
+    if where == "frame_inf":
+        x[1, 2, :] = np.inf          # inf - inf inside the joint: some logits NaN, some not
+        x[3, 5, 0] = np.inf
+        x[4, 0, 1] = -np.inf
+    else:
+        model.joint._out_b[4] = np.nan   # class 4 is NaN in every frame
+    lengths = np.array([9, 6, 9, 8, 3])
+    ref = rnnt_greedy_decode(model, x, lengths, 3, "single", True)
+    if where == "bias_nan":
+        assert all(set(h.y_sequence.tolist()) <= {4} and len(h.y_sequence) for h in ref)
+    for alg, kw in [("loop_labels", {}), ("loop_labels", {"window": 1}), ("loop_labels", {"window": 4}),
+                    ("loop_frames", {})]:
+        out = rnnt_greedy_decode(model, x, lengths, 3, alg, True, **kw)
+        for a, b in zip(ref, out):
+            assert a.y_sequence.tolist() == b.y_sequence.tolist(), (alg, kw)
+            assert a.timestamps.tolist() == b.timestamps.tolist(), (alg, kw)
+
+
+def test_rnnt_cpu_argmax_helper_follows_numpy_on_nan():
+    from readerlib.rnnt import _rnnt_cpu
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((64, 37))
+    a[rng.random(a.shape) < 0.05] = np.nan
+    a[3] = np.nan
+    a[4, :] = -np.inf
+    a[5, 7] = np.inf
+    labels = np.empty(64, np.int64)
+    logp = np.empty(64)
+    _rnnt_cpu.argmax_logsoftmax(a, labels, logp, 1)
+    assert labels.tolist() == np.argmax(a, axis=1).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("alg", ["loop_labels", "loop_frames"])
+def test_rnnt_gpu_nan_rule_matches_cpu(xp_gpu, alg):
+    """The CUDA kernels' block argmax follows the same rule (run on the emulator
+    without a GPU): a NaN logit wins, the first NaN among several."""
+    from readerlib.rnnt import rnnt_greedy_decode
+    model = _rnnt_nan_model()
+    model.joint._out_b[4] = np.nan
+    model.joint._out_b[6] = np.nan
+    x = np.random.default_rng(3).standard_normal((3, 5, 6))
+    lengths = np.array([5, 2, 4])
+    ref = rnnt_greedy_decode(model, x, lengths, 2, "single", False)
+    gmodel = model.to(xp_gpu)
+    out = rnnt_greedy_decode(gmodel, xp_gpu.asarray(x), xp_gpu.asarray(lengths), 2, alg, False)
+    for a, b in zip(ref, out):
+        assert a.y_sequence.tolist() == b.y_sequence.tolist() == [4] * len(a.y_sequence)
+        assert len(a.y_sequence) > 0
+
+
+# ------------------------------------------- hypothesis over kernel arguments
+from hypothesis import given, settings, strategies as st, HealthCheck  # noqa: E402
+
+from readerlib.kernels import reference as kref  # noqa: E402
+
+
+def _logits(draw, T, B, C):
+    x = draw(st.lists(st.sampled_from([0.0, 1.0, -1.0, 2.5, np.nan, np.inf, -np.inf]),
+                      min_size=T * B * C, max_size=T * B * C))
+    return np.array(x, np.float32).reshape(T, B, C)
+
+
+@st.composite
+def ctc_cases(draw):
+    T, B, C = draw(st.integers(1, 5)), draw(st.integers(1, 4)), draw(st.integers(1, 5))
+    x = _logits(draw, T, B, C)
+    dtype = draw(st.sampled_from([np.int32, np.int64, np.uint32, np.uint64, np.int16]))
+    info = np.iinfo(dtype)
+    lens = draw(st.lists(st.one_of(st.integers(max(-3, int(info.min)), T + 1),
+                                   st.sampled_from([int(info.min), int(info.max)])),
+                         min_size=B, max_size=B))
+    return x, np.array(lens, dtype), draw(st.booleans()), draw(st.sampled_from([None, 0, -1]))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ctc_cases())
+def test_ctc_hypothesis_against_reference(case):
+    """Hostile lengths (negative, huge, every integer dtype's extremes) and
+    NaN/inf logits: the kernel equals the NumPy reference, or both raise."""
+    from readerlib.kernels import ctc_greedy_decoder, FailedPreconditionError
+    x, lens, merge, blank = case
+    as_int = [int(v) for v in lens]                  # exact values, no cast
+    if any(v > x.shape[0] for v in as_int):
+        with pytest.raises(FailedPreconditionError):
+            ctc_greedy_decoder(x, lens, merge, blank)
+        return
+    ind, val, shape, rneg = kref.ctc_greedy_decoder_reference(x, as_int, merge, blank)
+    (sp,), neg = ctc_greedy_decoder(x, lens, merge, blank)
+    assert sp.indices.tolist() == ind.tolist() and sp.values.tolist() == val.tolist()
+    assert sp.dense_shape.tolist() == shape.tolist()
+    np.testing.assert_array_equal(np.isnan(neg), np.isnan(rneg))
+
+
+@st.composite
+def reindex_cases(draw):
+    n = draw(st.integers(1, 6))
+    dtype = draw(st.sampled_from([np.int32, np.int64, np.uint32, np.uint64, np.uint8]))
+    info = np.iinfo(dtype)
+    idx = draw(st.lists(st.one_of(st.integers(max(-2, int(info.min)), n + 1),
+                                  st.sampled_from([int(info.min), int(info.max)])), max_size=8))
+    return n, np.array(idx, dtype) if idx else np.zeros(0, dtype)
+
+
+@settings(max_examples=100, deadline=None)
+@given(reindex_cases())
+def test_reindex_hypothesis_against_reference(case):
+    from readerlib.kernels import batch_reindex, batch_reindex_grad
+    n, idx = case
+    x = np.arange(n * 3, dtype=np.float64).reshape(n, 3)
+    ok = bool(np.all((idx.astype(object) >= 0) & (idx.astype(object) < n)))
+    if not ok:
+        with pytest.raises(IndexError):
+            batch_reindex(x, idx)
+        with pytest.raises(IndexError):
+            batch_reindex_grad(np.ones((len(idx), 3)), idx, n)
+        t = rl.LoDTensor.from_sequences([np.ones((i % 3, 3)) for i in range(n)])
+        with pytest.raises(IndexError):
+            batch_reindex(t, idx)
+        return
+    i64 = idx.astype(np.int64)
+    np.testing.assert_array_equal(batch_reindex(x, idx), kref.batch_reindex_reference(x, i64))
+    np.testing.assert_array_equal(batch_reindex_grad(np.ones((len(idx), 3)), idx, n),
+                                  kref.batch_reindex_grad_reference(np.ones((len(idx), 3)), i64, n))
+    t = rl.LoDTensor.from_sequences([np.full((i % 3, 3), float(i)) for i in range(n)])
+    got, want = batch_reindex(t, idx), kref.batch_reindex_lod_reference(t, i64)
+    np.testing.assert_array_equal(got.data, want.data)
+    assert [l.tolist() for l in got.lod] == [l.tolist() for l in want.lod]
+
+
+def test_ctc_nan_rule_is_tensorflows():
+    """tf.nn.ctc_greedy_decoder's RowMax: a NaN wins only as a frame's first
+    logit.  Compared with TensorFlow itself when it is installed."""
+    tf = pytest.importorskip("tensorflow")
+    from readerlib.kernels import ctc_greedy_decoder
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        x = rng.standard_normal((6, 3, 5)).astype(np.float32)
+        x[rng.random(x.shape) < 0.2] = np.nan
+        lens = np.array([6, 4, 2], np.int32)
+        (sp,), _ = ctc_greedy_decoder(x, lens)
+        (tsp,), _ = tf.nn.ctc_greedy_decoder(x, lens)
+        assert sp.indices.tolist() == tsp.indices.numpy().tolist()
+        assert sp.values.tolist() == tsp.values.numpy().tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.cuda_emu
+def test_ctc_gpu_nan_rule_matches_cpu(xp_gpu):
+    from readerlib.kernels import ctc_greedy_decoder
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((7, 4, 40)).astype(np.float32)
+    x[rng.random(x.shape) < 0.1] = np.nan
+    x[:, 1, 0] = np.nan
+    lens = np.array([7, 5, 0, 3], np.int32)
+    (sp,), neg = ctc_greedy_decoder(x, lens)
+    (gsp,), gneg = ctc_greedy_decoder(xp_gpu.asarray(x), xp_gpu.asarray(lens))
+    assert sp.values.tolist() == np.asarray(gsp.values.get() if hasattr(gsp.values, "get")
+                                            else gsp.values).tolist()
