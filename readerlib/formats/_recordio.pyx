@@ -391,6 +391,9 @@ cdef class RecordIOReader(FileReader):
     cdef char *zbuf                    # scratch for a zlib chunk's stored body
     cdef int64_t zcap
     cdef int err_errno
+    cdef rl_block **cur_blocks         # page-aligned chunks: one block per record
+    cdef int64_t cur_blocks_cap
+    cdef bint cur_per_record
     cdef int64_t *chunk_off
     cdef int64_t *chunk_nrec
     cdef int64_t *chunk_end            # where the chunk must end (next chunk / index)
@@ -444,15 +447,24 @@ cdef class RecordIOReader(FileReader):
             self.fd = -1
         free(self.zbuf)
         self.zbuf = NULL
+        free(self.cur_blocks)
+        self.cur_blocks = NULL
         free(self.chunk_off)
         free(self.chunk_nrec)
         free(self.chunk_end)
         free(self.order)
 
     cdef void _release_cur(self) noexcept nogil:
+        cdef int64_t i
         if self.cur != NULL:
             rl_block_decref(self.cur)
             self.cur = NULL
+        if self.cur_per_record:
+            for i in range(self.cur_n):
+                if self.cur_blocks[i] != NULL:
+                    rl_block_decref(self.cur_blocks[i])
+                    self.cur_blocks[i] = NULL
+            self.cur_per_record = False
 
     def _fail(self, msg, offset):
         raise RecordIOError(f"{self.path}: {msg} at byte offset {offset}", self.path, offset)
@@ -675,6 +687,10 @@ cdef class RecordIOReader(FileReader):
             return CK_COMPRESSOR
         if stored != limit - off - CHUNK_HEADER:
             return CK_TRUNC_BODY
+        if comp == 0 and aligned:
+            if raw != stored:
+                return CK_SIZES
+            return self._load_aligned(off, h, n, stored)
         if comp == 0:
             if raw != stored:
                 return CK_SIZES
@@ -751,6 +767,87 @@ cdef class RecordIOReader(FileReader):
         self.cur_payload_abs = payload_abs
         return CK_OK
 
+    cdef int _load_aligned(self, int64_t off, const char *h, int64_t n, int64_t stored) noexcept nogil:
+        """A page-aligned chunk (big records): each record is read into a block
+        of its own, so a record leaves memory as soon as its consumer lets go
+        of it -- a shuffle over big records holds its buffer's records, not
+        their chunks -- and freed blocks are recycled hot (no page dropping
+        and refaulting).  The body CRC runs over the pieces in file order."""
+        cdef int64_t i, k, pos = 0, pad, size_i, got, rec_off
+        cdef int64_t payload_abs = off + CHUNK_HEADER + 4 * n
+        cdef uint32_t crc
+        cdef rl_block *blk
+        cdef rl_block **blocks
+        cdef char *zb
+        cdef const char *ptrs[RL_MAX_FIELDS]
+        cdef int64_t rows[RL_MAX_FIELDS]
+        cdef int code = CK_OK
+        if 4 * n > stored:
+            return CK_SIZES
+        if 4 * n > self.zcap:
+            zb = <char *>realloc(self.zbuf, 4 * n)
+            if zb == NULL:
+                return CK_NOMEM
+            self.zbuf = zb
+            self.zcap = 4 * n
+        got = rl_pread_full(self.fd, self.zbuf, 4 * n, off + CHUNK_HEADER)
+        if got != 4 * n:
+            return self._read_failed(got, off + CHUNK_HEADER)
+        crc = rl_crc32c(0, self.zbuf, 4 * n)
+        if n > self.cur_blocks_cap:
+            blocks = <rl_block **>realloc(self.cur_blocks, n * sizeof(rl_block *))
+            if blocks == NULL:
+                return CK_NOMEM
+            self.cur_blocks = blocks
+            self.cur_blocks_cap = n
+        self._release_cur()
+        for i in range(n):
+            self.cur_blocks[i] = NULL
+        for i in range(n):
+            pad = (-(payload_abs + pos)) & (PAGE - 1)
+            size_i = rl_load_u32(self.zbuf + 4 * i)
+            if 4 * n + pos + pad + size_i > stored:
+                code = CK_SIZES
+                break
+            rec_off = payload_abs + pos
+            blk = rl_fileblock_new(rec_off, pad + size_i, 0)
+            if blk == NULL:
+                code = CK_NOMEM
+                break
+            got = rl_pread_full(self.fd, blk.data, pad + size_i, rec_off)
+            if got != pad + size_i:
+                rl_block_decref(blk)
+                code = self._read_failed(got, rec_off)
+                break
+            crc = rl_crc32c(crc, blk.data, pad + size_i)
+            blk.data += pad                 # page-aligned in memory as in the file
+            blk.size = size_i
+            self.cur_blocks[i] = blk
+            pos += pad + size_i
+            if self.layout.n_lod == 0:
+                if size_i != self.layout.fixed_size:
+                    self.err_record = i
+                    code = CK_RECORD
+                    break
+            elif layout_parse(&self.layout, blk.data, size_i, ptrs, rows) != 0:
+                self.err_record = i
+                code = CK_RECORD
+                break
+        if code == CK_OK and 4 * n + pos != stored:
+            code = CK_SIZES
+        if code == CK_OK and crc != rl_load_u32(h + 12):
+            self.err_off = off + CHUNK_HEADER
+            self.err_record = -1
+            code = CK_BODY_CRC
+        self.cur_n = n
+        self.cur_i = 0
+        self.cur_per_record = True          # _release_cur frees what was read so far
+        if code != CK_OK:
+            self._release_cur()
+            self.cur_n = 0
+            return code
+        return CK_OK
+
     cdef int _read_failed(self, int64_t got, int64_t off) noexcept nogil:
         # a short read: the file shrank after open (the table came from its old size)
         if got < 0:
@@ -777,6 +874,17 @@ cdef class RecordIOReader(FileReader):
             if code != CK_OK:
                 with gil:
                     self._chunk_error(code, self.order[self.iorder - 1])
+        if self.cur_per_record:
+            # the producer's reference to the previous record goes now (a consumer
+            # that keeps a record past this call took its own)
+            if self.cur_i > 0 and self.cur_blocks[self.cur_i - 1] != NULL:
+                rl_block_decref(self.cur_blocks[self.cur_i - 1])
+                self.cur_blocks[self.cur_i - 1] = NULL
+            out.block = self.cur_blocks[self.cur_i]
+            out.data = out.block.data
+            out.size = out.block.size
+            self.cur_i += 1
+            return 1
         s = rl_load_u32(self.cur_sizes + 4 * self.cur_i)
         if self.cur_aligned:
             self.cur_pos += (-(self.cur_payload_abs + self.cur_pos)) & (PAGE - 1)

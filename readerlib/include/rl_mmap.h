@@ -80,9 +80,63 @@ static inline rl_block *rl_chunkview_new(rl_block *mapping, char *data, int64_t 
  * they did over a mapping. */
 #include <errno.h>
 
+/* Released buffers are recycled through a small bounded pool (per extension
+ * module, like rl_core.h's): a fresh multi-MB allocation is faulted in and
+ * zero-filled page by page, which costs more than the pread that fills it.
+ * A buffer some pages of which were dropped (low_memory) refaults those. */
+#define RL_FB_SLOTS 16
+#define RL_FB_MAX_BYTES ((int64_t)96 << 20)
+static void *rl_fb_buf[RL_FB_SLOTS];
+static int64_t rl_fb_cap[RL_FB_SLOTS];
+static int rl_fb_n = 0;
+static int64_t rl_fb_bytes = 0;
+static int rl_fb_lock_word = 0;
+
+static inline void rl_fb_lock(void) {
+    while (__atomic_exchange_n(&rl_fb_lock_word, 1, __ATOMIC_ACQUIRE)) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    }
+}
+static inline void rl_fb_unlock(void) { __atomic_store_n(&rl_fb_lock_word, 0, __ATOMIC_RELEASE); }
+
 static void rl_fileblock_release(rl_block *b) {
+    int64_t cap = b->aux;
+    rl_fb_lock();
+    if (rl_fb_n < RL_FB_SLOTS && rl_fb_bytes + cap <= RL_FB_MAX_BYTES) {
+        rl_fb_buf[rl_fb_n] = b->ctx;
+        rl_fb_cap[rl_fb_n] = cap;
+        rl_fb_n++;
+        rl_fb_bytes += cap;
+        rl_fb_unlock();
+        free(b);
+        return;
+    }
+    rl_fb_unlock();
     free(b->ctx);
     free(b);
+}
+
+/* A pooled buffer of at least cap bytes (the smallest that fits, and not
+ * more than twice cap), or NULL; *got_cap receives its capacity. */
+static void *rl_fb_take(int64_t cap, int64_t *got_cap) {
+    int i, best = -1;
+    void *p = NULL;
+    rl_fb_lock();
+    for (i = 0; i < rl_fb_n; i++)
+        if (rl_fb_cap[i] >= cap && rl_fb_cap[i] <= 2 * cap + 65536 &&
+            (best < 0 || rl_fb_cap[i] < rl_fb_cap[best])) best = i;
+    if (best >= 0) {
+        p = rl_fb_buf[best];
+        *got_cap = rl_fb_cap[best];
+        rl_fb_bytes -= rl_fb_cap[best];
+        rl_fb_n--;
+        rl_fb_buf[best] = rl_fb_buf[rl_fb_n];
+        rl_fb_cap[best] = rl_fb_cap[rl_fb_n];
+    }
+    rl_fb_unlock();
+    return p;
 }
 
 /* An uninitialised block of `size` bytes for the file bytes at file_off.
@@ -92,9 +146,10 @@ static rl_block *rl_fileblock_new(int64_t file_off, int64_t size, int drop_pages
     int64_t page = (int64_t)sysconf(_SC_PAGESIZE);
     int64_t phase = file_off & (page - 1);
     int64_t cap = (phase + (size > 0 ? size : 1) + page - 1) & ~(page - 1);
-    void *p = NULL;
-    if (posix_memalign(&p, (size_t)page, (size_t)cap) != 0) return NULL;
-    rl_block *b = rl_block_wrap((char *)p + phase, size, rl_fileblock_release, p, 0);
+    int64_t got = cap;
+    void *p = rl_fb_take(cap, &got);
+    if (!p && posix_memalign(&p, (size_t)page, (size_t)cap) != 0) return NULL;
+    rl_block *b = rl_block_wrap((char *)p + phase, size, rl_fileblock_release, p, got);
     if (!b) { free(p); return NULL; }
     if (drop_pages == 2) b->consumed = rl_chunkview_consumed;
     else if (drop_pages == 3) b->consumed = rl_chunkview_consumed_aligned;
