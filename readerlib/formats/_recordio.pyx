@@ -47,6 +47,7 @@ cdef extern from "zlib.h":
 cdef extern from "rl_mmap.h":
     rl_block *rl_fileblock_new(int64_t file_off, int64_t size, int drop_pages) nogil
     int64_t rl_pread_full(int fd, char *dst, int64_t n, int64_t off) nogil
+    int64_t rl_pread2(int fd, char *a, int64_t na, char *b, int64_t nb, int64_t off) nogil
 
 __all__ = ["RecordIOWriter", "RecordIOReader", "FILE_MAGIC"]
 
@@ -774,6 +775,7 @@ cdef class RecordIOReader(FileReader):
         their chunks -- and freed blocks are recycled hot (no page dropping
         and refaulting).  The body CRC runs over the pieces in file order."""
         cdef int64_t i, k, pos = 0, pad, size_i, got, rec_off
+        cdef char padbuf[PAGE]
         cdef int64_t payload_abs = off + CHUNK_HEADER + 4 * n
         cdef uint32_t crc
         cdef rl_block *blk
@@ -810,19 +812,19 @@ cdef class RecordIOReader(FileReader):
                 code = CK_SIZES
                 break
             rec_off = payload_abs + pos
-            blk = rl_fileblock_new(rec_off, pad + size_i, 0)
+            # the padding goes to a scratch page (checked, not kept), the record
+            # into a block of its own
+            blk = rl_fileblock_new(rec_off + pad, size_i, 0)
             if blk == NULL:
                 code = CK_NOMEM
                 break
-            got = rl_pread_full(self.fd, blk.data, pad + size_i, rec_off)
+            self.cur_blocks[i] = blk
+            got = rl_pread2(self.fd, padbuf, pad, blk.data, size_i, rec_off)
             if got != pad + size_i:
-                rl_block_decref(blk)
                 code = self._read_failed(got, rec_off)
                 break
-            crc = rl_crc32c(crc, blk.data, pad + size_i)
-            blk.data += pad                 # page-aligned in memory as in the file
-            blk.size = size_i
-            self.cur_blocks[i] = blk
+            crc = rl_crc32c(crc, padbuf, pad)
+            crc = rl_crc32c(crc, blk.data, size_i)
             pos += pad + size_i
             if self.layout.n_lod == 0:
                 if size_i != self.layout.fixed_size:

@@ -84,8 +84,27 @@ static inline rl_block *rl_chunkview_new(rl_block *mapping, char *data, int64_t 
  * module, like rl_core.h's): a fresh multi-MB allocation is faulted in and
  * zero-filled page by page, which costs more than the pread that fills it.
  * A buffer some pages of which were dropped (low_memory) refaults those. */
-#define RL_FB_SLOTS 16
-#define RL_FB_MAX_BYTES ((int64_t)96 << 20)
+#define RL_FB_SLOTS 32
+#define RL_FB_MAX_BYTES ((int64_t)32 << 20)
+/* Buffers of this many bytes or more are mmap'ed (page-aligned and exact:
+ * no allocator fragments, returned to the system when freed). */
+#define RL_FB_MMAP_MIN ((int64_t)64 << 10)
+
+static void rl_fb_free(void *p, int64_t cap) {
+    if (cap >= RL_FB_MMAP_MIN) munmap(p, (size_t)cap);
+    else free(p);
+}
+
+static void *rl_fb_alloc(int64_t cap) {
+    void *p = NULL;
+    if (cap >= RL_FB_MMAP_MIN) {
+        /* populated at once: one kernel call instead of a fault per page */
+        p = mmap(NULL, (size_t)cap, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+        return p == MAP_FAILED ? NULL : p;
+    }
+    if (posix_memalign(&p, (size_t)sysconf(_SC_PAGESIZE), (size_t)cap) != 0) return NULL;
+    return p;
+}
 static void *rl_fb_buf[RL_FB_SLOTS];
 static int64_t rl_fb_cap[RL_FB_SLOTS];
 static int rl_fb_n = 0;
@@ -114,7 +133,7 @@ static void rl_fileblock_release(rl_block *b) {
         return;
     }
     rl_fb_unlock();
-    free(b->ctx);
+    rl_fb_free(b->ctx, cap);
     free(b);
 }
 
@@ -148,9 +167,9 @@ static rl_block *rl_fileblock_new(int64_t file_off, int64_t size, int drop_pages
     int64_t cap = (phase + (size > 0 ? size : 1) + page - 1) & ~(page - 1);
     int64_t got = cap;
     void *p = rl_fb_take(cap, &got);
-    if (!p && posix_memalign(&p, (size_t)page, (size_t)cap) != 0) return NULL;
+    if (!p && !(p = rl_fb_alloc(cap))) return NULL;
     rl_block *b = rl_block_wrap((char *)p + phase, size, rl_fileblock_release, p, got);
-    if (!b) { free(p); return NULL; }
+    if (!b) { rl_fb_free(p, got); return NULL; }
     if (drop_pages == 2) b->consumed = rl_chunkview_consumed;
     else if (drop_pages == 3) b->consumed = rl_chunkview_consumed_aligned;
     return b;
@@ -170,5 +189,27 @@ static int64_t rl_pread_full(int fd, char *dst, int64_t n, int64_t off) {
         got += r;
     }
     return got;
+}
+
+/* Read na bytes into a then nb bytes into b, from off (one preadv; a short
+ * first read is finished with pread).  Returns the bytes read, or -1. */
+#include <sys/uio.h>
+static int64_t rl_pread2(int fd, char *a, int64_t na, char *b, int64_t nb, int64_t off) {
+    struct iovec iov[2];
+    ssize_t r;
+    iov[0].iov_base = a; iov[0].iov_len = (size_t)na;
+    iov[1].iov_base = b; iov[1].iov_len = (size_t)nb;
+    do { r = preadv(fd, iov, 2, (off_t)off); } while (r < 0 && errno == EINTR);
+    if (r < 0) return -1;
+    if (r == na + nb || r == 0) return r;
+    if (r < na) {
+        int64_t g = rl_pread_full(fd, a + r, na - r, off + r);
+        if (g < 0) return -1;
+        if (r + g < na) return r + g;
+        r = na;
+    }
+    int64_t g = rl_pread_full(fd, b + (r - na), nb - (r - na), off + r);
+    if (g < 0) return -1;
+    return r + g;
 }
 #endif
