@@ -109,7 +109,9 @@ except rl.DataLossError as e:
     status, n, bad = out.split()[:3]
     assert int(bad) == 0, out
     if change == "truncate":
-        assert status == "ERR", out
+        # open_files' workers may have read (and checked) everything before the
+        # cut: then every record, as it was, is the right answer
+        assert status == "ERR" or (kind == "tf_open_files" and int(n) == 3000), out
     if change == "grow" and kind != "tf_open_files":
         assert status == "END" and int(n) == 3000, out
 
@@ -460,6 +462,7 @@ if kind.startswith("rio"):
                           compressor="zlib" if kind == "rio_zlib" else "none")
 else:
     w = TFRecordWriter(path, compression="GZIP" if kind == "tfgz" else None)
+print(0, flush=True)                      # started: nothing acknowledged yet
 for i in range(100000):
     rec = np.random.default_rng(i).integers(0, 256, 1000, dtype=np.uint8)
     w.write((rec,) if kind.startswith("rio") else rec)
@@ -478,10 +481,12 @@ def test_sigkill_writer_at_random_points(kind, tmp_path):
         path = str(tmp_path / f"k{trial}.{kind}")
         p = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, kind, path], stdout=subprocess.PIPE,
                              text=True, env=env)
-        time.sleep(0.3 + rng.random() * 0.7)
+        first = p.stdout.readline()            # the writer exists (imports can be slow here)
+        time.sleep(rng.random() * 0.5)
         p.send_signal(signal.SIGKILL)
         out, _ = p.communicate(timeout=30)
-        acked = int(out.split()[-1]) if out.split() else 0
+        out = first + out
+        acked = int(out.split()[-1])
         code = f"""
 import warnings, numpy as np, readerlib as rl
 from readerlib.formats._tfrecord import TFRecordReader
