@@ -91,8 +91,8 @@ size = os.path.getsize(path)
 if change == "truncate":
     os.truncate(path, 16384)
 elif change == "rewrite":
-    with open(path, "r+b") as f:          # same size, other bytes, in place
-        f.seek(size // 2); f.write(os.urandom(size - size // 2))
+    with open(path, "r+b") as f:          # same size, other bytes, in place (the chunk
+        f.write(os.urandom(size))         # being read included)
 else:
     with open(path, "ab") as f:
         f.write(os.urandom(1 << 20))
@@ -295,11 +295,13 @@ class _Flaky:
 
     def __init__(self, fail_at, err, partial=0):
         self.n, self.fail_at, self.err, self.partial = 0, set(fail_at), err, partial
+        self.fired = 0
         self.real = os.pwritev
 
     def __call__(self, fd, bufs, off):
         self.n += 1
         if self.n in self.fail_at:
+            self.fired += 1
             if self.partial:
                 flat = b"".join(bytes(b) for b in bufs)[:self.partial]
                 os.pwrite(fd, flat, off)
@@ -329,6 +331,7 @@ def test_recordio_writer_transient_enospc(comp, partial, tmp_path, monkeypatch):
     w, acked = _write_rio(path, 40, flaky, comp)
     w.close()
     monkeypatch.undo()
+    assert flaky.fired == 3 and acked < 40
     r = rl.RecordIOReader(path)
     assert r.has_index and len(r) == acked == w.num_records
     vals = [int(x[0][0]) for x in r]
@@ -380,7 +383,8 @@ print([str(x.category.__name__) + ":" + str(x.message) for x in ws])
 def test_tfrecord_writer_transient_enospc(comp, tmp_path, monkeypatch):
     import errno
     path = str(tmp_path / "w.tfrecord")
-    monkeypatch.setattr(os, "pwritev", _Flaky({2, 3}, errno.ENOSPC, 9))
+    flaky = _Flaky({2, 3}, errno.ENOSPC, 9)
+    monkeypatch.setattr(os, "pwritev", flaky)
     w = TFRecordWriter(path, compression=comp)
     acked = []
     for i in range(300):
@@ -397,6 +401,7 @@ def test_tfrecord_writer_transient_enospc(comp, tmp_path, monkeypatch):
                 pass
     w.close()
     monkeypatch.undo()
+    assert flaky.fired == 2
     got = [x[0].tobytes() for x in TFRecordReader(path, compression=comp, index=False)]
     assert got == acked and len(acked) >= 298
 
