@@ -1,6 +1,9 @@
 """Cost of reading through pread into owned blocks (issue 12) instead of a mapping.
 
-    python benchmarks/bench_pread.py --old /work/main [--rounds 5] [--scale 1]
+    python benchmarks/bench_pread.py --old OLD_CHECKOUT [--rounds 5] [--scale 1]
+
+OLD_CHECKOUT: a built copy of the version before (e.g. `git archive f1dfb28 | tar -x -C /tmp/oldrl`
+then `python setup.py build_ext --inplace` there).
 
 Writes the files once, then alternates, round after round, a subprocess that
 imports readerlib from `--old` (a checkout whose build maps the files) and
@@ -81,7 +84,7 @@ def write_files(tmp, scale):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--old", required=True, help="checkout with the old build (e.g. /work/main)")
+    ap.add_argument("--old", required=True, help="checkout with the old build")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--scale", type=float, default=1.0)
     a = ap.parse_args()
