@@ -1,23 +1,15 @@
-/* Blocks over a memory-mapped file: one for the mapping, one per chunk view.
- * A chunk view holds a reference on the mapping, so the mapping outlives the
- * reader when downstream readers still hold records.  When a chunk view is
- * released its interior pages are dropped from this process (MADV_DONTNEED
- * on a read-only private file mapping refaults from the page cache), which
- * keeps resident memory bounded by the chunks still referenced. */
+/* Blocks holding file bytes the reader owns (readers map nothing).
+ *
+ * The name is historical: RecordIO and TFRecord readers used to hand out
+ * pointers into a read-only mapping of the file, which turned a file
+ * truncated while being read into SIGBUS and let a same-size rewrite change
+ * bytes after their checksum was checked.  Every chunk (or big record) is now
+ * read with pread(2) into one of these blocks and checked there. */
 #ifndef READERLIB_RL_MMAP_H
 #define READERLIB_RL_MMAP_H
 #include <sys/mman.h>
 #include <unistd.h>
 #include "rl_core.h"
-
-static void rl_mapping_release(rl_block *b) {
-    if (b->data && b->size > 0) munmap(b->data, (size_t)b->size);
-    free(b);
-}
-
-static inline rl_block *rl_mapping_new(char *data, int64_t size) {
-    return rl_block_wrap(data, size, rl_mapping_release, NULL, 0);
-}
 
 /* Drop the whole pages inside [p, p + n) from this process. */
 static void rl_drop_pages(const char *p, int64_t n) {
@@ -33,35 +25,6 @@ static void rl_drop_pages(const char *p, int64_t n) {
 static void rl_chunkview_consumed(rl_block *b, const char *p, int64_t n) {
     (void)b;
     rl_drop_pages(p, n);
-}
-
-/* The same for page-aligned records (each starts a page and owns its last,
- * partial page up to the next record's padding): every page can go. */
-static void rl_chunkview_consumed_aligned(rl_block *b, const char *p, int64_t n) {
-    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
-    (void)b;
-    uintptr_t lo = (uintptr_t)p & ~(page - 1);
-    uintptr_t hi = ((uintptr_t)p + (uintptr_t)n + page - 1) & ~(page - 1);
-    if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
-}
-
-static void rl_chunkview_release(rl_block *b) {
-    rl_block *m = (rl_block *)b->ctx;
-    if (b->aux) rl_drop_pages(b->data, b->size);
-    rl_block_decref(m);
-    free(b);
-}
-
-static inline rl_block *rl_chunkview_new(rl_block *mapping, char *data, int64_t size, int drop_pages) {
-    rl_block *b = rl_block_wrap(data, size, rl_chunkview_release, mapping, drop_pages);
-    if (b) {
-        rl_block_incref(mapping);
-        /* 2: drop each big record's interior pages once copied; 3: records are
-         * page-aligned, drop all of their pages */
-        if (drop_pages == 2) b->consumed = rl_chunkview_consumed;
-        else if (drop_pages == 3) b->consumed = rl_chunkview_consumed_aligned;
-    }
-    return b;
 }
 
 /* ------------------------------------------------------------ file blocks
@@ -173,7 +136,7 @@ static rl_block *rl_fileblock_new(int64_t file_off, int64_t size, int drop_pages
 
 /* Read n bytes at off into dst: returns the bytes read (fewer at the end of
  * the file), or -1 with errno set. */
-static int64_t rl_pread_full(int fd, char *dst, int64_t n, int64_t off) {
+static inline int64_t rl_pread_full(int fd, char *dst, int64_t n, int64_t off) {
     int64_t got = 0;
     while (got < n) {
         ssize_t r = pread(fd, dst + got, (size_t)(n - got), (off_t)(off + got));
@@ -190,7 +153,7 @@ static int64_t rl_pread_full(int fd, char *dst, int64_t n, int64_t off) {
 /* Read na bytes into a then nb bytes into b, from off (one preadv; a short
  * first read is finished with pread).  Returns the bytes read, or -1. */
 #include <sys/uio.h>
-static int64_t rl_pread2(int fd, char *a, int64_t na, char *b, int64_t nb, int64_t off) {
+static inline int64_t rl_pread2(int fd, char *a, int64_t na, char *b, int64_t nb, int64_t off) {
     struct iovec iov[2];
     ssize_t r;
     iov[0].iov_base = a; iov[0].iov_len = (size_t)na;
