@@ -766,3 +766,25 @@ def test_ctc_gpu_nan_rule_matches_cpu(xp_gpu):
     (gsp,), gneg = ctc_greedy_decoder(xp_gpu.asarray(x), xp_gpu.asarray(lens))
     assert sp.values.tolist() == np.asarray(gsp.values.get() if hasattr(gsp.values, "get")
                                             else gsp.values).tolist()
+
+
+def test_big_records_read_one_block_each_survive_every_chain(tmp_path):
+    """Page-aligned chunks hand out one block per record, released by the
+    reader at its next call: consumers on other threads (prefetch,
+    open_files workers) and buffers (shuffle) must still see each record."""
+    x = np.random.default_rng(0).integers(0, 256, size=(120, 70_000), dtype=np.uint8)
+    paths = []
+    for k in range(3):
+        p = str(tmp_path / f"big{k}.rio")
+        with rl.RecordIOWriter(p, rl.Schema([rl.Field("x", "uint8", (70_000,))])) as w:
+            w.write_batch({"x": x[k * 40:(k + 1) * 40]})
+        paths.append(p)
+    assert rl.RecordIOReader(paths[0]).chunk_table()[1].sum() == 40
+    want = sorted(r.tobytes() for r in x)
+    for low in (True, False):
+        chains = [rl.RecordIOReader(paths[0], low_memory=low).prefetch(4).batch(7),
+                  rl.open_files(paths, num_threads=2).batch(5),
+                  rl.open_files(paths, num_threads=2).shuffle(50, seed=1).prefetch(2).batch(9)]
+        for i, chain in enumerate(chains):
+            got = sorted(row.tobytes() for (b,) in chain for row in np.asarray(b))
+            assert got == (sorted(r.tobytes() for r in x[:40]) if i == 0 else want)
