@@ -368,6 +368,8 @@ cdef class TFRecordReader(FileReader):
         except OSError:
             return False
         cdef int64_t n, i, pos, cnt, nxt
+        if raw[:8] == b"RLTFIX01":
+            return False                 # the previous version: rebuilt on the next full pass
         if raw[:8] != INDEX_MAGIC:
             return self._reject_index("not a readerlib TFRecord index of this version") if raw else False
         if len(raw) < _INDEX_HEAD + 4:
