@@ -1,6 +1,6 @@
 """Exceptions and warnings that name the file and byte offset of a problem."""
 
-__all__ = ["DataLossError", "RecordIOError", "RecordIOWarning", "TFRecordError"]
+__all__ = ["DataLossError", "RecordIOError", "RecordIOWarning", "TFRecordError", "TFRecordWarning"]
 
 
 class DataLossError(OSError):
@@ -30,3 +30,8 @@ class TFRecordError(DataLossError):
 
 class RecordIOWarning(UserWarning):
     """A RecordIO file was readable, but not as written (no index footer, skipped chunks)."""
+
+
+class TFRecordWarning(UserWarning):
+    """A TFRecord file was readable, but not as its sidecar index said (index
+    rejected and the file rescanned), or a writer was collected unfinished."""

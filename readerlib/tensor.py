@@ -231,6 +231,35 @@ def _check_offsets(level, name):
                 f"LoD {name} decreases at index {i + 1}: {int(level[i])} -> {int(level[i + 1])}")
 
 
+def _validated(data, lod):
+    """(data, levels) checked: data has a row axis; each level is 1-D int64
+    offsets from 0, never decreasing, ending at the next level's entries (the
+    last level at the rows of data).  An unsigned level above int64's range
+    is rejected before any cast could wrap it."""
+    if not (hasattr(data, "__array_interface__") or hasattr(data, "__cuda_array_interface__")):
+        data = np.asarray(data)
+    if data.ndim < 1:
+        raise ValueError(f"LoDTensor data must have at least one dimension, got shape {data.shape}")
+    xp = _array_module(data)
+    levels = []
+    for k, level in enumerate([] if lod is None else lod):
+        arr = xp.asarray(level)
+        if arr.dtype.kind not in "iu":
+            raise TypeError(f"LoD level {k} must hold integers, got {arr.dtype}")
+        if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+            raise ValueError(f"LoD level {k} holds an offset above 2**63 - 1 ({int(arr.max())})")
+        arr = arr.astype(np.int64, copy=False)
+        _check_offsets(arr, f"level {k}")
+        levels.append(arr)
+    for k, level in enumerate(levels):
+        end = int(level[-1])
+        want = data.shape[0] if k == len(levels) - 1 else levels[k + 1].shape[0] - 1
+        what = "rows in data" if k == len(levels) - 1 else f"entries of level {k + 1}"
+        if end != want:
+            raise ValueError(f"LoD level {k} ends at {end} but there are {want} {what}")
+    return data, levels
+
+
 class LoDTensor:
     """Rows stacked along dim 0 plus level-of-detail offsets (Paddle's LoDTensor).
 
@@ -258,27 +287,21 @@ class LoDTensor:
     __slots__ = ("data", "lod")
 
     def __init__(self, data, lod=None):
-        if not (hasattr(data, "__array_interface__") or hasattr(data, "__cuda_array_interface__")):
-            data = np.asarray(data)
-        if data.ndim < 1:
-            raise ValueError(f"LoDTensor data must have at least one dimension, got shape {data.shape}")
-        xp = _array_module(data)
-        levels = []
-        for k, level in enumerate([] if lod is None else lod):
-            arr = xp.asarray(level)
-            if arr.dtype.kind not in "iu":
-                raise TypeError(f"LoD level {k} must hold integers, got {arr.dtype}")
-            arr = arr.astype(np.int64, copy=False)
-            _check_offsets(arr, f"level {k}")
-            levels.append(arr)
-        for k, level in enumerate(levels):
-            end = int(level[-1])
-            want = data.shape[0] if k == len(levels) - 1 else levels[k + 1].shape[0] - 1
-            what = "rows in data" if k == len(levels) - 1 else f"entries of level {k + 1}"
-            if end != want:
-                raise ValueError(f"LoD level {k} ends at {end} but there are {want} {what}")
-        self.data = data
-        self.lod = levels
+        self.data, self.lod = _validated(data, lod)
+
+    def validated(self):
+        """``(data, lod)`` after checking them again, as the constructor does.
+
+        ``data`` and ``lod`` are plain attributes that code may reassign or
+        mutate after construction; kernels call this first (cheap: O(levels
+        + sequences)), so a tensor made inconsistent raises here -- ValueError
+        naming the level and index -- instead of sending a kernel past the
+        end of ``data``.
+        """
+        lod = self.lod
+        if not isinstance(lod, (list, tuple)):
+            raise TypeError(f"LoDTensor.lod must be a list of offset arrays, got {type(lod).__name__}")
+        return _validated(self.data, lod)
 
     # -- construction -------------------------------------------------------
     @classmethod

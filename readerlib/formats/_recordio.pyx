@@ -1,13 +1,18 @@
 """RecordIO: chunked, checksummed, self-describing, seekable record files.
 
 Design:
-    See RECORDIO.md next to this file for the byte layout.  The reader maps
-    the file read-only; a chunk is verified (header CRC, body CRC-32C, sizes,
-    every record against the schema) when it is first touched, then its
-    records are handed downstream as pointers into the mapping (no copy)
-    while the chunk view is referenced.  zlib chunks are inflated into a
-    heap block instead.  Any single corrupted or truncated byte fails a
-    check; the error names the file and byte offset.
+    See RECORDIO.md next to this file for the byte layout.  A chunk is read
+    with pread(2) into a block the reader owns (page-aligned like the file,
+    see rl_mmap.h), verified there (header CRC, body CRC-32C, sizes, every
+    record against the schema) when it is first touched, then its records
+    are handed downstream as pointers into that block (no further copy)
+    while the block is referenced.  zlib chunks are read into a scratch
+    buffer and inflated into a block.  The bytes checked are the bytes
+    handed out: a file truncated or rewritten while it is read gives a
+    RecordIOError (or, for chunks already checked, the data as it was),
+    never SIGBUS (as a mapping would) nor unchecked bytes.  Any single
+    corrupted or truncated byte fails a check; the error names the file and
+    byte offset.
 """
 import os
 import warnings
@@ -17,8 +22,7 @@ import numpy as np
 cimport numpy as cnp
 from libc.stdlib cimport malloc, free, realloc
 from libc.string cimport memcpy, memcmp
-from libc.stdint cimport INT64_MAX
-from posix.mman cimport mmap, munmap, PROT_READ, MAP_PRIVATE, MAP_FAILED
+from libc.errno cimport errno
 
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t, uint8_t
 from readerlib.readers._base cimport (
@@ -27,7 +31,7 @@ from readerlib.readers._base cimport (
     rl_load_u32, rl_load_u64, rl_store_u32, rl_store_u64,
     layout_parse, crc32c_parallel, columns_encoded_size, columns_encode, encode_instance,
     ITEM_INSTANCE, RL_MAX_FIELDS)
-from readerlib.readers._base import _check_positive_int, _file_identity
+from readerlib.readers._base import _check_positive_int, _file_identity, _PieceFile
 from readerlib.tensor import Schema
 from readerlib.errors import RecordIOError, RecordIOWarning
 
@@ -41,8 +45,9 @@ cdef extern from "zlib.h":
     int uncompress(unsigned char *dest, uLongf *destLen, const unsigned char *source, uLong sourceLen) nogil
 
 cdef extern from "rl_mmap.h":
-    rl_block *rl_mapping_new(char *data, int64_t size) nogil
-    rl_block *rl_chunkview_new(rl_block *mapping, char *data, int64_t size, int drop_pages) nogil
+    rl_block *rl_fileblock_new(int64_t file_off, int64_t size, int drop_pages) nogil
+    int64_t rl_pread_full(int fd, char *dst, int64_t n, int64_t off) nogil
+    int64_t rl_pread2(int fd, char *a, int64_t na, char *b, int64_t nb, int64_t off) nogil
 
 __all__ = ["RecordIOWriter", "RecordIOReader", "FILE_MAGIC"]
 
@@ -72,6 +77,8 @@ cdef enum:
     CK_SIZES = 9
     CK_RECORD = 10
     CK_NOMEM = 11
+    CK_SHRUNK = 12
+    CK_IO = 13
 
 _CHUNK_ERRORS = {
     CK_TRUNC_HEADER: "truncated chunk header",
@@ -85,6 +92,8 @@ _CHUNK_ERRORS = {
     CK_SIZES: "record sizes disagree with the chunk size",
     CK_RECORD: "record does not match the schema",
     CK_NOMEM: "out of memory decoding chunk",
+    CK_SHRUNK: "the file is shorter than when it was opened (truncated while being read?)",
+    CK_IO: "read error",
 }
 
 
@@ -150,8 +159,7 @@ cdef class RecordIOWriter(FileWriter):
             raise ValueError(f"page_align must be 'auto', True or False, got {page_align!r}")
         self.page_align = page_align
         self.path = os.fspath(path)
-        self._f = open(self.path, "wb")
-        self._closed = False
+        self._f = _PieceFile(self.path)
         self._index = []
         schema_bytes = self.schema.to_json().encode()
         file_id = os.urandom(8)
@@ -161,8 +169,16 @@ cdef class RecordIOWriter(FileWriter):
         head[12:16] = crc.to_bytes(4, "little")
         head += schema_bytes
         self.salt = rl_crc32c(0, <const char *>file_id, 8)
-        self._f.write(head)
+        try:
+            self._f.write(head)
+        except BaseException:
+            self._f.close()
+            raise
         self._pos = len(head)
+        self._closed = False
+
+    def _gc_warning(self):
+        return RecordIOWarning
 
     def __dealloc__(self):
         free(self.payload)
@@ -256,13 +272,13 @@ cdef class RecordIOWriter(FileWriter):
             body_crc = rl_crc32c(0, self.sizes, n * 4)
             body_crc = rl_crc32c(body_crc, self.payload, self.payload_len)
             stored = raw_size
-        self._f.write(self._chunk_header(n, self.compressor, body_crc, stored, raw_size))
+        # one piece, all or nothing: a failed write leaves the file at the last
+        # complete chunk and the chunk buffered, so a retry rewrites it in place
+        head = self._chunk_header(n, self.compressor, body_crc, stored, raw_size)
         if self.compressor == 1:
-            self._f.write(body_c)
+            self._f.write(head, body_c)
         else:
-            self._f.write(sizes_mv)
-            if self.payload_len:
-                self._f.write(payload_mv)
+            self._f.write(head, sizes_mv, payload_mv)
         self._index.append((self._pos, n))
         self._pos += 32 + stored
         self.nsizes = 0
@@ -305,8 +321,7 @@ cdef class RecordIOWriter(FileWriter):
             pos += pad + self.sizes[i]
             src += self.sizes[i]
         cdef int64_t stored = 4 * n + pos
-        self._f.write(self._chunk_header(n, FLAG_ALIGNED, crc, stored, stored))
-        self._f.writelines(pieces)
+        self._f.write(self._chunk_header(n, FLAG_ALIGNED, crc, stored, stored), *pieces)
         self._index.append((self._pos, n))
         self._pos += 32 + stored
         self.nsizes = 0
@@ -372,9 +387,14 @@ cdef class RecordIOReader(FileReader):
         of a file's chunks, and their pages, alive.
     """
     cdef readonly str path
-    cdef rl_block *mapping
-    cdef const char *base
-    cdef int64_t fsize
+    cdef int fd                        # open until close(); -1 when closed
+    cdef int64_t fsize                 # at open: the chunk table covers this much
+    cdef char *zbuf                    # scratch for a zlib chunk's stored body
+    cdef int64_t zcap
+    cdef int err_errno
+    cdef rl_block **cur_blocks         # page-aligned chunks: one block per record
+    cdef int64_t cur_blocks_cap
+    cdef bint cur_per_record
     cdef int64_t *chunk_off
     cdef int64_t *chunk_nrec
     cdef int64_t *chunk_end            # where the chunk must end (next chunk / index)
@@ -401,7 +421,7 @@ cdef class RecordIOReader(FileReader):
     cdef object _file_id              # name, size, checksum of head and tail (states)
 
     def __cinit__(self):
-        self.mapping = NULL
+        self.fd = -1
 
     def __init__(self, path, on_error="raise", low_memory=True):
         if on_error not in ("raise", "skip"):
@@ -411,25 +431,13 @@ cdef class RecordIOReader(FileReader):
         self.path = os.fspath(path)
         if not isinstance(self.path, str):
             raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-        fd = os.open(self.path, os.O_RDONLY)
-        cdef void *p
-        try:
-            size = os.fstat(fd).st_size
-            self.fsize = size
-            self._file_id = _file_identity(fd, self.path, size)
-            if size < HEADER_FIXED:
-                raise RecordIOError(f"{self.path}: not a RecordIO file ({size} bytes, truncated header "
-                                    f"at byte offset {size})", self.path, size)
-            p = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0)
-            if p == MAP_FAILED:
-                raise OSError(f"{self.path}: mmap failed")
-        finally:
-            os.close(fd)
-        self.mapping = rl_mapping_new(<char *>p, size)
-        if self.mapping == NULL:
-            munmap(p, size)
-            raise MemoryError()
-        self.base = <const char *>p
+        self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        size = os.fstat(self.fd).st_size
+        self.fsize = size
+        self._file_id = _file_identity(self.fd, self.path, size)
+        if size < HEADER_FIXED:
+            raise RecordIOError(f"{self.path}: not a RecordIO file ({size} bytes, truncated header "
+                                f"at byte offset {size})", self.path, size)
         self._read_header()
         self._read_footer_or_scan()
         self._select_all()
@@ -437,34 +445,54 @@ cdef class RecordIOReader(FileReader):
 
     def __dealloc__(self):
         self._release_cur()
-        if self.mapping != NULL:
-            rl_block_decref(self.mapping)
-            self.mapping = NULL
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        free(self.zbuf)
+        self.zbuf = NULL
+        free(self.cur_blocks)
+        self.cur_blocks = NULL
         free(self.chunk_off)
         free(self.chunk_nrec)
         free(self.chunk_end)
         free(self.order)
 
     cdef void _release_cur(self) noexcept nogil:
+        cdef int64_t i
         if self.cur != NULL:
             rl_block_decref(self.cur)
             self.cur = NULL
+        if self.cur_per_record:
+            for i in range(self.cur_n):
+                if self.cur_blocks[i] != NULL:
+                    rl_block_decref(self.cur_blocks[i])
+                    self.cur_blocks[i] = NULL
+            self.cur_per_record = False
 
     def _fail(self, msg, offset):
         raise RecordIOError(f"{self.path}: {msg} at byte offset {offset}", self.path, offset)
 
+    cdef bytes _pread(self, int64_t off, int64_t n):
+        """Exactly n bytes at off (open-time reads); a shorter file fails."""
+        data = os.pread(self.fd, n, off)
+        if len(data) != n:
+            self._fail(_CHUNK_ERRORS[CK_SHRUNK], off + len(data))
+        return data
+
     cdef _read_header(self):
-        cdef const char *b = self.base
+        cdef bytes head = self._pread(0, HEADER_FIXED)
+        cdef const char *b = head
         if b[:8] != FILE_MAGIC:
             self._fail("not a readerlib RecordIO file (bad magic)", 0)
         cdef int64_t slen = rl_load_u32(b + 8)
         if slen > self.fsize - HEADER_FIXED:
             self._fail(f"truncated or corrupt file header (schema of {slen} bytes)", 8)
-        crc = rl_crc32c(rl_crc32c(rl_crc32c(0, b, 12), b + 16, 8), b + HEADER_FIXED, slen)
+        cdef bytes schema_bytes = self._pread(HEADER_FIXED, slen)
+        crc = rl_crc32c(rl_crc32c(rl_crc32c(0, b, 12), b + 16, 8), <const char *>schema_bytes, slen)
         if crc != rl_load_u32(b + 12):
             self._fail("file header checksum mismatch", 0)
         try:
-            schema = Schema.from_json((<bytes>b[HEADER_FIXED:HEADER_FIXED + slen]).decode())
+            schema = Schema.from_json(schema_bytes.decode())
         except Exception as e:
             self._fail(f"unreadable schema in the file header ({e})", HEADER_FIXED)
         try:
@@ -483,44 +511,52 @@ cdef class RecordIOReader(FileReader):
             raise MemoryError()
 
     cdef _read_footer_or_scan(self):
-        cdef const char *b = self.base
         cdef int64_t S = self.fsize
-        cdef int64_t ioff, n, i, total, o, end
+        cdef int64_t ioff, n, i, o, end, nrec
+        cdef const char *t
+        cdef const char *x
+        cdef bytes trailer, index
         problem = None
-        if S >= self.data_start + TRAILER and rl_load_u32(b + S - 4) == TRAILER_MAGIC:
-            ioff = <int64_t>rl_load_u64(b + S - 16)
-            if rl_crc32c(0, b + S - 16, 8) != rl_load_u32(b + S - 8):
+        trailer = self._pread(S - TRAILER, TRAILER) if S >= self.data_start + TRAILER else b""
+        t = trailer
+        if trailer and rl_load_u32(t + 12) == TRAILER_MAGIC:
+            ioff = <int64_t>rl_load_u64(t)
+            if rl_crc32c(0, t, 8) != rl_load_u32(t + 8):
                 problem = ("index trailer checksum mismatch", S - 16)
             elif ioff < self.data_start or ioff > S - TRAILER - 28:
                 problem = ("index offset out of range", S - 16)
-            elif rl_load_u32(b + ioff) != INDEX_MAGIC:
-                problem = ("bad index magic", ioff)
             else:
-                n = <int64_t>rl_load_u64(b + ioff + 8)
-                if n < 0 or n > (S - ioff) // 16 or ioff + 24 + 16 * n + 4 != S - TRAILER:
+                index = self._pread(ioff, S - TRAILER - ioff)
+                x = index
+                n = <int64_t>rl_load_u64(x + 8)
+                if rl_load_u32(x) != INDEX_MAGIC:
+                    problem = ("bad index magic", ioff)
+                elif n < 0 or n > (S - ioff) // 16 or ioff + 24 + 16 * n + 4 != S - TRAILER:
                     problem = ("index size disagrees with the file size", ioff + 8)
-                elif rl_crc32c(0, b + ioff, 24 + 16 * n) != rl_load_u32(b + ioff + 24 + 16 * n):
+                elif rl_crc32c(0, x, 24 + 16 * n) != rl_load_u32(x + 24 + 16 * n):
                     problem = ("index checksum mismatch", ioff)
                 else:
+                    # A footer with a valid CRC is still cross-checked: chunks tile
+                    # [data_start, index) in order, each with room for its header
+                    # and its record count's size table (u32 raw_size caps a chunk
+                    # at 2^30 records), so the counts are bounded by the file and
+                    # every chunk is then verified against its own header on load.
                     self._alloc_table(n)
-                    total = 0
-                    end = self.data_start
+                    total = 0                       # a Python int: cannot wrap
                     for i in range(n):
-                        o = <int64_t>rl_load_u64(b + ioff + 24 + 16 * i)
+                        o = <int64_t>rl_load_u64(x + 24 + 16 * i)
+                        nrec = <int64_t>rl_load_u64(x + 32 + 16 * i)
                         self.chunk_off[i] = o
-                        self.chunk_nrec[i] = <int64_t>rl_load_u64(b + ioff + 32 + 16 * i)
+                        self.chunk_nrec[i] = nrec
                         # a chunk ends where the next one starts (the last one at the index)
-                        end = <int64_t>rl_load_u64(b + ioff + 40 + 16 * i) if i + 1 < n else ioff
+                        end = <int64_t>rl_load_u64(x + 40 + 16 * i) if i + 1 < n else ioff
                         self.chunk_end[i] = end
                         if (o < self.data_start or end < o + CHUNK_HEADER or end > ioff
-                                or self.chunk_nrec[i] < 0 or (i == 0 and o != self.data_start)):
+                                or nrec < 0 or nrec > (1 << 30) or (i == 0 and o != self.data_start)):
                             problem = ("index entry disagrees with the chunk layout", ioff + 24 + 16 * i)
                             break
-                        if self.chunk_nrec[i] > INT64_MAX - total:      # the sum would wrap
-                            problem = ("index record counts overflow int64", ioff + 24 + 16 * i)
-                            break
-                        total += self.chunk_nrec[i]
-                    if problem is None and total != <int64_t>rl_load_u64(b + ioff + 16):
+                        total += nrec
+                    if problem is None and total != rl_load_u64(x + 16):
                         problem = ("index record total disagrees with its entries", ioff + 16)
                     if problem is None:
                         self.num_chunks = n
@@ -541,35 +577,38 @@ cdef class RecordIOReader(FileReader):
 
     cdef _scan(self):
         """Build the chunk table from chunk headers (no footer)."""
-        cdef const char *b = self.base
         cdef int64_t S = self.fsize
         cdef int64_t pos = self.data_start, stored, total = 0
+        cdef bytes head
+        cdef const char *h
         offs, nrecs, ends = [], [], []
         skipped = 0
         while pos < S:
             code = CK_OK
-            if S - pos < CHUNK_HEADER:
-                code = CK_TRUNC_HEADER
-            elif rl_load_u32(b + pos) == INDEX_MAGIC:
+            head = os.pread(self.fd, CHUNK_HEADER, pos)
+            h = head
+            if len(head) < CHUNK_HEADER:
+                code = CK_TRUNC_HEADER if S - pos < CHUNK_HEADER else CK_SHRUNK
+            elif rl_load_u32(h) == INDEX_MAGIC:
                 self._fail_or_warn("index footer without a valid trailer (truncated or corrupt footer)",
                                    pos)
                 break
-            elif rl_load_u32(b + pos) != CHUNK_MAGIC:
+            elif rl_load_u32(h) != CHUNK_MAGIC:
                 code = CK_MAGIC
-            elif _chunk_header_crc(self.salt, b + pos) != rl_load_u32(b + pos + 28):
+            elif _chunk_header_crc(self.salt, h) != rl_load_u32(h + 28):
                 code = CK_HEADER_CRC
             else:
-                stored = <int64_t>rl_load_u64(b + pos + 16)
+                stored = <int64_t>rl_load_u64(h + 16)
                 if stored > S - pos - CHUNK_HEADER:
                     code = CK_TRUNC_BODY
             if code != CK_OK:
-                if not self.skip_errors:
+                if not self.skip_errors or code == CK_SHRUNK:
                     self._fail(_CHUNK_ERRORS[code], pos)
                 skipped += 1
                 pos = self._resync(pos + 1)
                 continue
             offs.append(pos)
-            k = rl_load_u32(b + pos + 4)
+            k = rl_load_u32(h + 4)
             nrecs.append(k)
             ends.append(pos + CHUNK_HEADER + stored)
             total += k
@@ -595,21 +634,32 @@ cdef class RecordIOReader(FileReader):
 
     cdef int64_t _resync(self, int64_t pos):
         """Next offset >= pos holding a chunk header with a valid checksum."""
-        cdef const char *b = self.base
-        cdef int64_t S = self.fsize
+        cdef int64_t S = self.fsize, i, L
+        cdef bytes window
+        cdef const char *w
         while pos + CHUNK_HEADER <= S:
-            if rl_load_u32(b + pos) == CHUNK_MAGIC and _chunk_header_crc(self.salt, b + pos) == rl_load_u32(b + pos + 28):
-                return pos
-            pos += 1
+            window = os.pread(self.fd, min(1 << 20, S - pos), pos)
+            L = len(window)
+            if L < CHUNK_HEADER:
+                return S
+            w = window
+            for i in range(L - CHUNK_HEADER + 1):
+                if rl_load_u32(w + i) == CHUNK_MAGIC and _chunk_header_crc(self.salt, w + i) == rl_load_u32(w + i + 28):
+                    return pos + i
+            pos += L - CHUNK_HEADER + 1
         return S
 
     # -- chunk loading (no GIL) ---------------------------------------------
     cdef int _load_chunk(self, int64_t c) noexcept nogil:
-        """Verify chunk c and make it current.  Returns CK_OK or an error code."""
-        cdef const char *b = self.base
+        """Read chunk c into a block of its own, verify it there and make it
+        current.  Returns CK_OK or an error code."""
         cdef int64_t off = self.chunk_off[c]
         cdef int64_t limit = self.chunk_end[c]
-        cdef const char *h = b + off
+        cdef char hbuf[CHUNK_HEADER]
+        cdef const char *h = hbuf
+        cdef const char *body
+        cdef char *zb
+        cdef int64_t got
         cdef int64_t stored, raw, n, i, total, pos
         cdef uint32_t comp
         cdef rl_block *blk
@@ -622,6 +672,9 @@ cdef class RecordIOReader(FileReader):
         self.err_record = -1
         if limit - off < CHUNK_HEADER:
             return CK_TRUNC_HEADER
+        got = rl_pread_full(self.fd, hbuf, CHUNK_HEADER, off)
+        if got != CHUNK_HEADER:
+            return self._read_failed(got, off)
         if rl_load_u32(h) != CHUNK_MAGIC:
             return CK_MAGIC
         if _chunk_header_crc(self.salt, h) != rl_load_u32(h + 28):
@@ -640,22 +693,43 @@ cdef class RecordIOReader(FileReader):
             return CK_COMPRESSOR
         if stored != limit - off - CHUNK_HEADER:
             return CK_TRUNC_BODY
-        if crc32c_parallel(h + CHUNK_HEADER, stored) != rl_load_u32(h + 12):
-            self.err_off = off + CHUNK_HEADER
-            return CK_BODY_CRC
+        if comp == 0 and aligned:
+            if raw != stored:
+                return CK_SIZES
+            return self._load_aligned(off, h, n, stored)
         if comp == 0:
             if raw != stored:
                 return CK_SIZES
-            blk = rl_chunkview_new(self.mapping, <char *>h + CHUNK_HEADER, stored,
-                                   (3 if aligned else 2) if self.low_memory else 1)
+            blk = rl_fileblock_new(off + CHUNK_HEADER, stored,
+                                   (3 if aligned else 2) if self.low_memory else 0)
             if blk == NULL:
                 return CK_NOMEM
+            body = blk.data
         else:
+            if stored > self.zcap:
+                zb = <char *>realloc(self.zbuf, stored)
+                if zb == NULL:
+                    return CK_NOMEM
+                self.zbuf = zb
+                self.zcap = stored
+            body = self.zbuf
+            blk = NULL
+        got = rl_pread_full(self.fd, <char *>body, stored, off + CHUNK_HEADER)
+        if got != stored:
+            if blk != NULL:
+                rl_block_decref(blk)
+            return self._read_failed(got, off + CHUNK_HEADER)
+        if crc32c_parallel(body, stored) != rl_load_u32(h + 12):
+            if blk != NULL:
+                rl_block_decref(blk)
+            self.err_off = off + CHUNK_HEADER
+            return CK_BODY_CRC
+        if comp != 0:
             blk = rl_block_new(raw)
             if blk == NULL:
                 return CK_NOMEM
             dest_len = raw
-            if uncompress(<unsigned char *>blk.data, &dest_len, <const unsigned char *>h + CHUNK_HEADER,
+            if uncompress(<unsigned char *>blk.data, &dest_len, <const unsigned char *>body,
                           stored) != Z_OK or <int64_t>dest_len != raw:
                 rl_block_decref(blk)
                 return CK_INFLATE
@@ -699,6 +773,97 @@ cdef class RecordIOReader(FileReader):
         self.cur_payload_abs = payload_abs
         return CK_OK
 
+    cdef int _load_aligned(self, int64_t off, const char *h, int64_t n, int64_t stored) noexcept nogil:
+        """A page-aligned chunk (big records): each record is read into a block
+        of its own, so a record leaves memory as soon as its consumer lets go
+        of it -- a shuffle over big records holds its buffer's records, not
+        their chunks -- and freed blocks are recycled hot (no page dropping
+        and refaulting).  The body CRC runs over the pieces in file order."""
+        cdef int64_t i, k, pos = 0, pad, size_i, got, rec_off
+        cdef char padbuf[PAGE]
+        cdef int64_t payload_abs = off + CHUNK_HEADER + 4 * n
+        cdef uint32_t crc
+        cdef rl_block *blk
+        cdef rl_block **blocks
+        cdef char *zb
+        cdef const char *ptrs[RL_MAX_FIELDS]
+        cdef int64_t rows[RL_MAX_FIELDS]
+        cdef int code = CK_OK
+        if 4 * n > stored:
+            return CK_SIZES
+        if 4 * n > self.zcap:
+            zb = <char *>realloc(self.zbuf, 4 * n)
+            if zb == NULL:
+                return CK_NOMEM
+            self.zbuf = zb
+            self.zcap = 4 * n
+        got = rl_pread_full(self.fd, self.zbuf, 4 * n, off + CHUNK_HEADER)
+        if got != 4 * n:
+            return self._read_failed(got, off + CHUNK_HEADER)
+        crc = rl_crc32c(0, self.zbuf, 4 * n)
+        if n > self.cur_blocks_cap:
+            blocks = <rl_block **>realloc(self.cur_blocks, n * sizeof(rl_block *))
+            if blocks == NULL:
+                return CK_NOMEM
+            self.cur_blocks = blocks
+            self.cur_blocks_cap = n
+        self._release_cur()
+        for i in range(n):
+            self.cur_blocks[i] = NULL
+        for i in range(n):
+            pad = (-(payload_abs + pos)) & (PAGE - 1)
+            size_i = rl_load_u32(self.zbuf + 4 * i)
+            if 4 * n + pos + pad + size_i > stored:
+                code = CK_SIZES
+                break
+            rec_off = payload_abs + pos
+            # the padding goes to a scratch page (checked, not kept), the record
+            # into a block of its own
+            blk = rl_fileblock_new(rec_off + pad, size_i, 0)
+            if blk == NULL:
+                code = CK_NOMEM
+                break
+            self.cur_blocks[i] = blk
+            got = rl_pread2(self.fd, padbuf, pad, blk.data, size_i, rec_off)
+            if got != pad + size_i:
+                code = self._read_failed(got, rec_off)
+                break
+            crc = rl_crc32c(crc, padbuf, pad)
+            crc = rl_crc32c(crc, blk.data, size_i)
+            pos += pad + size_i
+            if self.layout.n_lod == 0:
+                if size_i != self.layout.fixed_size:
+                    self.err_record = i
+                    code = CK_RECORD
+                    break
+            elif layout_parse(&self.layout, blk.data, size_i, ptrs, rows) != 0:
+                self.err_record = i
+                code = CK_RECORD
+                break
+        if code == CK_OK and 4 * n + pos != stored:
+            code = CK_SIZES
+        if code == CK_OK and crc != rl_load_u32(h + 12):
+            self.err_off = off + CHUNK_HEADER
+            self.err_record = -1
+            code = CK_BODY_CRC
+        self.cur_n = n
+        self.cur_i = 0
+        self.cur_per_record = True          # _release_cur frees what was read so far
+        if code != CK_OK:
+            self._release_cur()
+            self.cur_n = 0
+            return code
+        return CK_OK
+
+    cdef int _read_failed(self, int64_t got, int64_t off) noexcept nogil:
+        # a short read: the file shrank after open (the table came from its old size)
+        if got < 0:
+            self.err_errno = errno
+            self.err_off = off
+            return CK_IO
+        self.err_off = off + got
+        return CK_SHRUNK
+
     cdef int c_next(self, rl_record *out) except -1 nogil:
         cdef int code
         cdef uint32_t s
@@ -708,7 +873,7 @@ cdef class RecordIOReader(FileReader):
             self.cur_i = 0
             if self.iorder >= self.norder:
                 return 0
-            if self.mapping == NULL:
+            if self.fd < 0:
                 with gil:
                     raise ValueError(f"I/O operation on closed reader (RecordIOReader {self.path!r})")
             code = self._load_chunk(self.order[self.iorder])
@@ -716,6 +881,17 @@ cdef class RecordIOReader(FileReader):
             if code != CK_OK:
                 with gil:
                     self._chunk_error(code, self.order[self.iorder - 1])
+        if self.cur_per_record:
+            # the producer's reference to the previous record goes now (a consumer
+            # that keeps a record past this call took its own)
+            if self.cur_i > 0 and self.cur_blocks[self.cur_i - 1] != NULL:
+                rl_block_decref(self.cur_blocks[self.cur_i - 1])
+                self.cur_blocks[self.cur_i - 1] = NULL
+            out.block = self.cur_blocks[self.cur_i]
+            out.data = out.block.data
+            out.size = out.block.size
+            self.cur_i += 1
+            return 1
         s = rl_load_u32(self.cur_sizes + 4 * self.cur_i)
         if self.cur_aligned:
             self.cur_pos += (-(self.cur_payload_abs + self.cur_pos)) & (PAGE - 1)
@@ -734,6 +910,10 @@ cdef class RecordIOReader(FileReader):
             msg += f" (chunk {c})"
         if code == CK_NOMEM:
             raise MemoryError(f"{self.path}: {msg}")
+        if code == CK_IO:
+            msg += f" ({os.strerror(self.err_errno)})"
+        if code in (CK_SHRUNK, CK_IO):
+            self._fail(msg, self.err_off)        # not the chunk's fault: never skipped
         if not self.skip_errors:
             self._fail(msg, self.err_off)
         self.skipped_chunks += 1
@@ -783,10 +963,13 @@ cdef class RecordIOReader(FileReader):
         return offs, nrec
 
     cdef int c_close(self) except -1:
-        self._release_cur()
-        if self.mapping != NULL:
-            rl_block_decref(self.mapping)    # chunk views still held keep it mapped
-            self.mapping = NULL
+        self._release_cur()                  # blocks still held downstream stay valid
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        free(self.zbuf)
+        self.zbuf = NULL
+        self.zcap = 0
         return 0
 
     def __len__(self):

@@ -8,24 +8,35 @@ Design:
     verification, seeking and sharding -- the same rule whether the chunk
     table comes from a scan or from the sidecar index, so both agree.
 
-    Uncompressed files are memory-mapped.  A chunk's record headers (length
-    CRCs, sizes against the schema) are verified when it is loaded, without
-    the GIL; each data CRC is computed next to the copy that follows it (so
-    the copy finds the record in cache).  Records are handed downstream as
-    pointers into the mapping (zero copy, like RecordIO), each verified as it
-    is handed out: fixed-size ones as they are, variable-length ones (the
+    Uncompressed files are read a chunk at a time with pread(2) into a block
+    the reader owns (one read for a chunk the table knows, ~2 for one being
+    scanned); nothing is memory-mapped, so a file truncated or rewritten
+    while it is read gives a TFRecordError or the bytes as they were read --
+    never SIGBUS, never bytes no checksum covered.  A chunk's record headers
+    (length CRCs, sizes against the schema) are verified when it is loaded,
+    without the GIL; each data CRC is computed next to the copy that follows
+    it (so the copy finds the record in cache).  Records are handed
+    downstream as pointers into the chunk's block (no further copy, like
+    RecordIO), each verified, in that block, as it is handed out: fixed-size ones as they are, variable-length ones (the
     default: uint8 sequences) as "bare" instances -- the rows without the
     int64 row-count prefix of the instance encoding, which a TFRecord record
     does not have (layout.bare; see readers/_base.pxd).  `_prefixed_instances()`
     switches to copying each record into a block behind a prefix instead, for
     `open_files` streams that mix TFRecord with other formats.  ZLIB/GZIP
     files are inflated (zlib, windowBits 15 / 31; concatenated gzip members
-    are accepted) into a reused buffer and copied into blocks a chunk at a time.
+    are accepted) into a reused buffer and copied into blocks a chunk at a time;
+    their input is pread too.
 
     The chunk table (start offset, first record, record count) of a file is
     saved in ``<file>.idx`` after the first complete pass (or by
-    `build_index`), with the file's size and mtime and a CRC-32C, so later
-    readers can count, seek and shard without scanning.
+    `build_index`), with the file's size and mtime *as it was opened* (not
+    written if the file changed during the pass), CRC-32Cs of its first and
+    last 4 KiB and a CRC-32C of the index, so later readers can count, seek
+    and shard without scanning.  An index is never trusted blindly: on load
+    its chunks must start at 0, increase, leave room for their records and
+    end at the stream's end (else a TFRecordWarning and a rescan), and each
+    chunk read through it must hold exactly its record count, filling exactly
+    the bytes up to the next chunk (else a TFRecordError naming the index).
 """
 import os
 import threading
@@ -35,7 +46,8 @@ import numpy as np
 cimport numpy as cnp
 from libc.stdlib cimport malloc, free, realloc
 from libc.string cimport memcpy, memmove
-from posix.mman cimport mmap, munmap, PROT_READ, MAP_PRIVATE, MAP_FAILED
+from libc.errno cimport errno
+import warnings
 
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
 from readerlib.readers._base cimport (
@@ -43,8 +55,8 @@ from readerlib.readers._base cimport (
     rl_crc32c, rl_crc32c_mask, rl_crc32c_init, rl_load_u32, rl_load_u64,
     rl_store_u32, rl_store_u64, rl_store_i64, ITEM_INSTANCE)
 from readerlib.tensor import Field, Schema
-from readerlib.errors import TFRecordError
-from readerlib.readers._base import _file_identity
+from readerlib.errors import TFRecordError, TFRecordWarning
+from readerlib.readers._base import _file_identity, _PieceFile
 
 cnp.import_array()
 rl_crc32c_init()
@@ -71,8 +83,8 @@ cdef extern from *:
     int64_t __atomic_load_n(int64_t *p, int order) nogil
 
 cdef extern from "rl_mmap.h":
-    rl_block *rl_mapping_new(char *data, int64_t size) nogil
-    rl_block *rl_chunkview_new(rl_block *mapping, char *data, int64_t size, int drop_pages) nogil
+    rl_block *rl_fileblock_new(int64_t file_off, int64_t size, int drop_pages) nogil
+    int64_t rl_pread_full(int fd, char *dst, int64_t n, int64_t off) nogil
 
 __all__ = ["TFRecordReader", "TFRecordWriter", "build_index", "masked_crc32c",
            "CHUNK_BYTES", "CHUNK_RECORDS"]
@@ -81,7 +93,10 @@ DEF _CHUNK_BYTES = 1048576
 DEF _CHUNK_RECORDS = 65536
 CHUNK_BYTES = _CHUNK_BYTES
 CHUNK_RECORDS = _CHUNK_RECORDS
-INDEX_MAGIC = b"RLTFIX01"
+INDEX_MAGIC = b"RLTFIX02"       # 02: open-time stat, head/tail CRCs, checked structure
+DEF _INDEX_HEAD = 80            # magic + 9 u64
+DEF _FINGERPRINT = 4096         # bytes at each end of the file the index's CRCs cover
+DEF _ZIN = 262144               # compressed input read per pread
 INDEX_SUFFIX = ".idx"
 _ZTYPES = {None: 0, "": 0, "NONE": 0, "ZLIB": 1, "GZIP": 2}
 _ZNAMES = {0: None, 1: "ZLIB", 2: "GZIP"}
@@ -97,6 +112,8 @@ cdef enum:
     E_ZTRUNC = 7
     E_INDEX = 8
     E_LENGTH = 9
+    E_SHRUNK = 10
+    E_IO = 11
 
 
 def masked_crc32c(data):
@@ -186,10 +203,19 @@ cdef class TFRecordReader(FileReader):
     cdef bint prefix                # lod_mode: copy records behind an int64 row count
     cdef int64_t row_bytes
     cdef int64_t fixed_size
-    # the file
-    cdef rl_block *mapping
-    cdef const char *base
-    cdef int64_t fsize
+    # the file (open until close(); everything is pread, nothing mapped)
+    cdef int fd
+    cdef int64_t fsize              # at open: the reader reads this much
+    cdef object _stat               # (size, mtime_ns) at open, what an index records
+    cdef int err_errno
+    # uncompressed files: the chunk being scanned (build) / a header window (index scan)
+    cdef rl_block *pblk
+    cdef int64_t phave, pcap, pextent
+    cdef char *hwin
+    cdef int64_t hwin_off, hwin_len
+    # compressed files: input window
+    cdef char *zin
+    cdef int64_t zin_off, zin_len
     # chunk table (grows during the first sequential pass)
     cdef int64_t *ck_pos
     cdef int64_t *ck_first
@@ -225,7 +251,7 @@ cdef class TFRecordReader(FileReader):
     cdef object _file_id              # name, size, checksum of head and tail (states)
 
     def __cinit__(self):
-        self.mapping = NULL
+        self.fd = -1
         self.zs_init = False
 
     def __init__(self, path, schema=None, compression=None, index="auto"):
@@ -247,24 +273,15 @@ cdef class TFRecordReader(FileReader):
         if self.cur_off == NULL or self.cur_len == NULL:
             raise MemoryError()
         self._grow_table(64)
-        fd = os.open(self.path, os.O_RDONLY)
-        cdef void *p = NULL
-        try:
-            st = os.fstat(fd)
-            self.fsize = st.st_size
-            self._file_id = _file_identity(fd, self.path, self.fsize)
-            if self.fsize > 0:
-                p = mmap(NULL, self.fsize, PROT_READ, MAP_PRIVATE, fd, 0)
-                if p == MAP_FAILED:
-                    raise OSError(f"{self.path}: mmap failed")
-        finally:
-            os.close(fd)
-        self.mapping = rl_mapping_new(<char *>p, self.fsize)
-        if self.mapping == NULL:
-            if p != NULL:
-                munmap(p, self.fsize)
-            raise MemoryError()
-        self.base = <const char *>p
+        self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        st = os.fstat(self.fd)
+        self.fsize = st.st_size
+        self._file_id = _file_identity(self.fd, self.path, self.fsize)
+        self._stat = (st.st_size, st.st_mtime_ns)
+        if self.ztype:
+            self.zin = <char *>malloc(_ZIN)
+            if self.zin == NULL:
+                raise MemoryError()
         if self.index_path is not None:
             self._load_index(st)
         self.c_reset()
@@ -274,9 +291,7 @@ cdef class TFRecordReader(FileReader):
         if self.spare != NULL:
             rl_block_decref(self.spare)
             self.spare = NULL
-        if self.mapping != NULL:
-            rl_block_decref(self.mapping)
-            self.mapping = NULL
+        self._release_file()
         if self.zs_init:
             inflateEnd(&self.zs)
             self.zs_init = False
@@ -290,6 +305,18 @@ cdef class TFRecordReader(FileReader):
         if self.cur != NULL:
             rl_block_decref(self.cur)
             self.cur = NULL
+
+    cdef _release_file(self):
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if self.pblk != NULL:
+            rl_block_decref(self.pblk)
+            self.pblk = NULL
+        self.pcap = self.phave = 0
+        free(self.hwin); self.hwin = NULL
+        self.hwin_len = 0
+        free(self.zin); self.zin = NULL
 
     cdef void _retire_cur(self) noexcept nogil:
         # A heap chunk nobody else references is kept for the next chunk: its
@@ -326,35 +353,71 @@ cdef class TFRecordReader(FileReader):
         return 0
 
     # -- sidecar index ---------------------------------------------------------
+    def _fingerprint(self):
+        """CRC-32Cs of the file's first and last 4 KiB (what an index was built over)."""
+        head = os.pread(self.fd, min(_FINGERPRINT, self.fsize), 0)
+        tail = os.pread(self.fd, min(_FINGERPRINT, self.fsize), max(0, self.fsize - _FINGERPRINT))
+        return (int(rl_crc32c(0, <const char *>head, len(head))),
+                int(rl_crc32c(0, <const char *>tail, len(tail))))
+
+    def _reject_index(self, why):
+        warnings.warn(f"{self.path}: ignoring the index {self.index_path!r} ({why}); the file is "
+                      f"scanned instead and the index rewritten after a full pass",
+                      TFRecordWarning, stacklevel=1)
+        return False
+
     def _load_index(self, st):
+        """Use the sidecar index if it describes this file; never trust it blindly.
+
+        A file that changed since (size or mtime) is rescanned silently; an
+        index whose checksum, fingerprint or structure disagrees is rejected
+        with a TFRecordWarning."""
         try:
             with open(self.index_path, "rb") as f:
                 raw = f.read()
         except OSError:
             return False
-        cdef int64_t n, i
-        if len(raw) < 60 or raw[:8] != INDEX_MAGIC:
-            return False
+        cdef int64_t n, i, pos, cnt, nxt
+        if raw[:8] == b"RLTFIX01":
+            return False                 # the previous version: rebuilt on the next full pass
+        if raw[:8] != INDEX_MAGIC:
+            return self._reject_index("not a readerlib TFRecord index of this version") if raw else False
+        if len(raw) < _INDEX_HEAD + 4:
+            return self._reject_index("truncated")
         body = raw[:len(raw) - 4]
         if rl_crc32c(0, <const char *>body, len(body)) != int.from_bytes(raw[len(raw) - 4:], "little"):
-            return False
-        h = np.frombuffer(raw, dtype="<u8", count=7, offset=8)
-        fsize, mtime, ztype_cb, nrec, nck, end = int(h[0]), int(h[1]), int(h[2]), int(h[3]), int(h[4]), int(h[5])
-        if (fsize != st.st_size or mtime != st.st_mtime_ns or ztype_cb != (self.ztype | (_CHUNK_BYTES << 8))
-                or int(h[6]) != _CHUNK_RECORDS or len(raw) != 64 + 24 * nck + 4):
-            return False                 # stale or another layout: rebuilt on the next full pass
-        table = np.frombuffer(raw, dtype="<i8", count=3 * nck, offset=64).reshape(nck, 3)
-        self._grow_table(nck + 1)
+            return self._reject_index("checksum mismatch")
+        h = np.frombuffer(raw, dtype="<u8", count=9, offset=8)
+        fsize, mtime, ztype_cb, nrec, nck, end = (int(v) for v in h[:6])
+        if fsize != st.st_size or mtime != st.st_mtime_ns:
+            return False                 # the file changed: rebuilt on the next full pass
+        if ztype_cb != (self.ztype | (_CHUNK_BYTES << 8)) or int(h[6]) != _CHUNK_RECORDS:
+            return self._reject_index("built for another compression or chunking")
+        if len(raw) != _INDEX_HEAD + 24 * nck + 4:
+            return self._reject_index("size disagrees with its chunk count")
+        if (int(h[7]), int(h[8])) != self._fingerprint():
+            return self._reject_index("built over other contents (same size and mtime)")
+        table = np.frombuffer(raw, dtype="<i8", count=3 * nck, offset=_INDEX_HEAD).reshape(nck, 3)
+        # structure: chunk 0 at 0, offsets increasing with room for 16 bytes per
+        # record, the last ending at the stream's end (the file's, uncompressed)
+        if self.ztype == 0 and end != self.fsize:
+            return self._reject_index(f"its stream ends at {end}, the file at {self.fsize}")
         total = 0
+        for i in range(nck):
+            pos, first, cnt = int(table[i, 0]), int(table[i, 1]), int(table[i, 2])
+            nxt = int(table[i + 1, 0]) if i + 1 < nck else end
+            if (first != total or cnt <= 0 or cnt > _CHUNK_RECORDS or (i == 0 and pos != 0)
+                    or pos < 0 or nxt - pos < 16 * cnt):
+                return self._reject_index(f"chunk {i} (offset {pos}, {cnt} records) disagrees "
+                                          f"with the chunk layout")
+            total += cnt
+        if total != nrec or (nck == 0 and end != 0):
+            return self._reject_index(f"record count {nrec} disagrees with its chunks ({total})")
+        self._grow_table(nck + 1)
         for i in range(nck):
             self.ck_pos[i] = table[i, 0]
             self.ck_first[i] = table[i, 1]
             self.ck_n[i] = table[i, 2]
-            if self.ck_first[i] != total or self.ck_n[i] <= 0 or self.ck_n[i] > _CHUNK_RECORDS:
-                return False
-            total += self.ck_n[i]
-        if total != nrec:
-            return False
         self.nck = nck
         self.total_records = nrec
         self.stream_end = end
@@ -363,7 +426,6 @@ cdef class TFRecordReader(FileReader):
         return True
 
     def _index_bytes(self):
-        st = os.stat(self.path)
         n = self.nck
         table = np.empty((n, 3), dtype="<i8")
         cdef int64_t i
@@ -371,17 +433,22 @@ cdef class TFRecordReader(FileReader):
             table[i, 0] = self.ck_pos[i]
             table[i, 1] = self.ck_first[i]
             table[i, 2] = self.ck_n[i]
-        head = INDEX_MAGIC + np.array([st.st_size, st.st_mtime_ns, self.ztype | (_CHUNK_BYTES << 8),
-                                       self.total_records, n, self.stream_end, _CHUNK_RECORDS],
-                                      dtype="<u8").tobytes()
+        head_crc, tail_crc = self._fingerprint()
+        # the stat taken when the file was opened: the index covers what was read then
+        head = INDEX_MAGIC + np.array([self._stat[0], self._stat[1], self.ztype | (_CHUNK_BYTES << 8),
+                                       self.total_records, n, self.stream_end, _CHUNK_RECORDS,
+                                       head_crc, tail_crc], dtype="<u8").tobytes()
         body = head + table.tobytes()
         return body + int(rl_crc32c(0, <const char *>body, len(body))).to_bytes(4, "little")
 
     def _write_index(self, path=None):
         """Write the sidecar index (atomically); False if the directory is read-only."""
         path = path or self.index_path
-        if path is None or not self.complete:
+        if path is None or not self.complete or self.fd < 0:
             return False
+        st = os.fstat(self.fd)
+        if (st.st_size, st.st_mtime_ns) != self._stat:
+            return False                 # the file changed while it was read: no index of a mix
         data = self._index_bytes()
         tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
         try:
@@ -415,7 +482,9 @@ cdef class TFRecordReader(FileReader):
             self.err_code = E_NOMEM
             return -1
         self.zs_init = True
-        self.zs.next_in = <const unsigned char *>self.base
+        self.zin_off = 0
+        self.zin_len = 0
+        self.zs.next_in = <const unsigned char *>self.zin
         self.zs.avail_in = 0
         self.zs_eof = False
         self.dlo = 0
@@ -427,7 +496,7 @@ cdef class TFRecordReader(FileReader):
         """Make `need` bytes past dlo available if the stream has them.
 
         Returns the bytes available past dlo, or -1 (err_code set)."""
-        cdef int64_t consumed, cap
+        cdef int64_t consumed, cap, got
         cdef char *p
         cdef int r
         while self.dhi - self.dlo < need and not self.zs_eof:
@@ -448,33 +517,118 @@ cdef class TFRecordReader(FileReader):
                 self.dbuf = p
                 self.dcap = cap
             if self.zs.avail_in == 0:
-                consumed = <const char *>self.zs.next_in - self.base
+                consumed = self._zconsumed()
                 if consumed >= self.fsize:
                     self.err_code = E_ZTRUNC
                     self.err_off = self.fsize
                     return -1
-                self.zs.avail_in = <unsigned int>min64(self.fsize - consumed, 1 << 30)
+                got = rl_pread_full(self.fd, self.zin, min64(self.fsize - consumed, _ZIN), consumed)
+                if got <= 0:
+                    self._read_failed(got, consumed)
+                    return -1
+                self.zin_off = consumed
+                self.zin_len = got
+                self.zs.next_in = <const unsigned char *>self.zin
+                self.zs.avail_in = <unsigned int>got
             self.zs.next_out = <unsigned char *>self.dbuf + self.dhi
             self.zs.avail_out = <unsigned int>min64(self.dcap - self.dhi, 1 << 30)
             r = inflate(&self.zs, Z_NO_FLUSH)
             self.dhi = <char *>self.zs.next_out - self.dbuf
             if r == Z_STREAM_END:
-                consumed = <const char *>self.zs.next_in - self.base
+                consumed = self._zconsumed()
                 if consumed < self.fsize:
                     inflateReset(&self.zs)          # another gzip member follows
                 else:
                     self.zs_eof = True
             elif r == Z_BUF_ERROR:
-                consumed = <const char *>self.zs.next_in - self.base
+                consumed = self._zconsumed()
                 if consumed >= self.fsize and self.zs.avail_in == 0:
                     self.err_code = E_ZTRUNC
                     self.err_off = self.fsize
                     return -1
             elif r != Z_OK:
                 self.err_code = E_NOMEM if r == Z_MEM_ERROR else E_ZDATA
-                self.err_off = <const char *>self.zs.next_in - self.base
+                self.err_off = self._zconsumed()
                 return -1
         return self.dhi - self.dlo
+
+    cdef inline int64_t _zconsumed(self) noexcept nogil:
+        """File offset of the next compressed byte inflate will take."""
+        return self.zin_off + (<const char *>self.zs.next_in - self.zin)
+
+    cdef bint _cut_short(self, int64_t want_n, int64_t i) noexcept nogil:
+        """A greedy scan that reaches a truncated record (a killed or failing
+        writer, a file cut short) ends its chunk at the last complete record:
+        those are handed out, and the next scan, starting at the cut, raises
+        (TensorFlow's order: every complete record, then DataLoss)."""
+        if want_n < 0 and i > 0 and (self.err_code == E_OK or self.err_code == E_ZTRUNC
+                                     or self.err_code == E_SHRUNK):
+            self.err_code = E_OK
+            return True
+        return False
+
+    cdef int _read_failed(self, int64_t got, int64_t off) noexcept nogil:
+        # a short read: the file shrank after open (what was read is as it was)
+        if got < 0:
+            self.err_errno = errno
+            self.err_code = E_IO
+            self.err_off = off
+        else:
+            self.err_code = E_SHRUNK
+            self.err_off = off + got
+        return -1
+
+    cdef int _pfill(self, int64_t pos, int64_t need) noexcept nogil:
+        """Make the chunk block `pblk` hold at least `need` file bytes from `pos`
+        (need <= fsize - pos).  The first read takes the whole chunk when its
+        extent is known, else up to CHUNK_BYTES; later ones exactly what is
+        missing (the tail of the record that crosses CHUNK_BYTES)."""
+        cdef int64_t target, cap, got
+        cdef rl_block *nb
+        if need <= self.phave:
+            return 0
+        target = need
+        if self.phave == 0:
+            target = min64(self.fsize - pos, self.pextent if self.pextent >= need else (
+                need if need > _CHUNK_BYTES else _CHUNK_BYTES))
+        if target > self.pcap:
+            cap = target if self.phave == 0 else min64(self.fsize - pos, target if target > 2 * self.pcap
+                                                       else 2 * self.pcap)
+            nb = rl_fileblock_new(0, cap, 0)
+            if nb == NULL:
+                self.err_code = E_NOMEM
+                return -1
+            if self.pblk != NULL:
+                if self.phave:
+                    memcpy(nb.data, self.pblk.data, self.phave)
+                rl_block_decref(self.pblk)
+            self.pblk = nb
+            self.pcap = cap
+        got = rl_pread_full(self.fd, self.pblk.data + self.phave, target - self.phave, pos + self.phave)
+        if got < 0 or self.phave + got < need:
+            return self._read_failed(got, pos + self.phave)
+        self.phave += got
+        return 0
+
+    cdef const char *_phdr(self, int64_t off) noexcept nogil:
+        """The 12 header bytes at file offset off (index scans of uncompressed
+        files read headers only, through a 1 MiB window); NULL on error."""
+        cdef int64_t got
+        if off >= self.hwin_off and off + 12 <= self.hwin_off + self.hwin_len:
+            return self.hwin + (off - self.hwin_off)
+        if self.hwin == NULL:
+            self.hwin = <char *>malloc(_CHUNK_BYTES)
+            if self.hwin == NULL:
+                self.err_code = E_NOMEM
+                return NULL
+        got = rl_pread_full(self.fd, self.hwin, min64(_CHUNK_BYTES, self.fsize - off), off)
+        if got < 12:
+            self.hwin_len = 0
+            self._read_failed(got, off)
+            return NULL
+        self.hwin_off = off
+        self.hwin_len = got
+        return self.hwin
 
     cdef int _zseek(self, int64_t pos) noexcept nogil:
         """Position the decompressed stream at `pos` (restarting if behind)."""
@@ -499,14 +653,18 @@ cdef class TFRecordReader(FileReader):
     cdef int _scan(self, int64_t pos, int64_t want_n, bint build) noexcept nogil:
         """Scan records from stream offset `pos`.
 
-        want_n >= 0: exactly that many records (a known chunk); else greedily,
+        want_n >= 0: exactly that many records (a known chunk), which must fill
+        exactly `pextent` bytes when that is >= 0 (the table's word for the
+        chunk: a stale or crafted index fails here, E_INDEX); else greedily,
         one chunk's worth (CHUNK_BYTES / CHUNK_RECORDS), stopping at the end.
         build: verify data CRCs and sizes and make `cur` the chunk's block;
         otherwise only the lengths are checked (index scan).  Returns 0 or -1
         with err_code/err_off set; `scan_n`/`scan_bytes` tell what was read.
+        Uncompressed bytes come from pread into `pblk` (build) or the header
+        window (index scan): what is checked is what is handed out.
         """
         cdef int64_t rel = 0, i = 0, avail, length, need, total, k
-        cdef const char *cb
+        cdef const char *cb = NULL
         cdef const char *p
         cdef const char *src
         cdef rl_block *blk
@@ -514,6 +672,7 @@ cdef class TFRecordReader(FileReader):
         cdef bint z = self.ztype != 0
         cdef uint32_t crc
         self.err_code = E_OK
+        self.phave = 0
         if z and self._zseek(pos) != 0:
             return -1
         while True:
@@ -525,11 +684,12 @@ cdef class TFRecordReader(FileReader):
             if z:
                 avail = self._zavail(rel + 12)
                 if avail < 0:
+                    if self._cut_short(want_n, i):
+                        break
                     return -1
                 cb = self.dbuf + self.dlo
             else:
                 avail = self.fsize - pos
-                cb = self.base + pos
             if avail == rel:
                 if want_n >= 0:
                     self.err_code = E_INDEX
@@ -537,10 +697,23 @@ cdef class TFRecordReader(FileReader):
                     return -1
                 break
             if avail < rel + 12:
+                if self._cut_short(want_n, i):
+                    break
                 self.err_code = E_TRUNC
                 self.err_off = pos + rel
                 return -1
-            p = cb + rel
+            if z:
+                p = cb + rel
+            elif build:
+                if self._pfill(pos, rel + 12) != 0:
+                    if self._cut_short(want_n, i):
+                        break
+                    return -1
+                p = self.pblk.data + rel
+            else:
+                p = self._phdr(pos + rel)
+                if p == NULL:
+                    return -1
             length = <int64_t>rl_load_u64(p)
             if rl_crc32c_mask(rl_crc32c(0, p, 8)) != rl_load_u32(p + 8):
                 self.err_code = E_LEN_CRC
@@ -555,14 +728,22 @@ cdef class TFRecordReader(FileReader):
             if z:
                 avail = self._zavail(need)
                 if avail < 0:
+                    if self._cut_short(want_n, i):
+                        break
                     return -1
                 cb = self.dbuf + self.dlo
             if avail < need:
+                if self._cut_short(want_n, i):
+                    break
                 self.err_code = E_TRUNC
                 self.err_off = pos + rel
                 return -1
-            p = cb + rel
             if build:
+                if not z:
+                    if self._pfill(pos, need) != 0:
+                        if self._cut_short(want_n, i):
+                            break
+                        return -1
                 # data CRCs are checked next to the copy that follows (below, or
                 # in c_next for zero-copy records), while the record is in cache
                 if (self.lod_mode and length % self.row_bytes != 0) or (
@@ -575,6 +756,11 @@ cdef class TFRecordReader(FileReader):
                 self.cur_len[i] = length
             rel = need
             i += 1
+        if want_n >= 0 and self.pextent >= 0 and rel != self.pextent:
+            # the table's chunk ends elsewhere: the index does not describe this file
+            self.err_code = E_INDEX
+            self.err_off = pos + rel
+            return -1
         self.scan_n = i
         self.scan_bytes = rel
         if not build:
@@ -583,11 +769,19 @@ cdef class TFRecordReader(FileReader):
                 self.spos += rel
             return 0
         # the chunk's block
-        if not z and not (self.lod_mode and self.prefix):
-            blk = rl_chunkview_new(self.mapping, <char *>cb, rel, 1)
-            if blk == NULL:
+        if not z and self.pblk == NULL:          # no records (the end of the file)
+            self.pblk = rl_fileblock_new(0, 0, 0)
+            if self.pblk == NULL:
                 self.err_code = E_NOMEM
                 return -1
+            self.pcap = 0
+        if not z:
+            cb = self.pblk.data
+        if not z and not (self.lod_mode and self.prefix):
+            blk = self.pblk                 # owned bytes, handed out as they are
+            blk.size = rel
+            self.pblk = NULL
+            self.pcap = self.phave = 0
         else:
             total = 0
             for k in range(i):
@@ -650,11 +844,15 @@ cdef class TFRecordReader(FileReader):
                      f"byte offset {off} of the file)",
             E_ZTRUNC: f"truncated record at {self.spos}{where} (the {self.compression} stream ends "
                       f"early, at byte offset {off} of the file)",
-            E_INDEX: f"truncated record at {off} (the file ends before the records its index "
-                     f"lists: stale index {self.index_path!r}?)",
+            E_INDEX: f"record layout at {off} disagrees with the chunk table (the file changed "
+                     f"after it was indexed, or the index {self.index_path!r} is stale or corrupt: "
+                     f"delete it or pass index=False)",
+            E_SHRUNK: f"truncated record at {off} (the file is shorter than when it was opened: "
+                      f"truncated while being read?)",
+            E_IO: f"read error at byte offset {off} ({os.strerror(self.err_errno)})",
         }
         msg = msgs.get(code, f"record error {code} at {off}")
-        if code not in (E_ZDATA, E_ZTRUNC) and where:
+        if code not in (E_ZDATA, E_ZTRUNC, E_SHRUNK, E_IO) and where:
             msg += where
         raise TFRecordError(f"{self.path}: {msg}", self.path, off)
 
@@ -672,6 +870,7 @@ cdef class TFRecordReader(FileReader):
                 if self.complete:
                     return 0
                 pos = 0 if self.nck == 0 else self.ck_pos[self.nck - 1] + self.scan_end_of(self.nck - 1)
+                self.pextent = -1
                 r = self._scan(pos, -1, True)
                 if r != 0:
                     with gil:
@@ -687,6 +886,11 @@ cdef class TFRecordReader(FileReader):
                 self.iorder += 1
                 self.cur_chunk = k
                 return 1
+        # the table says where chunk k ends: the records must fill exactly that
+        if k + 1 < self.nck:
+            self.pextent = self.ck_pos[k + 1] - self.ck_pos[k]
+        else:
+            self.pextent = (self.stream_end if self.complete else self.ck_pos[k] + self.last_bytes) - self.ck_pos[k]
         if self._scan(self.ck_pos[k], self.ck_n[k], True) != 0:
             with gil:
                 self._raise()
@@ -746,13 +950,11 @@ cdef class TFRecordReader(FileReader):
         return 0
 
     cdef int c_close(self) except -1:
-        self._release_cur()
+        self._release_cur()                   # blocks still held downstream stay valid
         if self.spare != NULL:
             rl_block_decref(self.spare)
             self.spare = NULL
-        if self.mapping != NULL:
-            rl_block_decref(self.mapping)     # chunk views still held keep it mapped
-            self.mapping = NULL
+        self._release_file()
         if self.zs_init:
             inflateEnd(&self.zs)
             self.zs_init = False
@@ -766,6 +968,7 @@ cdef class TFRecordReader(FileReader):
         cdef int r
         while not self.complete:
             pos = 0 if self.nck == 0 else self.ck_pos[self.nck - 1] + self.scan_end_of(self.nck - 1)
+            self.pextent = -1
             with nogil:
                 r = self._scan(pos, -1, False)
             if r != 0:
@@ -908,6 +1111,7 @@ cdef class TFRecordWriter(FileWriter):
     cdef readonly int64_t num_records
     cdef object _z
     cdef bytearray _buf
+    cdef object _pending            # bytes made for the file but not yet written (a failed write)
 
     def __init__(self, path, compression=None, compression_level=-1):
         ztype = _compression_code(compression)
@@ -918,13 +1122,18 @@ cdef class TFRecordWriter(FileWriter):
         # TF's ZlibCompressionOptions: deflate, window 15 (+16 for gzip), memLevel 9
         self._z = (_pyzlib.compressobj(compression_level, _pyzlib.DEFLATED, 15 if ztype == 1 else 31, 9)
                    if ztype else None)
-        self._f = open(self.path, "wb")
+        self._f = _PieceFile(self.path)
         self._buf = bytearray()
         self._closed = False
+
+    def _gc_warning(self):
+        return TFRecordWarning
 
     cdef int _append(self, const char *data, int64_t n) except -1:
         cdef char head[12]
         cdef char foot[4]
+        if self._pending is not None or len(self._buf) + 16 + n > (1 << 20):
+            self._drain()            # before this record: if the write fails, it was not taken
         with nogil:
             rl_store_u64(head, <uint64_t>n)
             rl_store_u32(head + 8, rl_crc32c_mask(rl_crc32c(0, head, 8)))
@@ -934,18 +1143,18 @@ cdef class TFRecordWriter(FileWriter):
             self._buf += (<char *>data)[:n]
         self._buf += (<char *>foot)[:4]
         self.num_records += 1
-        if len(self._buf) >= (1 << 20):
-            self._drain()
         return 0
 
     cdef _drain(self):
-        if not self._buf:
-            return
-        if self._z is not None:
-            self._f.write(self._z.compress(self._buf))
-        else:
-            self._f.write(self._buf)
-        self._buf = bytearray()
+        """Write the buffered records (compressed once: a failed write keeps the
+        compressor's output in `_pending`, written again by the next try)."""
+        if self._pending is None:
+            if not self._buf:
+                return
+            self._pending = self._z.compress(self._buf) if self._z is not None else self._buf
+            self._buf = bytearray()
+        self._f.write(self._pending)
+        self._pending = None
 
     def write(self, record):
         """Append one record: bytes-like, or an array (its raw bytes, C order)."""
@@ -979,14 +1188,16 @@ cdef class TFRecordWriter(FileWriter):
         self._check_open()
         self._drain()
         if self._z is not None:
-            self._f.write(self._z.flush(_pyzlib.Z_SYNC_FLUSH))
-        self._f.flush()
+            self._pending = self._z.flush(_pyzlib.Z_SYNC_FLUSH)
+            self._drain()
 
     def _finish(self):
         """Buffered records and the end of the compressed stream (close() calls this)."""
         self._drain()
         if self._z is not None:
-            self._f.write(self._z.flush(_pyzlib.Z_FINISH))
+            self._pending = self._z.flush(_pyzlib.Z_FINISH)
+            self._z = None           # finished once; a retried close() writes what is pending
+            self._drain()
 
     def __repr__(self):
         return f"TFRecordWriter({self.path!r}, {self.num_records} records)"

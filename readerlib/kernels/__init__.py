@@ -198,21 +198,21 @@ def batch_reindex(x, idx, *, out=None, num_threads=None):
 
 
 def _batch_reindex_lod(t, idx, num_threads):
-    data = t.data
-    if not t.lod:
+    data, lod = t.validated()     # data / lod may have been changed after construction
+    if not lod:
         return LoDTensor(batch_reindex(data, idx, num_threads=num_threads))
     _check_reindex_dtype(data, "x")
     xp = _xp(data)
     on_gpu = is_cupy_array(data)
     idx = _as_index(idx, xp)
     if on_gpu:
-        if len(t.lod) != 1:
+        if len(lod) != 1:
             raise NotImplementedError("batch_reindex of a multi-level LoDTensor on the GPU; "
                                       "use .to('cpu') or a one-level LoDTensor")
         from . import _gpu
-        new_data, new_offsets = _gpu.batch_reindex_lod(data, t.lod[0], idx)
+        new_data, new_offsets = _gpu.batch_reindex_lod(data, lod[0], idx)
         return LoDTensor(new_data, [new_offsets])
-    n_seq = t.lod[0].shape[0] - 1
+    n_seq = lod[0].shape[0] - 1
     _check_bounds(idx, n_seq)
     sel = idx.astype(np.int64)
     # Walk down the levels: the selected entries of each level are contiguous
@@ -220,7 +220,7 @@ def _batch_reindex_lod(t, idx, num_threads):
     # from the lengths of the entries in those runs.
     begin, end = sel, sel + 1
     new_lod = []
-    for level in t.lod:
+    for level in lod:
         lengths = np.diff(level)
         run = end - begin
         # entries of this level that are selected, in output order
@@ -443,18 +443,22 @@ def ctc_greedy_decoder(inputs, sequence_length=None, merge_repeated=True, blank_
         raise FailedPreconditionError(
             "len(sequence_length) != batch_size.  len(sequence_length):  "
             f"{sequence_length.shape[0]} batch_size: {batch_size}")
-    if on_gpu:
-        _check_num_classes(num_classes)
-        blank = _check_blank(blank_index, num_classes)
-        from . import _gpu
-        return _gpu.ctc_greedy_decoder(inputs, sequence_length, bool(merge_repeated), blank)
-    lengths = sequence_length.astype(np.int64)
-    too_long = np.flatnonzero(lengths > max_time)
+    # compared in the caller's dtype, before any cast: a uint64 2**64 - 1 is
+    # too long, not -1 (which would decode nothing), on either device
+    if on_gpu and not is_cupy_array(sequence_length):
+        sequence_length = xp.asarray(sequence_length)
+    too_long = xp.flatnonzero(sequence_length > max_time)
     if too_long.size:
         raise FailedPreconditionError(f"sequence_length({int(too_long[0])}) <= {max_time}")
     _check_num_classes(num_classes)
     blank = _check_blank(blank_index, num_classes)
-    lengths = np.maximum(lengths, 0).astype(np.int32)  # TF's loop runs 0 times for < 0
+    # TF's loop runs 0 times for < 0; clamped before the int32 cast, which would
+    # otherwise turn e.g. -2**32 + 5 into 5
+    lengths = xp.maximum(sequence_length.astype(np.int64), 0).astype(np.int32)
+    if on_gpu:
+        from . import _gpu        # int32 lengths go as they are (the kernel treats < 0 as 0)
+        return _gpu.ctc_greedy_decoder(inputs, sequence_length if sequence_length.dtype == np.int32
+                                       else lengths, bool(merge_repeated), blank)
     indices, values, shape, neg = _ctc.decode_padded(
         np.ascontiguousarray(inputs), lengths, blank, bool(merge_repeated),
         _threads(num_threads, inputs.nbytes))
@@ -464,16 +468,16 @@ def ctc_greedy_decoder(inputs, sequence_length=None, merge_repeated=True, blank_
 def _ctc_lod(t, sequence_length, merge_repeated, blank_index, num_threads):
     if sequence_length is not None:
         raise TypeError("pass sequence_length=None with a LoDTensor: its offsets give the lengths")
-    data = t.data
+    data, lod = t.validated()     # data / lod may have been changed after construction
     _check_ctc_dtype(data)
-    if len(t.lod) != 1:
+    if len(lod) != 1:
         raise ValueError(f"ctc_greedy_decoder needs a LoDTensor with one lod level (one sequence "
-                         f"per utterance), got {len(t.lod)} levels")
+                         f"per utterance), got {len(lod)} levels")
     if data.ndim != 2:
         raise InvalidArgumentError(
             f"inputs is not a 2-Tensor [total_frames, num_classes] (LoDTensor data), "
             f"got shape {tuple(data.shape)}")
-    offsets = t.lod[0]
+    offsets = lod[0]
     batch_size = offsets.shape[0] - 1
     num_classes = int(data.shape[1])
     # The padded form's checks: [max_len, batch, classes] empty <=> batch or classes 0.

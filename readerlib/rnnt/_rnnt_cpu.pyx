@@ -8,7 +8,7 @@ Design:
 
     * For every logits row it needs, a kernel takes the argmax and the
       log-softmax value there, ``lp = -log(sum(exp(x - max)))`` accumulated in
-      double (ties -> lowest index, like numpy.argmax).  Only rows that are
+      double (ties -> lowest index and NaN -> the first NaN, like numpy.argmax).  Only rows that are
       still searching are reduced (a window's frames after the first label
       are skipped), so the pass is serial: it costs ~1/J of the GEMM that made
       the logits.  ``argmax_logsoftmax`` is the parallel version (readerlib's
@@ -61,7 +61,9 @@ cdef inline void _argmax_logsoftmax(const real_t* x, Py_ssize_t V, int64_t* k_ou
     cdef double m = x[0], s = 0.0, v
     for j in range(1, V):
         v = x[j]
-        if v > m:      # strict: first maximum wins, as numpy.argmax
+        # numpy.argmax's rule (PyTorch's too): the first NaN wins, else the
+        # first maximum (strict >).  Once m is NaN nothing replaces it.
+        if v > m or (v != v and m == m):
             m = v
             k = j
     for j in range(V):

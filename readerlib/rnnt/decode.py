@@ -246,12 +246,12 @@ def _prepare_inputs(model, encoder_output, encoder_lengths):
         if encoder_lengths is not None:
             raise ValueError("encoder_lengths must be None when encoder_output is a LoDTensor "
                              "(the lengths come from its lod)")
-        if len(encoder_output.lod) != 1:
-            raise ValueError(f"encoder_output LoDTensor must have one LoD level, got {len(encoder_output.lod)}")
-        data = encoder_output.data
+        data, lod = encoder_output.validated()     # may have been changed after construction
+        if len(lod) != 1:
+            raise ValueError(f"encoder_output LoDTensor must have one LoD level, got {len(lod)}")
         if data.ndim != 2:
             raise ValueError(f"encoder_output LoDTensor data must be [frames, H], got shape {tuple(data.shape)}")
-        offsets = encoder_output.lod[0]
+        offsets = lod[0]
         offsets_h = offsets.get() if hasattr(offsets, "get") and not isinstance(offsets, np.ndarray) else np.asarray(offsets)
         lengths_h = np.diff(offsets_h).astype(np.int64)
         B = lengths_h.shape[0]
@@ -276,10 +276,10 @@ def _prepare_inputs(model, encoder_output, encoder_lengths):
             raise ValueError(f"encoder_lengths must have shape ({B},), got {tuple(lh.shape)}")
         if lh.dtype.kind not in "iu":
             raise TypeError(f"encoder_lengths must hold integers, got {lh.dtype}")
-        lengths_h = lh.astype(np.int64)
-        if B and (lengths_h.min() < 0 or lengths_h.max() > T):
+        if B and (lh.min() < 0 or lh.max() > T):      # in the caller's dtype: a uint64 cannot wrap
             raise ValueError(f"encoder_lengths must be in [0, {T}] (the padded length), got "
-                             f"min {lengths_h.min()}, max {lengths_h.max()}")
+                             f"min {lh.min()}, max {lh.max()}")
+        lengths_h = lh.astype(np.int64)
     if type(encoder_output).__module__.startswith("cupy") != (xp is not np):
         raise TypeError("encoder_output and the model must live on the same device "
                         "(use model.to(cupy) or model.to(numpy))")

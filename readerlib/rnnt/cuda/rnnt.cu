@@ -9,7 +9,8 @@
 //   * *_joint_step: one block (RNNT_THREADS threads) per utterance row; for
 //     loop labels the row's `window` frames are scanned in order (stopping at
 //     the first label or the row's end; frames after it are not reduced); the
-//     block reduces argmax (ties -> lowest index, as numpy.argmax) and
+//     block reduces argmax (ties -> lowest index, NaN -> the first NaN, as
+//     numpy.argmax) and
 //     sum(exp(x - max)) in double, then thread 0 does the row's bookkeeping
 //     (labels, scores, time indices, active/advance masks, hypothesis and
 //     alignment writes) and raises flag[0] when the row needs more work.
@@ -46,7 +47,8 @@ __device__ __forceinline__ void block_argmax_logsoftmax(const T* __restrict__ x,
     i64 k = V;  // "none yet"; any real index wins
     for (i64 j = tid; j < V; j += RNNT_THREADS) {
         double v = (double)x[j];
-        if (v > m || k == V) { m = v; k = j; }
+        // numpy.argmax's rule: the first NaN wins, else the first maximum
+        if (k == V || v > m || (v != v && m == m)) { m = v; k = j; }
     }
     s_val[tid] = m;
     s_idx[tid] = k;
@@ -55,8 +57,13 @@ __device__ __forceinline__ void block_argmax_logsoftmax(const T* __restrict__ x,
         if (tid < s) {
             double vo = s_val[tid + s];
             i64 ko = s_idx[tid + s];
-            if (ko != V && (s_idx[tid] == V || vo > s_val[tid] ||
-                            (vo == s_val[tid] && ko < s_idx[tid]))) {
+            const double sv = s_val[tid];
+            const i64 sk = s_idx[tid];
+            const bool on = vo != vo, sn = sv != sv;
+            // a NaN beats a number; among NaNs, or equal numbers, the lower index
+            const bool take = ko != V && (sk == V || (on != sn ? on :
+                                                      on ? ko < sk : (vo > sv || (vo == sv && ko < sk))));
+            if (take) {
                 s_val[tid] = vo;
                 s_idx[tid] = ko;
             }
