@@ -48,6 +48,12 @@ cdef extern from "rl_mmap.h":
     rl_block *rl_fileblock_new(int64_t file_off, int64_t size, int drop_pages) nogil
     int64_t rl_pread_full(int fd, char *dst, int64_t n, int64_t off) nogil
     int64_t rl_pread2(int fd, char *a, int64_t na, char *b, int64_t nb, int64_t off) nogil
+    int64_t rl_fileblocks_live() nogil
+
+
+def _live_file_blocks():
+    """Test hook: file blocks of RecordIO readers alive in this process."""
+    return rl_fileblocks_live()
 
 __all__ = ["RecordIOWriter", "RecordIOReader", "FILE_MAGIC"]
 

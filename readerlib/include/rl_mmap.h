@@ -79,8 +79,13 @@ static inline void rl_fb_lock(void) {
 }
 static inline void rl_fb_unlock(void) { __atomic_store_n(&rl_fb_lock_word, 0, __ATOMIC_RELEASE); }
 
+/* File blocks alive in this extension (a test hook: close() must let go of
+ * every block a reader or an interrupted batch held). */
+static int64_t rl_fb_live = 0;
+
 static void rl_fileblock_release(rl_block *b) {
     int64_t cap = b->aux;
+    __atomic_sub_fetch(&rl_fb_live, 1, __ATOMIC_RELAXED);
     rl_fb_lock();
     if (rl_fb_n < RL_FB_SLOTS && rl_fb_bytes + cap <= RL_FB_MAX_BYTES) {
         rl_fb_buf[rl_fb_n] = b->ctx;
@@ -131,11 +136,16 @@ static rl_block *rl_fileblock_new(int64_t file_off, int64_t size, int drop_pages
     rl_block *b = rl_block_wrap((char *)p, size, rl_fileblock_release, p, got);
     if (!b) { rl_fb_free(p, got); return NULL; }
     if (drop_pages == 2 || drop_pages == 3) b->consumed = rl_chunkview_consumed;
+    __atomic_add_fetch(&rl_fb_live, 1, __ATOMIC_RELAXED);
     return b;
 }
 
 /* Read n bytes at off into dst: returns the bytes read (fewer at the end of
  * the file), or -1 with errno set. */
+static inline int64_t rl_fileblocks_live(void) {
+    return __atomic_load_n(&rl_fb_live, __ATOMIC_RELAXED);
+}
+
 static inline int64_t rl_pread_full(int fd, char *dst, int64_t n, int64_t off) {
     int64_t got = 0;
     while (got < n) {
