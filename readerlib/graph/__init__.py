@@ -1,0 +1,62 @@
+"""readerlib.graph: a TensorFlow-1-style dataflow graph whose ops include
+Paddle's reader-creating ops and ReadOp and readerlib's kernels.
+
+Use as ``import readerlib.graph as rg``::
+
+    g = rg.Graph()
+    with g.as_default():
+        r = rg.create_batch_reader(rg.create_recordio_reader("train.rio"), 32)
+        feats, labels = rg.read(r)
+    with rg.Session(graph=g) as sess:
+        while True:
+            try:
+                f, l = sess.run([feats, labels])
+            except rg.OutOfRangeError:
+                break
+
+See docs/graph.md.  The top-level ``readerlib`` namespace stays the eager
+data loader.
+"""
+from .. import errors
+from ..errors import (
+    DataLossError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    OpError,
+    OutOfRangeError,
+    UnimplementedError,
+    UnknownError,
+)
+from .dtypes import TensorShape, as_dtype, resource, string
+from .registry import KernelContext, OpType, get_op_type, register_op, registered_op_types
+from .ops import (
+    DeviceSpec,
+    Graph,
+    GraphKeys,
+    InaccessibleTensorError,
+    Operation,
+    Tensor,
+    colocate_with,
+    container,
+    control_dependencies,
+    device,
+    get_default_graph,
+    name_scope,
+    reset_default_graph,
+)
+from .array_ops import add, add_n, apply_op, constant, convert_to_tensor, identity, no_op, ones_like, placeholder
+from .session import Session, get_default_session
+
+__all__ = [
+    "Graph", "Operation", "Tensor", "Session", "GraphKeys", "TensorShape", "DeviceSpec",
+    "get_default_graph", "reset_default_graph", "get_default_session",
+    "name_scope", "control_dependencies", "device", "colocate_with", "container",
+    "constant", "placeholder", "identity", "add", "add_n", "no_op", "ones_like",
+    "convert_to_tensor", "apply_op",
+    "OpType", "KernelContext", "register_op", "get_op_type", "registered_op_types",
+    "as_dtype", "resource", "string",
+    "errors", "OpError", "OutOfRangeError", "InvalidArgumentError", "FailedPreconditionError",
+    "NotFoundError", "DataLossError", "UnimplementedError", "UnknownError",
+    "InaccessibleTensorError",
+]
