@@ -60,3 +60,6 @@ __all__ = [
     "NotFoundError", "DataLossError", "UnimplementedError", "UnknownError",
     "InaccessibleTensorError",
 ]
+from .graph_def import GraphDef, NodeDef, import_graph_def  # noqa: E402
+
+__all__ += ["GraphDef", "NodeDef", "import_graph_def"]
