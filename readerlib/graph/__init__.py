@@ -63,3 +63,13 @@ __all__ = [
 from .graph_def import GraphDef, NodeDef, import_graph_def  # noqa: E402
 
 __all__ += ["GraphDef", "NodeDef", "import_graph_def"]
+from .kernel_ops import (  # noqa: E402
+    batch_reindex,
+    batch_reindex_grad,
+    ctc_greedy_decoder,
+    rnnt_greedy_decode,
+    row_count,
+)
+
+__all__ += ["batch_reindex", "batch_reindex_grad", "ctc_greedy_decoder", "rnnt_greedy_decode",
+            "row_count"]

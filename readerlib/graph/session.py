@@ -162,7 +162,11 @@ class _Plan:
             for t in op._inputs:
                 if t not in fed and t._op not in needed:
                     stack.append(t._op)
-            stack.extend(c for c in op._control_inputs if c not in needed)
+            for c in op._control_inputs:
+                # a control input whose outputs are all fed is satisfied by the feed (TF
+                # replaces a fed node)
+                if c not in needed and not (c._outputs and all(t in fed for t in c._outputs)):
+                    stack.append(c)
         order = sorted(needed, key=lambda op: op._id)
         slots = {}
 
