@@ -73,3 +73,18 @@ from .kernel_ops import (  # noqa: E402
 
 __all__ += ["batch_reindex", "batch_reindex_grad", "ctc_greedy_decoder", "rnnt_greedy_decode",
             "row_count"]
+from .reader_ops import (  # noqa: E402
+    ReaderVariable,
+    create_batch_reader,
+    create_multi_pass_reader,
+    create_prefetch_reader,
+    create_recordio_reader,
+    create_shuffle_reader,
+    create_tfrecord_reader,
+    read,
+    reset_reader,
+)
+
+__all__ += ["create_recordio_reader", "create_tfrecord_reader", "create_shuffle_reader",
+            "create_batch_reader", "create_multi_pass_reader", "create_prefetch_reader",
+            "read", "reset_reader", "ReaderVariable"]
