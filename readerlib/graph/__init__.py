@@ -88,3 +88,6 @@ from .reader_ops import (  # noqa: E402
 __all__ += ["create_recordio_reader", "create_tfrecord_reader", "create_shuffle_reader",
             "create_batch_reader", "create_multi_pass_reader", "create_prefetch_reader",
             "read", "reset_reader", "ReaderVariable"]
+from .gradients import NotDifferentiable, RegisterGradient, gradients  # noqa: E402
+
+__all__ += ["gradients", "RegisterGradient", "NotDifferentiable"]
