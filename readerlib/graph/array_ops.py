@@ -128,6 +128,10 @@ def constant(value, dtype=None, shape=None, name="Const"):
     return op.outputs[0]
 
 
+def _const_kernel(ctx, inputs):
+    return (ctx.attrs["value"],)
+
+
 def _const_infer(inputs, attrs):
     v = attrs["value"]
     return [(v.dtype, v.shape)]
@@ -135,7 +139,8 @@ def _const_infer(inputs, attrs):
 
 register_op("Const", outputs=[("output", "dtype")], attrs={"value": ("tensor", None),
                                                           "dtype": ("type", None)},
-            infer=_const_infer, kernels={"CPU": lambda ctx, inputs: (ctx.attrs["value"],)})
+            infer=_const_infer, constant_per_session=True,
+            kernels={"CPU": _const_kernel, "GPU": _const_kernel})
 
 
 # -- Placeholder ------------------------------------------------------------------------

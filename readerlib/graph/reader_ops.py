@@ -89,7 +89,8 @@ def _register_creating(op_type, inputs, attrs, build):
     all_attrs = dict(_RESOURCE_ATTRS)
     all_attrs.update(attrs)
     register_op(op_type, inputs=inputs, outputs=[("reader", _dt.resource)], attrs=all_attrs,
-                infer=_reader_infer, stateful=True, kernels={"CPU": _creating_kernel(build)})
+                infer=_reader_infer, stateful=True, constant_per_session=True,
+                kernels={"CPU": _creating_kernel(build)})
 
 
 def _recordio(a, inputs):
@@ -247,7 +248,7 @@ def _read_kernel(ctx, inputs):
         var.exhausted = True
         raise OutOfRangeError(None, ctx.op, "End of sequence")
     if var.batched:
-        return tuple(t if t.lod else t.data for t in item)
+        return [t if t.lod else t.data for t in item]
     return item
 
 

@@ -83,12 +83,17 @@ class OpType:
         ``Graph.container`` when they have a ``container`` attr.
     kernels : dict device type -> kernel
         ``"CPU"`` and/or ``"GPU"``.
+    constant_per_session : bool
+        The outputs never change within one Session once computed (Const, a
+        reader-creating op's variable): a Session's plan keeps them after the
+        first run and skips the op from then on.
     """
 
-    __slots__ = ("name", "inputs", "outputs", "attrs", "infer", "stateful", "kernels")
+    __slots__ = ("name", "inputs", "outputs", "attrs", "infer", "stateful", "kernels",
+                 "constant_per_session")
 
     def __init__(self, name, inputs=(), outputs=(), attrs=None, infer=None, stateful=False,
-                 kernels=None):
+                 kernels=None, constant_per_session=False):
         if not isinstance(name, str) or not name:
             raise TypeError(f"op type must be a non-empty str, got {name!r}")
         self.name = name
@@ -104,6 +109,7 @@ class OpType:
         self.infer = infer
         self.stateful = bool(stateful)
         self.kernels = dict(kernels or {})
+        self.constant_per_session = bool(constant_per_session)
         for dev in self.kernels:
             if dev not in ("CPU", "GPU"):
                 raise ValueError(f"kernel device type must be 'CPU' or 'GPU', got {dev!r}")
@@ -136,7 +142,7 @@ def _typespec(t):
 
 
 def register_op(name, inputs=(), outputs=(), attrs=None, infer=None, stateful=False,
-                kernels=None, *, replace=False):
+                kernels=None, *, constant_per_session=False, replace=False):
     """Declare an op type (see :class:`OpType`); returns it.
 
     Raises
@@ -145,7 +151,7 @@ def register_op(name, inputs=(), outputs=(), attrs=None, infer=None, stateful=Fa
         ``name`` is registered already (pass ``replace=True`` to redefine it).
     """
     op_type = name if isinstance(name, OpType) else OpType(
-        name, inputs, outputs, attrs, infer, stateful, kernels)
+        name, inputs, outputs, attrs, infer, stateful, kernels, constant_per_session)
     with _lock:
         if op_type.name in _registry and not replace:
             raise KeyError(f"Op type {op_type.name!r} is already registered; "

@@ -131,7 +131,8 @@ def _to_host(v):
 
 
 class _Plan:
-    __slots__ = ("steps", "n_slots", "feed_slots", "fetch_slots", "build", "mutation", "single")
+    __slots__ = ("steps", "n_slots", "feed_slots", "fetch_slots", "build", "mutation", "single",
+                 "template", "feed_tensors", "__weakref__")
 
     def __init__(self, session, fetches, feed_tensors):
         graph = session._graph
@@ -182,11 +183,43 @@ class _Plan:
             kernel, ctx = session._kernel_for(op)
             ins = [slot(t) for t in op._inputs]
             outs = [slot(t) if t not in fed else -1 for t in op._outputs]   # -1: keep the fed value
-            steps.append((kernel, ctx, ins, outs))
+            steps.append((kernel, ctx, ins, outs, op._op_type.constant_per_session))
         self.steps = steps
         self.fetch_slots = [None if isinstance(el, Operation) else slot(el) for el in unique]
         self.n_slots = len(slots)
+        self.template = [None] * self.n_slots     # values of folded (constant per session) ops
+        self.feed_tensors = tuple(feed_tensors)
         self.mutation = graph._mutation
+
+    def fold(self, step, res):
+        """Keep a constant-per-session op's outputs and drop its step from now on."""
+        for s, v in zip(step[3], res):
+            if s >= 0:
+                self.template[s] = v
+        self.steps = [x for x in self.steps if x is not step]
+
+    def execute(self, feed_values):
+        vals = self.template.copy()
+        for s, v in zip(self.feed_slots, feed_values):
+            vals[s] = v
+        for step in self.steps:
+            kernel, ctx, ins, outs, fold = step
+            try:
+                res = kernel(ctx, [vals[i] for i in ins])
+            except _errors.OpError as e:
+                if e.op is None:
+                    e.op = ctx.op
+                raise
+            except Exception as e:
+                raise _as_op_error(e, ctx.op) from e
+            for s, v in zip(outs, res):
+                if s >= 0:
+                    vals[s] = v
+            if fold:
+                self.fold(step, res)
+        if self.single:
+            return _to_host(vals[self.fetch_slots[0]])
+        return self.build([None if s is None else _to_host(vals[s]) for s in self.fetch_slots])
 
 
 class Session:
@@ -363,6 +396,10 @@ class Session:
         if self._closed:
             raise RuntimeError("Attempted to use a closed Session.")
         graph = self._graph
+        if not feed_dict and type(fetches) is Tensor:     # the common step: one tensor, no feeds
+            plan = self._plans.get(fetches)
+            if plan is not None and plan.mutation == graph._mutation:
+                return plan.execute(())
         if graph._version == 0:
             raise RuntimeError("The Session graph is empty. Add operations to the graph before "
                                "calling run().")
@@ -373,7 +410,7 @@ class Session:
         fkey = _fetch_key(fetches)
         plan = None
         if fkey is not None:
-            key = (fkey, tuple(feed_tensors))
+            key = (fkey, tuple(feed_tensors)) if feed_tensors or type(fkey) is not Tensor else fkey
             plan = self._plans.get(key)
             if plan is not None and plan.mutation != graph._mutation:
                 plan = None
@@ -381,34 +418,29 @@ class Session:
             plan = _Plan(self, fetches, feed_tensors)
             if fkey is not None:
                 self._plans[key] = plan
-        vals = [None] * plan.n_slots
-        for s, v in zip(plan.feed_slots, feed_values):
-            vals[s] = v
-        for kernel, ctx, ins, outs in plan.steps:
-            try:
-                res = kernel(ctx, [vals[i] for i in ins])
-            except _errors.OpError as e:
-                if e.op is None:
-                    e.op = ctx.op
-                raise
-            except Exception as e:
-                raise _as_op_error(e, ctx.op) from e
-            for s, v in zip(outs, res):
-                if s >= 0:
-                    vals[s] = v
-        out = [None if s is None else _to_host(vals[s]) for s in plan.fetch_slots]
-        if plan.single:
-            return out[0]
-        return plan.build(out)
+        return plan.execute(feed_values)
 
     def make_callable(self, fetches, feed_list=None, accept_options=False):
-        """A function ``f(*feed_values)`` that runs ``fetches`` with ``feed_list`` fed."""
+        """A function ``f(*feed_values)`` that runs ``fetches`` with ``feed_list`` fed
+        (TF's ``Session.make_callable``): the fetch and feed lookup is done once here."""
         feed_list = list(feed_list or [])
+        tensors = [self._graph.as_graph_element(t, allow_tensor=True, allow_operation=False)
+                   for t in feed_list]
+        state = {}
 
         def call(*args):
-            if len(args) != len(feed_list):
-                raise TypeError(f"expected {len(feed_list)} feed values, got {len(args)}")
-            return self.run(fetches, dict(zip(feed_list, args)))
+            if self._closed:
+                raise RuntimeError("Attempted to use a closed Session.")
+            if len(args) != len(tensors):
+                raise TypeError(f"expected {len(tensors)} feed values, got {len(args)}")
+            plan = state.get("plan")
+            if plan is None or plan.mutation != self._graph._mutation:
+                plan = state["plan"] = _Plan(self, fetches, tensors)
+            if args:
+                _, values = self._feeds(dict(zip(tensors, args)))
+            else:
+                values = ()
+            return plan.execute(values)
         return call
 
 
