@@ -15,7 +15,12 @@ out of the schema; protobuf keeps them as unknown fields when parsing.
 from __future__ import annotations
 
 import numpy as np
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+try:
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("readerlib.graph's GraphDef support needs protobuf: "
+                      "pip install 'readerlib[graph]' (or protobuf)") from e
 
 from .. import errors as _errors
 from . import dtypes as _dt
@@ -156,7 +161,10 @@ _file = _pool.Add(_build_file())
 
 
 def _cls(name):
-    return message_factory.GetMessageClass(_pool.FindMessageTypeByName(f"{_PKG}.{name}"))
+    desc = _pool.FindMessageTypeByName(f"{_PKG}.{name}")
+    if hasattr(message_factory, "GetMessageClass"):          # protobuf >= 4.21
+        return message_factory.GetMessageClass(desc)
+    return message_factory.MessageFactory(_pool).GetPrototype(desc)
 
 
 GraphDef = _cls("GraphDef")
