@@ -227,3 +227,23 @@ def test_tensor_proto_round_trip():
             tensor_proto(arr).SerializeToString()))
         assert back.shape == np.shape(arr)
         np.testing.assert_array_equal(back, arr)
+
+
+def test_import_applies_device_and_control_scopes(B):
+    src = B.Graph()
+    with src.as_default():
+        p = B.placeholder(np.float32, shape=[], name="p")
+        with src.device("/cpu:0"):
+            B.identity(p, name="pinned")
+        B.identity(p, name="free")
+    gd = src.as_graph_def()
+    g = B.Graph()
+    with g.as_default():
+        gate = B.constant(1.0, name="gate")
+        with g.device("/job:w"), g.control_dependencies([gate]):
+            B.import_graph_def(gd, name="i")
+    ops = {o.name: o for o in g.get_operations()}
+    for name in ("i/p", "i/pinned", "i/free"):
+        assert [c.name for c in ops[name].control_inputs] == ["gate"]
+    assert ops["i/free"].device == "/job:w"
+    assert ops["i/pinned"].device == "/job:w/device:CPU:0"

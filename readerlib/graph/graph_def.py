@@ -489,10 +489,15 @@ def import_graph_def(graph_def, input_map=None, return_elements=None, name=None,
             if not prefix and new_name.lower() in graph._names_in_use:
                 new_name = graph.unique_name(new_name)
             with graph.name_scope(""):
-                op = graph.create_op(n.op, inputs, name=new_name + "/", attrs=attrs)
-            if n.device:        # the NodeDef's device wins over the enclosing device scope
-                op._device = n.device
-            for c in controls:
+                op = graph.create_op(n.op, inputs, name=new_name + "/", attrs=attrs,
+                                     compute_device=False)
+            # the enclosing device scopes fill the fields the NodeDef's device leaves open
+            op._device = n.device
+            graph._apply_device_functions(op)
+            # the NodeDef's control inputs, then every enclosing control_dependencies block
+            # (TF gives each imported op all of them, without pruning)
+            for c in controls + [c for ctl in graph._thread_state.control_stack
+                                 for c in ctl.control_inputs]:
                 if c not in op._control_inputs:
                     op._control_inputs.append(c)
             created[n.name] = op

@@ -86,6 +86,16 @@ class Tensor:
     def get_shape(self):
         return self._shape
 
+    def eval(self, feed_dict=None, session=None):
+        """``session.run(self, feed_dict)`` (default: the default session)."""
+        from .session import get_default_session
+        session = session or get_default_session()
+        if session is None:
+            raise ValueError("Cannot evaluate tensor using `eval()`: No default session is "
+                             "registered. Use `with sess.as_default()` or pass an explicit "
+                             "session to `eval(session=sess)`")
+        return session.run(self, feed_dict)
+
     def consumers(self):
         """Operations that take this tensor as input."""
         return [op for op in self._op._graph._ops if any(t is self for t in op._inputs)]
