@@ -18,9 +18,8 @@ def rl_backend():
         name="rl", Graph=rg.Graph, Session=rg.Session, constant=rg.constant,
         placeholder=rg.placeholder, identity=rg.identity, add=rg.add, no_op=rg.no_op,
         errors=rg.errors, GraphKeys=rg.GraphKeys, get_default_graph=rg.get_default_graph,
-        gradients=lambda *a, **k: __import__("readerlib.graph", fromlist=["gradients"]).gradients(*a, **k),
-        RegisterGradient=lambda name: rg.RegisterGradient(name),
-        import_graph_def=lambda *a, **k: rg.import_graph_def(*a, **k),
+        gradients=rg.gradients, RegisterGradient=rg.RegisterGradient,
+        import_graph_def=rg.import_graph_def,
         InaccessibleTensorError=rg.InaccessibleTensorError,
         ctc_greedy_decoder_raw=lambda logits, seq_len, merge_repeated=True, blank_index=-1:
             rg.ctc_greedy_decoder(logits, seq_len, merge_repeated=merge_repeated,

@@ -66,8 +66,9 @@ __all__ += ["GraphDef", "NodeDef", "import_graph_def"]
 def __getattr__(name):
     # GraphDef support needs protobuf (the `graph` extra); the rest of the layer does not.
     if name in ("GraphDef", "NodeDef", "import_graph_def", "graph_def"):
-        from . import graph_def
-        return graph_def if name == "graph_def" else getattr(graph_def, name)
+        import importlib
+        module = importlib.import_module(__name__ + ".graph_def")
+        return module if name == "graph_def" else getattr(module, name)
     raise AttributeError(f"module 'readerlib.graph' has no attribute {name!r}")
 from .kernel_ops import (  # noqa: E402
     batch_reindex,

@@ -24,7 +24,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from .. import errors as _errors
 from . import dtypes as _dt
-from .ops import Graph, Operation, Tensor, _name_from_scope_name, get_default_graph
+from .ops import Tensor, get_default_graph
 from .registry import get_op_type
 
 __all__ = ["GraphDef", "NodeDef", "AttrValue", "TensorProto", "TensorShapeProto", "VersionDef",
