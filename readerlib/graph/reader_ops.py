@@ -248,6 +248,9 @@ def _read_kernel(ctx, inputs):
         var.exhausted = True
         raise OutOfRangeError(None, ctx.op, "End of sequence")
     if var.batched:
+        if len(item) == 1:
+            t = item[0]
+            return (t if t.lod else t.data,)
         return [t if t.lod else t.data for t in item]
     return item
 

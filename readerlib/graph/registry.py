@@ -8,7 +8,8 @@ type (``"CPU"``, ``"GPU"``).  Graph construction only calls ``infer``;
 
 A kernel is ``kernel(ctx, inputs) -> sequence of outputs`` where ``ctx`` is
 the op's :class:`KernelContext` in one Session (``ctx.op``, ``ctx.attrs``,
-``ctx.resources``).  Users register their own op types with a Python kernel::
+``ctx.resources``); it may return ``inputs`` items but must not modify the
+list or the arrays in it.  Users register their own op types with a Python kernel::
 
     rg.register_op("Double", inputs=[("x", "T")], outputs=[("y", "T")],
                    attrs={"T": ("type", None)},

@@ -132,7 +132,7 @@ def _to_host(v):
 
 class _Plan:
     __slots__ = ("steps", "n_slots", "feed_slots", "fetch_slots", "build", "mutation", "single",
-                 "template", "feed_tensors", "__weakref__")
+                 "template", "feed_tensors", "fast", "__weakref__")
 
     def __init__(self, session, fetches, feed_tensors):
         graph = session._graph
@@ -190,6 +190,32 @@ class _Plan:
         self.template = [None] * self.n_slots     # values of folded (constant per session) ops
         self.feed_tensors = tuple(feed_tensors)
         self.mutation = graph._mutation
+        self.fast = None
+        self.fast = self._make_fast()
+
+    def _make_fast(self):
+        """The common steady state -- one op left to run (the rest folded), no feeds, one
+        tensor fetched -- as one closure: its inputs are fixed, so no value list is built."""
+        if self.feed_slots or not self.single or len(self.steps) != 1:
+            return None
+        kernel, ctx, ins, outs, fold = self.steps[0]
+        fetch = self.fetch_slots[0]
+        if fold or fetch not in outs:
+            return None
+        k = outs.index(fetch)
+        args = [self.template[i] for i in ins]
+
+        def fast():
+            try:
+                res = kernel(ctx, args.copy())
+            except _errors.OpError as e:
+                if e.op is None:
+                    e.op = ctx.op
+                raise
+            except Exception as e:
+                raise _as_op_error(e, ctx.op) from e
+            return _to_host(res[k])
+        return fast
 
     def fold(self, step, res):
         """Keep a constant-per-session op's outputs and drop its step from now on."""
@@ -217,6 +243,7 @@ class _Plan:
                     vals[s] = v
             if fold:
                 self.fold(step, res)
+                self.fast = self._make_fast()
         if self.single:
             return _to_host(vals[self.fetch_slots[0]])
         return self.build([None if s is None else _to_host(vals[s]) for s in self.fetch_slots])
@@ -399,7 +426,8 @@ class Session:
         if not feed_dict and type(fetches) is Tensor:     # the common step: one tensor, no feeds
             plan = self._plans.get(fetches)
             if plan is not None and plan.mutation == graph._mutation:
-                return plan.execute(())
+                fast = plan.fast
+                return fast() if fast is not None else plan.execute(())
         if graph._version == 0:
             raise RuntimeError("The Session graph is empty. Add operations to the graph before "
                                "calling run().")
@@ -438,9 +466,9 @@ class Session:
                 plan = state["plan"] = _Plan(self, fetches, tensors)
             if args:
                 _, values = self._feeds(dict(zip(tensors, args)))
-            else:
-                values = ()
-            return plan.execute(values)
+                return plan.execute(values)
+            fast = plan.fast
+            return fast() if fast is not None else plan.execute(())
         return call
 
 
