@@ -240,3 +240,25 @@ def test_gpu_placed_op_fails_at_run_not_build(monkeypatch):
 def rg_backend():
     from graph_backends import rl_backend
     return rl_backend()
+
+
+def test_make_callable_and_folded_constants():
+    g = rg.Graph()
+    with g.as_default():
+        c = rg.constant(2.0, name="c")
+        p = rg.placeholder(np.float32, [], name="p")
+        s = rg.add(c, p)
+        i = rg.identity(c)
+    with rg.Session(graph=g) as sess:
+        f = sess.make_callable(s, [p])
+        assert [f(1.0), f(2.0)] == [3.0, 4.0]
+        assert sess.run(i) == 2.0 and sess.run(i) == 2.0           # folded Const, fast path
+        assert sess.run(i, {c: 5.0}) == 5.0                        # a fed Const in another plan
+        assert sess.run(i) == 2.0
+        g.prevent_fetching(i.op)
+        with pytest.raises(rg.InaccessibleTensorError):
+            sess.run(i)                                           # the fast path sees the change
+        with pytest.raises(TypeError, match="expected 1 feed values, got 0"):
+            f()
+    with pytest.raises(RuntimeError, match="closed Session"):
+        f(1.0)
