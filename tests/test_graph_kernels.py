@@ -103,3 +103,39 @@ def test_rnnt_greedy_decode_op_equals_eager():
         rg.import_graph_def(nd, name="")
     with pytest.raises(rg.FailedPreconditionError, match="no model attached"):
         run("RNNTGreedyDecode:0", {"Placeholder:0": enc, "Placeholder_1:0": lengths}, g2)
+
+
+def test_gpu_placement_runs_the_gpu_kernels(monkeypatch):
+    """Placed on /device:GPU:0, the ops move their inputs to the device and take the
+    eager functions' CuPy path (a stand-in for CuPy and kernels._gpu, no GPU needed)."""
+    import types
+
+    import readerlib.gpu
+    from helpers import FakeCupyArray, install_gpu_stub
+    calls = install_gpu_stub(
+        monkeypatch, batch_reindex=lambda x, idx: np.asarray(x)[np.asarray(idx)],
+        ctc_greedy_decoder=lambda x, n, merge, blank: rl.ctc_greedy_decoder(
+            np.asarray(x), np.asarray(n), merge, blank))
+    class FakeCupy(types.ModuleType):          # NumPy, whose asarray claims to be CuPy's
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        @staticmethod
+        def asarray(v, dtype=None):
+            return np.asarray(v, dtype=dtype).view(FakeCupyArray)
+    fake_cp = FakeCupy("cupy")
+    monkeypatch.setattr(readerlib.gpu, "require_cupy", lambda: fake_cp)
+    monkeypatch.setattr(readerlib.gpu, "cupy_available", lambda: True)
+    logits = np.random.default_rng(0).standard_normal((4, 2, 3)).astype(np.float32)
+    g = rg.Graph()
+    with g.as_default(), rg.device("/device:GPU:0"):
+        x = rg.constant(np.arange(6.0, dtype=np.float32).reshape(3, 2))
+        y = rg.batch_reindex(x, np.array([2, 0], np.int64))
+        outs = rg.ctc_greedy_decoder(logits, [4, 2])
+    with rg.Session(graph=g) as sess:
+        got_y, got_v = sess.run([y, outs[1]])
+    assert got_y.tolist() == [[4, 5], [0, 1]]
+    assert [c[0] for c in calls] == ["batch_reindex", "ctc_greedy_decoder"]
+    assert isinstance(calls[0][1], FakeCupyArray) and isinstance(calls[1][1], FakeCupyArray)
+    (sp,), _ = rl.ctc_greedy_decoder(logits, [4, 2])
+    assert got_v.tolist() == sp.values.tolist()

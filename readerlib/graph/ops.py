@@ -396,6 +396,7 @@ class Graph:
         self._unfetchable = set()
         self._thread_state = _ThreadState()
         self._gradient_function_map = {}
+        self._seed = None
 
     # -- default graph ---------------------------------------------------------
     @contextlib.contextmanager
@@ -434,6 +435,21 @@ class Graph:
     @property
     def building_function(self):
         return False
+
+    @property
+    def seed(self):
+        """The graph-level random seed (None unless set)."""
+        return self._seed
+
+    @seed.setter
+    def seed(self, seed):
+        self._seed = seed
+
+    @property
+    def graph_def_versions(self):
+        """The VersionDef written into this graph's GraphDefs."""
+        from .graph_def import PRODUCER_VERSION, VersionDef
+        return VersionDef(producer=PRODUCER_VERSION)
 
     def finalize(self):
         """Make the graph read-only: creating ops, importing and collection edits then raise
