@@ -529,6 +529,7 @@ def test_constant_dtype_inference(B):
         with pytest.raises(TypeError, match="Input 'y' of 'AddV2' Op has type float32 that does "
                                             "not match type int32 of argument 'x'."):
             B.add(x, B.constant(1.0))
+        assert B.add(x, x).op.name == "Add_1"     # the failed op still used its name
 
 
 def test_create_op(B):

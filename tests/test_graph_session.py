@@ -93,6 +93,7 @@ def test_unfed_placeholder_is_invalid_argument(B):
             sess.run(s)
         e = ei.value
         assert isinstance(e, B.errors.OpError) and e.error_code == 3 and e.op.name == "p"
+        assert e.node_def.name == "p" and e.node_def.op == "Placeholder"
         assert "You must feed a value for placeholder tensor 'p' with dtype float and shape [2]" in e.message
         assert sess.run(a) == 1.0          # the unfed placeholder is pruned away
 

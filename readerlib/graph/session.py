@@ -209,11 +209,10 @@ class _Plan:
             try:
                 res = kernel(ctx, args.copy())
             except _errors.OpError as e:
-                if e.op is None:
-                    e.op = ctx.op
+                _attach(e, ctx.op)
                 raise
             except Exception as e:
-                raise _as_op_error(e, ctx.op) from e
+                raise _attach(_as_op_error(e, ctx.op), ctx.op) from e
             return _to_host(res[k])
         return fast
 
@@ -233,11 +232,10 @@ class _Plan:
             try:
                 res = kernel(ctx, [vals[i] for i in ins])
             except _errors.OpError as e:
-                if e.op is None:
-                    e.op = ctx.op
+                _attach(e, ctx.op)
                 raise
             except Exception as e:
-                raise _as_op_error(e, ctx.op) from e
+                raise _attach(_as_op_error(e, ctx.op), ctx.op) from e
             for s, v in zip(outs, res):
                 if s >= 0:
                     vals[s] = v
@@ -470,6 +468,18 @@ class Session:
             fast = plan.fast
             return fast() if fast is not None else plan.execute(())
         return call
+
+
+def _attach(e, op):
+    """Give an OpError its failing op and that op's NodeDef (TF's ``.op``, ``.node_def``)."""
+    if e.op is None:
+        e.op = op
+    if e.node_def is None and e.op is op:
+        try:
+            e.node_def = op.node_def
+        except ImportError:      # no protobuf: no NodeDef
+            pass
+    return e
 
 
 def _as_op_error(e, op):
