@@ -40,28 +40,22 @@ def apply_op(op_type, inputs=(), attrs=None, name=None, default_name=None, input
     spec = get_op_type(op_type)
     g = _graph_of(list(inputs))
     with g.as_default(), g.name_scope(name or default_name or op_type) as scope:
-        tensors = []
+        specs = spec.inputs if spec is not None else []
+        specs = [specs[i] if i < len(specs) else (f"input_{i}", None) for i in range(len(inputs))]
+        # type attrs that Tensor inputs fix; other inputs are converted to them (TF converts
+        # in order: readerlib also accepts a Python value before the Tensor, as in add(1, x))
         known = dict(attrs or {})
-        specs = spec.inputs if spec is not None else [(f"input_{i}", None) for i in range(len(inputs))]
-        for i, x in enumerate(inputs):
-            iname, tspec = specs[i] if i < len(specs) else (f"input_{i}", None)
-            if input_names:
-                iname = input_names[i]
-            if isinstance(x, Tensor):
-                t = x
-            else:
+        for (_, tspec), x in zip(specs, inputs):
+            if isinstance(tspec, str) and isinstance(x, Tensor) and known.get(tspec) is None:
+                known[tspec] = x.dtype
+        tensors = []
+        for i, ((iname, tspec), x) in enumerate(zip(specs, inputs)):
+            if not isinstance(x, Tensor):
                 want = known.get(tspec) if isinstance(tspec, str) else tspec
-                if want is None:
-                    for y in inputs:
-                        if isinstance(y, Tensor) and isinstance(tspec, str):
-                            idx = list(inputs).index(y)
-                            if idx < len(specs) and specs[idx][1] == tspec:
-                                want = y.dtype
-                                break
-                t = constant(x, dtype=want, name=iname)
-            if isinstance(tspec, str) and known.get(tspec) is None:
-                known[tspec] = t.dtype
-            tensors.append(t)
+                x = constant(x, dtype=want, name=input_names[i] if input_names else iname)
+                if isinstance(tspec, str) and known.get(tspec) is None:
+                    known[tspec] = x.dtype
+            tensors.append(x)
         return g.create_op(op_type, tensors, name=scope, attrs=attrs)
 
 
