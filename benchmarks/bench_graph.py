@@ -130,6 +130,10 @@ def main(argv=None):
                      f"{eb / 1e6:.2f} (median {em / 1e6:.2f}) | {gb / eb:.2f}x | {gm / em:.2f}x |")
         lines.append(f"| same, `sess.make_callable(x)` per batch | {cb / 1e6:.2f} (median "
                      f"{cm / 1e6:.2f}) | eager chain {eb / 1e6:.2f} | {cb / eb:.2f}x | {cm / em:.2f}x |")
+        pairs = sorted(gv / ev for gv, ev in zip(graph, eager))
+        lines.append(f"| graph / eager, ratio of adjacent passes (min, median, max of "
+                     f"{len(pairs)}) | | | | {pairs[0]:.2f}x, {statistics.median(pairs):.2f}x, "
+                     f"{pairs[-1]:.2f}x |")
     text = "\n".join(lines)
     print(text)
     if a.out:
