@@ -1,20 +1,11 @@
-"""Exceptions and warnings that name the file and byte offset of a problem.
+"""Exceptions and warnings that name the file and byte offset of a problem."""
 
-Also TensorFlow's error taxonomy (``tf.errors``): :class:`OpError` and its
-subclasses, raised by :mod:`readerlib.graph` at ``Session.run`` with ``.op``
-set.  The eager exceptions are members of it and keep their Python bases:
-``DataLossError`` is an ``OpError`` and an ``OSError``, ``InvalidArgumentError``
-an ``OpError`` and a ``ValueError``.
-"""
-
-__all__ = ["DataLossError", "RecordIOError", "RecordIOWarning", "TFRecordError",
-           "OpError", "CancelledError", "UnknownError", "InvalidArgumentError",
-           "DeadlineExceededError", "NotFoundError", "AlreadyExistsError",
-           "PermissionDeniedError", "UnauthenticatedError", "ResourceExhaustedError",
-           "FailedPreconditionError", "AbortedError", "OutOfRangeError", "UnimplementedError",
-           "InternalError", "UnavailableError"]
+__all__ = ["DataLossError", "RecordIOError", "RecordIOWarning", "TFRecordError"]
 
 
+# TensorFlow's error taxonomy (tf.errors): OpError and its subclasses, raised by
+# readerlib.graph at Session.run with .op set.  The eager exceptions are members and
+# keep their Python bases (DataLossError is an OSError, InvalidArgumentError a ValueError).
 class OpError(Exception):
     """A failed operation (TensorFlow's ``tf.errors.OpError``).
 
@@ -104,3 +95,9 @@ OutOfRangeError = _op_error("OutOfRangeError", 11, doc="End of input (a reader i
 UnimplementedError = _op_error("UnimplementedError", 12, doc="Not implemented.")
 InternalError = _op_error("InternalError", 13, doc="An internal invariant broke.")
 UnavailableError = _op_error("UnavailableError", 14, doc="Temporarily unavailable.")
+
+__all__ += ["OpError", "CancelledError", "UnknownError", "InvalidArgumentError",
+            "DeadlineExceededError", "NotFoundError", "AlreadyExistsError",
+            "PermissionDeniedError", "UnauthenticatedError", "ResourceExhaustedError",
+            "FailedPreconditionError", "AbortedError", "OutOfRangeError", "UnimplementedError",
+            "InternalError", "UnavailableError"]
