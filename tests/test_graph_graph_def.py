@@ -242,3 +242,28 @@ def test_import_applies_device_and_control_scopes(B):
         assert [c.name for c in ops[name].control_inputs] == ["gate"]
     assert ops["i/free"].device == "/job:w"
     assert ops["i/pinned"].device == "/job:w/device:CPU:0"
+
+
+def test_wire_format_round_trips_through_both_parsers(tmp_path):
+    """Every field readerlib writes means the same to TensorFlow's parser and back,
+    and a TF GraphDef survives readerlib's parser unchanged (unknown fields kept)."""
+    tfb = tf_backend()
+    tf = tfb.tf
+    g = basic_graph(rl_backend())
+    with g.as_default():
+        rg.constant(np.arange(6, dtype=np.int64).reshape(2, 3), name="ints")
+        rg.constant(np.array([b"ab", b""]), name="strs")
+        rg.constant(np.float16(1.5), name="half")
+        with g.colocate_with(g.get_operation_by_name("ints")):
+            rg.identity(g.get_tensor_by_name("ints:0"), name="colo")
+    ours = g.as_graph_def(add_shapes=True)
+    theirs = tf.compat.v1.GraphDef.FromString(ours.SerializeToString())
+    assert rg.GraphDef.FromString(theirs.SerializeToString()) == ours
+    assert [n.name for n in theirs.node] == [n.name for n in ours.node]
+    colo = [n for n in theirs.node if n.name == "colo"][0]
+    assert list(colo.attr["_class"].list.s) == [b"loc:@ints"]
+    tg = basic_graph(tfb)
+    tf_gd = tg.as_graph_def(add_shapes=True)
+    back = tf.compat.v1.GraphDef.FromString(rg.GraphDef.FromString(
+        tf_gd.SerializeToString()).SerializeToString())
+    assert back == tf_gd
