@@ -42,13 +42,16 @@ __all__ = ["create_recordio_reader", "create_tfrecord_reader", "create_shuffle_r
 class ReaderVariable:
     """A Session's reader variable: a ``ReaderHolder`` plus the end-of-input flag."""
 
-    __slots__ = ("holder", "exhausted", "batched", "__weakref__")
+    __slots__ = ("holder", "exhausted", "batched", "read_next", "__weakref__")
 
     def __init__(self, reader, batched):
         from ..readers._base import ReaderHolder
         self.holder = reader if isinstance(reader, ReaderHolder) else ReaderHolder(reader)
         self.exhausted = False
         self.batched = batched
+        # ReadOp reads the held chain itself (one lock and call fewer per batch than through
+        # the holder; the same items: the holder only forwards)
+        self.read_next = self.holder.reader.read_next
 
     @property
     def reader(self):
@@ -243,7 +246,7 @@ def _read_kernel(ctx, inputs):
     var = inputs[0]
     if var.exhausted:
         raise OutOfRangeError(None, ctx.op, "End of sequence")
-    item = var.holder.read_next()
+    item = var.read_next()
     if item is None:
         var.exhausted = True
         raise OutOfRangeError(None, ctx.op, "End of sequence")
