@@ -59,18 +59,6 @@ class DataLossError(OpError, OSError):
         self.offset = offset
 
 
-class RecordIOError(DataLossError):
-    """A RecordIO file failed a check (magic, checksum, size, truncation)."""
-
-
-class TFRecordError(DataLossError):
-    """A TFRecord file failed a check (length or data CRC, truncation)."""
-
-
-class RecordIOWarning(UserWarning):
-    """A RecordIO file was readable, but not as written (no index footer, skipped chunks)."""
-
-
 def _op_error(name, code, bases=(), doc=""):
     return type(name, (OpError,) + bases, {"error_code": code, "__doc__": doc,
                                           "__module__": __name__})
@@ -101,3 +89,15 @@ __all__ += ["OpError", "CancelledError", "UnknownError", "InvalidArgumentError",
             "PermissionDeniedError", "UnauthenticatedError", "ResourceExhaustedError",
             "FailedPreconditionError", "AbortedError", "OutOfRangeError", "UnimplementedError",
             "InternalError", "UnavailableError"]
+
+
+class RecordIOError(DataLossError):
+    """A RecordIO file failed a check (magic, checksum, size, truncation)."""
+
+
+class TFRecordError(DataLossError):
+    """A TFRecord file failed a check (length or data CRC, truncation)."""
+
+
+class RecordIOWarning(UserWarning):
+    """A RecordIO file was readable, but not as written (no index footer, skipped chunks)."""
