@@ -26,12 +26,8 @@ __all__ = [
 ]
 
 
-class InvalidArgumentError(ValueError):
-    """An argument TensorFlow would reject with ``InvalidArgument`` (same message)."""
-
-
-class FailedPreconditionError(ValueError):
-    """An argument TensorFlow would reject with ``FailedPrecondition`` (same message)."""
+# In readerlib.errors (TensorFlow's taxonomy): OpErrors that are ValueErrors.
+from ..errors import FailedPreconditionError, InvalidArgumentError  # noqa: E402
 
 
 #: dtypes batch_reindex / batch_reindex_grad accept.
