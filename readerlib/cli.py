@@ -444,6 +444,11 @@ def _cmd_convert(args):
         in_kind, in_comp = detect_format(src)
     except OSError as e:
         raise CliError(f"{src}: {e.strerror or e}") from None
+    out_dir = os.path.dirname(os.path.abspath(dst))
+    if not os.path.isdir(out_dir):
+        raise CliError(f"{dst}: cannot write it, the directory {out_dir!r} does not exist")
+    if os.path.isdir(dst):
+        raise CliError(f"{dst}: is a directory; DST is the output file's path", 2)
     if os.path.exists(dst) and os.path.samefile(src, dst):
         raise CliError(f"readerlib convert: {src!r} and {dst!r} are the same file", 2)
     if in_kind == "recordio":
@@ -462,7 +467,8 @@ def _cmd_convert(args):
             schema = Schema([Field("data", "uint8", (), lod_level=1)])
         decoder = _Decoder(src, schema)
     chain = reader.batch(_CONVERT_BATCH)
-    tmp = os.path.join(os.path.dirname(os.path.abspath(dst)), f".{os.path.basename(dst)}.partial-{os.getpid()}")
+    # written beside DST and renamed at the end: DST never holds a partial file
+    tmp = os.path.join(out_dir, f".{os.path.basename(dst)}.partial-{os.getpid()}")
     if out_kind == "recordio":
         kw = {"chunk_size": args.chunk_size} if args.chunk_size else {}
         writer = RecordIOWriter(tmp, schema, compressor=out_comp, **kw)
@@ -509,7 +515,7 @@ def _cmd_convert(args):
           f"({_describe_format(out_kind, out_comp if out_kind == 'tfrecord' else None)}"
           f"{', zlib chunks' if out_comp == 'zlib' else ''}): {n:,} records, "
           f"{in_mb:,.1f} MB read, {out_mb:,.1f} MB written in {dt:.2f} s: "
-          f"{n / dt:,.0f} records/s, {in_mb / dt:,.1f} MB/s read")
+          f"{n / dt:,.0f} records/s, {in_mb / dt:,.1f} MB/s read, {out_mb / dt:,.1f} MB/s written")
     if out_kind == "tfrecord" and in_kind == "recordio":
         print(f"schema (TFRecord stores none; to convert back pass): --schema '{schema_to_spec(schema)}'")
     return 0

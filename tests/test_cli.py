@@ -382,14 +382,17 @@ def test_convert_corrupt_or_foreign_input_exits_1(tmp_path):
 def test_convert_argument_errors_exit_2(tmp_path, capsys):
     src = tmp_path / "a.rio"
     _write(src)
+    (tmp_path / "d.rio").mkdir()
     for args, fragment in ((["o.data"], "--to"), (["o.tfrecord", "--compression", "lz4"], "GZIP, ZLIB or none"),
                            (["o.rio", "--compression", "GZIP"], "zlib or none"),
                            (["o.rio.gz"], "not GZIP/ZLIB as a whole"),
                            (["o.tfrecord", "--schema", "x:int32:3"], "carries its schema"),
-                           (["a.rio"], "same file")):
+                           (["a.rio"], "same file"), (["d.rio"], "is a directory")):
         assert cli.main(["convert", str(src), str(tmp_path / args[0]), *args[1:]]) == 2, args
         err = capsys.readouterr().err
         assert fragment in err, (args, err)
+    assert cli.main(["convert", str(src), str(tmp_path / "no" / "such" / "dir.rio")]) == 1
+    assert "does not exist" in capsys.readouterr().err
     assert cli.main(["convert", str(src), str(tmp_path / "z.rio"), "--compression", "zlib"]) == 0
     z, a = list(rl.RecordIOReader(tmp_path / "z.rio")), list(rl.RecordIOReader(src))
     assert len(z) == len(a) == 20
