@@ -162,6 +162,13 @@ def schema_to_spec(schema):
 
 # -- record codecs: batches of a schema <-> TFRecord byte strings --------------------------------
 
+def _check_tfrecord_schema(schema):
+    """A one-field lod schema stores rows alone: rows of 0 bytes would lose their count."""
+    if len(schema) == 1 and schema[0].lod_level and schema[0].row_bytes == 0:
+        raise CliError(f"field {schema[0].name!r} has rows of 0 bytes: a one-field TFRecord record is "
+                       "the rows alone and could not carry their count", 2)
+
+
 def _encode_batch(batch, schema):
     """TFRecord records for one batch (tuple of LoDTensor): a 2-D uint8 array or a list of bytes.
 
@@ -207,6 +214,7 @@ class _Decoder:
     """
 
     def __init__(self, path, schema):
+        _check_tfrecord_schema(schema)
         self.path = path
         self.schema = schema
         self.index = 0          # records decoded so far
@@ -466,6 +474,8 @@ def _cmd_convert(args):
         if schema is None:
             schema = Schema([Field("data", "uint8", (), lod_level=1)])
         decoder = _Decoder(src, schema)
+    if out_kind == "tfrecord":
+        _check_tfrecord_schema(schema)
     chain = reader.batch(_CONVERT_BATCH)
     # written beside DST and renamed at the end: DST never holds a partial file
     tmp = os.path.join(out_dir, f".{os.path.basename(dst)}.partial-{os.getpid()}")

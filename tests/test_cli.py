@@ -409,3 +409,26 @@ def test_convert_progress_bar_when_asked(tmp_path, capsys):
     assert "a.rio -> b.tfrecord" in err and "100%" in err and "20/20" in err
     assert cli.main(["convert", str(src), str(tmp_path / "c.tfrecord")]) == 0     # not a TTY: quiet
     assert capsys.readouterr().err == ""
+
+
+def test_convert_empty_file_and_zero_byte_rows(tmp_path, capsys):
+    s = rl.Schema([rl.Field("x", "float32", (2,), lod_level=1), rl.Field("y", "int8")])
+    with rl.RecordIOWriter(tmp_path / "e.rio", s):
+        pass
+    assert cli.main(["convert", str(tmp_path / "e.rio"), str(tmp_path / "e.tfrecord.gz")]) == 0
+    assert cli.main(["convert", str(tmp_path / "e.tfrecord.gz"), str(tmp_path / "e2.rio"),
+                     "--schema", "x:float32:2:lod,y:int8"]) == 0
+    assert "0 records" in capsys.readouterr().out
+    assert rl.RecordIOReader(tmp_path / "e2.rio").num_records == 0
+    # rows of 0 bytes: with another field the count travels; alone it could not
+    s = rl.Schema([rl.Field("x", "float32", (0,), lod_level=1), rl.Field("y", "int8")])
+    with rl.RecordIOWriter(tmp_path / "z.rio", s) as w:
+        w.write((np.zeros((3, 0), np.float32), 1))
+    assert cli.main(["convert", str(tmp_path / "z.rio"), str(tmp_path / "z.tfrecord")]) == 0
+    assert cli.main(["convert", str(tmp_path / "z.tfrecord"), str(tmp_path / "z2.rio"),
+                     "--schema", "x:float32:0:lod,y:int8"]) == 0
+    assert _raw_records(tmp_path / "z2.rio") == _raw_records(tmp_path / "z.rio")
+    capsys.readouterr()
+    assert cli.main(["convert", str(tmp_path / "z.tfrecord"), str(tmp_path / "z3.rio"),
+                     "--schema", "x:float32:0:lod"]) == 2
+    assert "rows of 0 bytes" in capsys.readouterr().err
