@@ -599,9 +599,17 @@ def main(argv=None):
                    help="show a progress bar (default: on a TTY)")
     c.set_defaults(func=_cmd_convert)
     args = p.parse_args(argv)
+    import warnings
+
     from .errors import DataLossError
+
+    def one_line(message, category, *_args, **_kw):       # warnings without source lines
+        print(f"readerlib {args.cmd}: warning: {message}", file=sys.stderr)
+
     try:
-        return args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = one_line
+            return args.func(args)
     except CliError as e:
         print(f"readerlib {args.cmd}: {e}" if not str(e).startswith("readerlib") else str(e), file=sys.stderr)
         return e.code

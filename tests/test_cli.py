@@ -432,3 +432,19 @@ def test_convert_empty_file_and_zero_byte_rows(tmp_path, capsys):
     assert cli.main(["convert", str(tmp_path / "z.tfrecord"), str(tmp_path / "z3.rio"),
                      "--schema", "x:float32:0:lod"]) == 2
     assert "rows of 0 bytes" in capsys.readouterr().err
+
+
+def test_convert_a_recordio_file_without_its_footer(tmp_path):
+    # an unfinished file (writer killed): readable with a warning; convert writes a complete copy
+    good = tmp_path / "good.rio"
+    _write(good)
+    raw = good.read_bytes()
+    cut = tmp_path / "cut.rio"
+    cut.write_bytes(raw[:raw.index(b"RIDX")])
+    r = _run_cli("convert", cut, tmp_path / "fixed.rio")
+    assert r.returncode == 0, r.stderr
+    assert "warning:" in r.stderr and "Traceback" not in r.stderr and "warnings.warn" not in r.stderr
+    assert rl.RecordIOReader(tmp_path / "fixed.rio").has_index
+    assert _raw_records(tmp_path / "fixed.rio") == _raw_records(good)
+    r = _run_cli("index", cut)
+    assert r.returncode == 1 and "without its index footer" in r.stdout
