@@ -448,3 +448,44 @@ def test_convert_a_recordio_file_without_its_footer(tmp_path):
     assert _raw_records(tmp_path / "fixed.rio") == _raw_records(good)
     r = _run_cli("index", cut)
     assert r.returncode == 1 and "without its index footer" in r.stdout
+
+
+def _random_case(draw):
+    from hypothesis import strategies as st
+    dtypes = ["bool", "int8", "uint16", "int32", "int64", "float16", "float32", "float64"]
+    nf = draw(st.integers(1, 3))
+    fields = [rl.Field(f"f{i}", draw(st.sampled_from(dtypes)),
+                       tuple(draw(st.lists(st.integers(1, 3), max_size=2))),
+                       draw(st.integers(0, 1))) for i in range(nf)]
+    schema = rl.Schema(fields)
+    n = draw(st.integers(0, 12))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+
+    def values(f, rows):
+        raw = rng.integers(0, 256, size=rows * f.row_bytes, dtype=np.uint8)   # any bit pattern (NaNs too)
+        if f.dtype == np.bool_:
+            raw = (raw & 1).astype(np.uint8)
+        return raw.view(f.dtype).reshape((rows,) + f.shape)
+    cols = {f.name: ([values(f, int(rng.integers(0, 5))) for _ in range(n)] if f.lod_level else values(f, n))
+            for f in schema}
+    return schema, cols, draw(st.sampled_from([".tfrecord", ".tfrecord.gz", ".tfrecord.zlib"]))
+
+
+def test_convert_round_trip_property(tmp_path_factory):
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=30, deadline=None)
+    @given(st.data())
+    def check(data):
+        schema, cols, suffix = _random_case(data.draw)
+        d = tmp_path_factory.mktemp("rt")
+        with rl.RecordIOWriter(d / "a.rio", schema, chunk_size=128) as w:
+            if len(next(iter(cols.values()))):
+                w.write_batch(cols)
+        assert cli.main(["convert", str(d / "a.rio"), str(d / f"m{suffix}"), "--no-progress"]) == 0
+        assert cli.main(["convert", str(d / f"m{suffix}"), str(d / "b.rio"),
+                         "--schema", cli.schema_to_spec(schema)]) == 0
+        assert _raw_records(d / "b.rio") == _raw_records(d / "a.rio")
+    check()
