@@ -177,11 +177,12 @@ def _encode_batch(batch, schema):
     """
     if all(f.lod_level == 0 for f in schema):
         n = len(batch[0])
-        cols = [np.ascontiguousarray(t.data).reshape(n, -1).view(np.uint8) for t in batch]
+        cols = [np.ascontiguousarray(batch[i].data).reshape(n, -1).view(np.uint8) for i in range(len(schema))]
         return cols[0] if len(cols) == 1 else np.concatenate(cols, axis=1)
     n = len(batch[0])
     parts = []
-    for f, t in zip(schema, batch):
+    for j, f in enumerate(schema):
+        t = batch[j]                       # by position: a batch may also be keyed by name
         data = np.ascontiguousarray(t.data)
         if f.lod_level:
             off = [int(o) for o in t.lod[0]]
@@ -503,7 +504,7 @@ def _cmd_convert(args):
                     if out_kind == "tfrecord":
                         writer.write_batch(recs)
                     else:
-                        writer.write_batch({f.name: _column(t, f) for f, t in zip(schema, batch)})
+                        writer.write_batch({f.name: _column(batch[i], f) for i, f in enumerate(schema)})
                 k = len(batch[0])
                 n += k
                 bar.update(k)
