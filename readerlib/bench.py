@@ -23,30 +23,49 @@ __all__ = ["make_dataset", "time_readerlib", "time_python", "run", "main_bench"]
 
 
 class Progress:
-    """A small stderr progress bar (no dependency); silent when not a TTY unless forced."""
+    """A progress bar on stderr (rich); silent when stderr is not a TTY unless forced.
 
-    def __init__(self, total, label, enabled=None, width=30):
-        self.total = max(1, total)
+    Parameters
+    ----------
+    total : int or None
+        Units of work (records); None when unknown (a count and a rate only).
+    label : str
+    enabled : bool or None
+        None: on when stderr is a terminal.
+    """
+
+    def __init__(self, total, label, enabled=None):
+        self.total = total
         self.label = label
-        self.width = width
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self.last = 0.0
+        self.enabled = sys.stderr.isatty() if enabled is None else bool(enabled)
         self.done = 0
+        self._bar = None
+        if self.enabled:
+            from rich.console import Console
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress as _RichProgress,
+                                       TaskProgressColumn, TextColumn, TimeElapsedColumn)
+            self._bar = _RichProgress(
+                TextColumn("{task.description:<24}"), BarColumn(), TaskProgressColumn(),
+                MofNCompleteColumn(), TimeElapsedColumn(),
+                console=Console(stderr=True), transient=False)
+            self._task = self._bar.add_task(label, total=total)
+            self._bar.start()
 
     def update(self, n):
         self.done += n
-        now = time.perf_counter()
-        if self.enabled and (now - self.last > 0.1 or self.done >= self.total):
-            self.last = now
-            frac = min(1.0, self.done / self.total)
-            bar = "#" * int(frac * self.width)
-            sys.stderr.write(f"\r{self.label:<28} [{bar:<{self.width}}] {frac * 100:5.1f}%")
-            sys.stderr.flush()
+        if self._bar is not None:
+            self._bar.advance(self._task, n)
 
     def close(self):
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def make_dataset(path, kind, num_records, seed=0, chunk_size=1 << 20, progress=None):
@@ -103,24 +122,30 @@ def time_readerlib(path, buffer_size=10_000, batch_size=256, seed=0, epochs=1, p
 
 
 def _python_records(path):
-    """Plain-Python RecordIO record iterator (no checksum verification)."""
+    """Plain-Python RecordIO record iterator (no checksum verification).
+
+    Reads chunk by chunk, as a plain-Python reader would: the cost is that of
+    the records taken, not of the whole file (the peer times a prefix).
+    """
     with open(path, "rb") as f:
-        data = f.read()
-    (slen,) = struct.unpack_from("<I", data, 8)
-    pos = 24 + slen
-    (ioff,) = struct.unpack_from("<Q", data, len(data) - 16)
-    mv = memoryview(data)
-    while pos < ioff:
-        _magic, n, comp, _crc, stored, _raw, _hcrc = struct.unpack_from("<IIIIQII", data, pos)
-        body = pos + 32
-        sizes = struct.unpack_from(f"<{n}I", data, body)
-        p = body + 4 * n
-        for s in sizes:
-            if comp & 0x100:                      # page-aligned records
-                p += -p % 4096
-            yield mv[p:p + s]
-            p += s
-        pos = body + stored
+        head = f.read(24)
+        (slen,) = struct.unpack_from("<I", head, 8)
+        f.seek(24 + slen)
+        while True:
+            h = f.read(32)
+            if len(h) < 32 or h[:4] == b"RIDX":
+                return
+            _magic, n, comp, _crc, stored, _raw, _hcrc = struct.unpack("<IIIIQII", h)
+            base = f.tell()                       # file offset of the body
+            body = f.read(stored)
+            mv = memoryview(body)
+            sizes = struct.unpack_from(f"<{n}I", body, 0)
+            p = 4 * n
+            for s in sizes:
+                if comp & 0x100:                  # page-aligned records
+                    p += -(base + p) % 4096
+                yield mv[p:p + s]
+                p += s
 
 
 def time_python(path, schema, buffer_size=10_000, batch_size=256, seed=0, limit=None, progress=None):
@@ -175,16 +200,29 @@ def _python_batch(records, schema, fixed):
     return np.concatenate(feats), offsets, np.array(labels)
 
 
-DEFAULTS = {  # kind: (records, plain-Python limit)
-    "small": (4_000_000, 400_000),
-    "large": (16_384, 16_384),
-    "seq": (4_000, 4_000),
+DEFAULTS = {  # kind: (records, plain-Python records per repeat)
+    "small": (4_000_000, 150_000),
+    "large": (16_384, 6_000),
+    "seq": (4_000, 1_500),
 }
 
 
-def run(kinds=("small", "large", "seq"), scale=1.0, epochs=2, workdir=None, progress=None, seed=0,
-        python_baseline=True):
-    """Run the main job; returns a list of result dicts (one per dataset kind)."""
+def _spread(rates):
+    """median, min, max of a list of rates."""
+    return float(np.median(rates)), float(min(rates)), float(max(rates))
+
+
+def run(kinds=("small", "large", "seq"), scale=1.0, epochs=1, workdir=None, progress=None, seed=0,
+        python_baseline=True, repeats=3):
+    """Run the main job; returns a list of result dicts (one per dataset kind).
+
+    Each measurement is repeated `repeats` times (readerlib: `epochs` passes
+    over the file; plain Python: the first DEFAULTS[kind][1] * scale records)
+    and reported as median, min and max of records/s; `speedup` is the
+    ratio of the medians.
+    """
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
     results = []
     tmp = tempfile.TemporaryDirectory(prefix="readerlib-bench-", dir=workdir)
     try:
@@ -193,24 +231,30 @@ def run(kinds=("small", "large", "seq"), scale=1.0, epochs=2, workdir=None, prog
             total = max(1, int(total * scale))
             limit = max(1, min(total, int(limit * scale)))
             path = os.path.join(tmp.name, f"{kind}.rio")
-            bar = Progress(total, f"writing {kind}", progress)
-            schema, payload = make_dataset(path, kind, total, seed=seed, progress=bar)
-            bar.close()
+            with Progress(total, f"writing {kind}", progress) as bar:
+                schema, payload = make_dataset(path, kind, total, seed=seed, progress=bar)
             size = os.path.getsize(path)
+            per_rec = payload / total
             time_readerlib(path, seed=seed, epochs=1)          # warm the page cache
-            bar = Progress(total * epochs, f"readerlib {kind}", progress)
-            n, dt = time_readerlib(path, seed=seed, epochs=epochs, progress=bar)
-            bar.close()
-            row = {"dataset": kind, "records": total, "file_bytes": size,
-                   "readerlib_rec_s": n / dt, "readerlib_GB_s": payload * epochs / dt / 1e9}
+            rates = []
+            with Progress(total * epochs * repeats, f"readerlib {kind}", progress) as bar:
+                for rep in range(repeats):
+                    n, dt = time_readerlib(path, seed=seed + rep, epochs=epochs, progress=bar)
+                    rates.append(n / dt)
+            med, lo, hi = _spread(rates)
+            row = {"dataset": kind, "records": total, "file_bytes": size, "repeats": repeats,
+                   "readerlib_rec_s": med, "readerlib_rec_s_min": lo, "readerlib_rec_s_max": hi,
+                   "readerlib_GB_s": med * per_rec / 1e9}
             if python_baseline:
-                bar = Progress(limit, f"plain Python {kind}", progress)
-                pn, pdt = time_python(path, schema, seed=seed, limit=limit, progress=bar)
-                bar.close()
-                per_rec = payload / total
-                row.update({"python_records": pn, "python_rec_s": pn / pdt,
-                            "python_GB_s": pn * per_rec / pdt / 1e9,
-                            "speedup": (n / dt) / (pn / pdt)})
+                prates = []
+                with Progress(limit * repeats, f"plain Python {kind}", progress) as bar:
+                    for rep in range(repeats):
+                        pn, pdt = time_python(path, schema, seed=seed + rep, limit=limit, progress=bar)
+                        prates.append(pn / pdt)
+                pmed, plo, phi = _spread(prates)
+                row.update({"python_records": pn, "python_rec_s": pmed, "python_rec_s_min": plo,
+                            "python_rec_s_max": phi, "python_GB_s": pmed * per_rec / 1e9,
+                            "speedup": med / pmed})
             results.append(row)
             os.unlink(path)
     finally:
@@ -218,16 +262,42 @@ def run(kinds=("small", "large", "seq"), scale=1.0, epochs=2, workdir=None, prog
     return results
 
 
+def _si(x):
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"
+
+
 def format_table(results):
-    head = (f"{'dataset':<8} {'records':>9} {'readerlib rec/s':>16} {'GB/s':>7} "
-            f"{'python rec/s':>13} {'GB/s':>7} {'speedup':>8}")
-    lines = [head, "-" * len(head)]
+    """The results as a plain-text table (rendered by rich; no colour codes)."""
+    import io
+
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+    ascii_head = box.Box("    \n    \n -- \n    \n    \n    \n    \n    \n")   # SIMPLE_HEAD in ASCII
+    t = Table(box=ascii_head, pad_edge=False)
+    for name in ("dataset", "records", "readerlib rec/s", "spread", "GB/s",
+                 "python rec/s", "spread", "GB/s", "ratio"):
+        t.add_column(name, justify="left" if name == "dataset" else "right", no_wrap=True)
     for r in results:
-        lines.append(
-            f"{r['dataset']:<8} {r['records']:>9,} {r['readerlib_rec_s']:>16,.0f} {r['readerlib_GB_s']:>7.2f} "
-            + (f"{r['python_rec_s']:>13,.0f} {r['python_GB_s']:>7.2f} {r['speedup']:>7.1f}x"
-               if "python_rec_s" in r else f"{'-':>13} {'-':>7} {'-':>8}"))
-    return "\n".join(lines)
+        row = [r["dataset"], f"{r['records']:,}", f"{r['readerlib_rec_s']:,.0f}",
+               f"{_si(r['readerlib_rec_s_min'])}-{_si(r['readerlib_rec_s_max'])}",
+               f"{r['readerlib_GB_s']:.2f}"]
+        if "python_rec_s" in r:
+            row += [f"{r['python_rec_s']:,.0f}",
+                    f"{_si(r['python_rec_s_min'])}-{_si(r['python_rec_s_max'])}",
+                    f"{r['python_GB_s']:.2f}", f"{r['speedup']:.1f}x"]
+        else:
+            row += ["-"] * 4
+        t.add_row(*row)
+    reps = sorted({r.get("repeats", 1) for r in results})
+    t.caption = (f"rec/s: median of {'/'.join(map(str, reps))} repeats; spread: min-max; "
+                 "ratio: readerlib median / python median")
+    buf = io.StringIO()
+    Console(file=buf, width=200, color_system=None, highlight=False).print(t)
+    return "\n".join(line.rstrip() for line in buf.getvalue().splitlines()).strip("\n")
 
 
 def peak_rss_mb():
