@@ -112,6 +112,10 @@ cdef class ReaderBase:
     cdef int c_reset(self) except -1
     cdef int c_close(self) except -1
     cdef int _set_schema(self, object schema, int item_kind) except -1
+    # Called under _lock before an item is read: starts the epoch if it has not
+    # started (snapshot of the chain's epoch state, position 0), or takes up a
+    # set_state() position.  Every reading entry point calls it.
+    cdef int _begin_read(self) except -1
 
 
 cdef class FileReader(ReaderBase):

@@ -517,13 +517,7 @@ cdef class ReaderBase:
             with self._lock:
                 if self._closed:
                     self._check_open()
-                if not self._started:
-                    if self._resuming:
-                        self._resuming = False
-                    else:
-                        self._epoch_snapshot = self._chain_epoch_state()
-                        self._position = 0
-                    self._mark_started(True)
+                self._begin_read()
                 with nogil:
                     r = self.c_next(&rec)
                 if r == 0:
@@ -545,6 +539,16 @@ cdef class ReaderBase:
             self._resuming = False
             self._position = 0
             self._mark_started(False)
+
+    cdef int _begin_read(self) except -1:
+        if not self._started:
+            if self._resuming:
+                self._resuming = False
+            else:
+                self._epoch_snapshot = self._chain_epoch_state()
+                self._position = 0
+            self._mark_started(True)
+        return 0
 
     def _mark_started(self, bint started):
         """Flag every reader of the chain as mid-epoch (or fresh after reset)."""
@@ -673,13 +677,7 @@ cdef class ReaderBase:
         cdef int got = 1
         with self._lock:
             self._check_open()
-            if not self._started:
-                if self._resuming:
-                    self._resuming = False
-                else:
-                    self._epoch_snapshot = self._chain_epoch_state()
-                    self._position = 0
-                self._mark_started(True)
+            self._begin_read()
             with nogil:
                 while i < want:
                     got = self.c_next(&rec)

@@ -755,13 +755,7 @@ cdef class MapBatchesReader(DecoratedReader):
             with self._lock:
                 if self._closed:
                     self._check_open()
-                if not self._started:
-                    if self._resuming:
-                        self._resuming = False
-                    else:
-                        self._epoch_snapshot = self._chain_epoch_state()
-                        self._position = 0
-                    self._mark_started(True)
+                self._begin_read()
                 if self.hold != NULL:
                     rl_block_decref(self.hold)
                     self.hold = NULL
