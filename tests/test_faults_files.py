@@ -26,9 +26,10 @@ SCHEMA = rl.Schema([rl.Field("x", "uint8", (1000,))])
 
 def run_py(code, timeout=60):
     """Run `code` in a fresh interpreter; a signal death is a test failure."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                       timeout=timeout, env=env, cwd=ROOT)
+    # the environment conftest.py set: the child imports the readerlib under test (installed
+    # in CI), never the uncompiled source tree
+    p = subprocess.run([sys.executable, "-P", "-c", textwrap.dedent(code)], capture_output=True,
+                       text=True, timeout=timeout, cwd=ROOT)
     assert p.returncode >= 0, f"killed by signal {-p.returncode}:\n{p.stdout}\n{p.stderr}"
     assert p.returncode == 0, f"rc={p.returncode}:\n{p.stdout}\n{p.stderr}"
     return p.stdout
@@ -481,7 +482,7 @@ for i in range(100000):
 def test_sigkill_writer_at_random_points(kind, tmp_path):
     import time
     rng = np.random.default_rng(12)
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ)          # conftest.py's PYTHONPATH: the readerlib under test
     for trial in range(3):
         path = str(tmp_path / f"k{trial}.{kind}")
         p = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, kind, path], stdout=subprocess.PIPE,

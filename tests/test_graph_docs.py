@@ -18,7 +18,7 @@ def test_docs_graph_md_runs(tmp_path):
     assert len(blocks) >= 8
     script = tmp_path / "doc.py"
     script.write_text("\n\n".join(blocks))
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ)          # conftest.py's PYTHONPATH: the readerlib under test, not the source tree
     res = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]

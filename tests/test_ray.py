@@ -54,9 +54,17 @@ def ids_of(ds):
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=200_000_000,
-             log_to_driver=False, configure_logging=False)
+def cluster(tmp_path_factory):
+    # Ray puts the driver's current directory on its workers' sys.path: started
+    # from a source checkout, workers would import the uncompiled source tree
+    # instead of the readerlib under test (CI runs from the checkout).
+    here = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("ray-cwd"))
+    try:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=200_000_000,
+                 log_to_driver=False, configure_logging=False)
+    finally:
+        os.chdir(here)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     # the workers cannot import this test module: ship its helpers by value
