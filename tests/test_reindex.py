@@ -424,3 +424,70 @@ def test_backward_large_fresh_output_lazy_zero_path():
         touched = np.zeros(num_rows, bool)
         touched[idx] = True
         assert not dx[~touched].any()
+
+
+# -- torch tensors and DLPack producers (issue 14) ---------------------------------
+
+def test_torch_in_torch_out():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((6, 3, 2)).astype(np.float32)
+    idx = np.array([5, 0, 0, 2], np.int64)
+    y = batch_reindex(torch.from_numpy(x), torch.from_numpy(idx))
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.float32
+    np.testing.assert_array_equal(y.numpy(), x[idx])
+    dx = batch_reindex_grad(torch.from_numpy(x[idx]), torch.from_numpy(idx), 6)
+    assert isinstance(dx, torch.Tensor)
+    np.testing.assert_array_equal(dx.numpy(), batch_reindex_grad_reference(x[idx], idx, 6))
+    # NumPy x with a torch index: the result follows x (NumPy)
+    assert isinstance(batch_reindex(x, torch.from_numpy(idx)), np.ndarray)
+
+
+def test_torch_zero_copy_in_and_out():
+    torch = pytest.importorskip("torch")
+    from readerlib.kernels import _native
+    xt = torch.arange(24, dtype=torch.float64).reshape(8, 3)
+    view, _ = _native(xt, "x")
+    assert view.ctypes.data == xt.data_ptr()                  # read in place
+    out = torch.empty((3, 3), dtype=torch.float64)
+    y = batch_reindex(xt, torch.tensor([7, 1, 7]), out=out)
+    assert y is out and y.data_ptr() == out.data_ptr()        # written in place
+    np.testing.assert_array_equal(out.numpy(), xt.numpy()[[7, 1, 7]])
+    y = batch_reindex(xt, [2, 3])
+    assert y.data_ptr() == _native(y, "y")[0].ctypes.data     # torch.from_numpy: a view
+    dxo = torch.empty((8, 3), dtype=torch.float64)
+    assert batch_reindex_grad(y, [1, 1], 8, out=dxo) is dxo
+    np.testing.assert_array_equal(dxo.numpy()[1], xt.numpy()[2] + xt.numpy()[3])
+
+
+def test_torch_bad_arguments_name_the_argument():
+    torch = pytest.importorskip("torch")
+    x = torch.zeros((4, 2), requires_grad=True)
+    with pytest.raises(TypeError, match=r"x requires grad.*x\.detach\(\)"):
+        batch_reindex(x, [0])
+    with pytest.raises(TypeError, match=r"x has dtype torch.bfloat16.*x\.float\(\)"):
+        batch_reindex(torch.zeros((4, 2), dtype=torch.bfloat16), [0])
+    with pytest.raises(TypeError, match="idx must hold integers"):
+        batch_reindex(torch.zeros((4, 2)), torch.tensor([0.0]))
+    with pytest.raises(TypeError, match=r"dy requires grad.*dy\.detach\(\)"):
+        batch_reindex_grad(x, [0, 1, 2, 3], 4)
+    with pytest.raises(ValueError, match="out must have shape"):
+        batch_reindex(torch.zeros((4, 2)), [0], out=torch.zeros((2, 2)))
+
+
+def test_dlpack_producer_input():
+    class Producer:
+        __module__ = "otherframework"
+
+        def __init__(self, a):
+            self._a = a
+
+        def __dlpack__(self, **kwargs):
+            return self._a.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self):
+            return self._a.__dlpack_device__()
+
+    x = np.arange(12, dtype=np.int32).reshape(4, 3)
+    y = batch_reindex(Producer(x), Producer(np.array([3, 3, 0])))
+    np.testing.assert_array_equal(y, x[[3, 3, 0]])
