@@ -491,3 +491,49 @@ def test_dlpack_producer_input():
     x = np.arange(12, dtype=np.int32).reshape(4, 3)
     y = batch_reindex(Producer(x), Producer(np.array([3, 3, 0])))
     np.testing.assert_array_equal(y, x[[3, 3, 0]])
+
+
+# -- streaming stores and the output block cache (issue 16) ----------------------
+
+@pytest.fixture
+def stream_always():
+    old = _reindex._set_stream_min_bytes(0)
+    yield
+    _reindex._set_stream_min_bytes(old)
+
+
+@pytest.mark.parametrize("row_bytes", [16, 48, 64, 256, 1040, 8192, 20, 24])
+@pytest.mark.parametrize("idx_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_streaming_gather_equals_take(stream_always, row_bytes, idx_dtype, threads):
+    rng = np.random.default_rng(row_bytes)
+    x = rng.integers(0, 255, (37, row_bytes), dtype=np.uint8)
+    idx = rng.integers(0, 37, 101).astype(idx_dtype)
+    np.testing.assert_array_equal(batch_reindex(x, idx, num_threads=threads), x[idx])
+    out = np.empty(101 * row_bytes + 1, np.uint8)[1:].reshape(101, row_bytes)
+    assert out.ctypes.data % 16 != 0                      # misaligned: the cached path
+    np.testing.assert_array_equal(batch_reindex(x, idx, out=out, num_threads=threads), x[idx])
+
+
+def test_big_fresh_outputs_reuse_released_blocks():
+    _reindex.release_cached_outputs()
+    rows = (_reindex.CACHED_OUTPUT_BYTES // 4096) + 3      # a little over the threshold
+    x = np.arange(16 * 1024, dtype=np.float32).reshape(16, 1024)
+    idx = np.arange(rows) % 16
+    y = batch_reindex(x, idx)
+    assert y.flags.c_contiguous and y.flags.writeable and y.ctypes.data % 64 == 0
+    np.testing.assert_array_equal(y, x[idx])
+    addr = y.ctypes.data
+    del y                                                   # its block is kept ...
+    assert _reindex.cached_bytes() >= rows * 4096
+    y2 = batch_reindex(x[::-1].copy(), idx)                 # ... and reused, fully overwritten
+    assert y2.ctypes.data == addr
+    np.testing.assert_array_equal(y2, x[::-1][idx])
+    view = y2[5:]
+    del y2                                                  # a view keeps the block alive
+    np.testing.assert_array_equal(view[:2], x[::-1][idx[5:7]])
+    del view
+    _reindex.release_cached_outputs()
+    assert _reindex.cached_bytes() == 0
+    # small outputs stay plain NumPy arrays
+    assert batch_reindex(x, [0, 1]).base is None

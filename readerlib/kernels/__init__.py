@@ -263,6 +263,8 @@ def batch_reindex(x, idx, *, out=None, num_threads=None):
             raise NotImplementedError("out= is not supported for CuPy arrays")
         from . import _gpu
         return _gpu.batch_reindex(x, idx)
+    if out is None:   # every byte is overwritten: may reuse a released block
+        out = _reindex.empty_output((idx.shape[0],) + x.shape[1:], x.dtype)
     out = _check_out(out, (idx.shape[0],) + x.shape[1:], x.dtype, x)
     n_threads = _threads(num_threads, 2 * out.nbytes)
     if idx.shape[0] == 0:
@@ -323,7 +325,7 @@ def _batch_reindex_lod(t, idx, num_threads):
     if n_rows.shape[0] > 1:
         np.cumsum(n_rows[:-1], out=dst_row[1:])
     total = int(n_rows.sum())
-    out = np.empty((total,) + data.shape[1:], dtype=data.dtype)
+    out = _reindex.empty_output((total,) + data.shape[1:], data.dtype)
     if total:
         _reindex.copy_segments(np.ascontiguousarray(data), np.ascontiguousarray(begin),
                                np.ascontiguousarray(n_rows), dst_row, out,
