@@ -205,6 +205,27 @@ def test_row_argmax_is_tf_rowmax(isa, n, dtype, seed, kind):
     assert _ctc._row_argmax_py(row) == tf_row_argmax(row)[0]
 
 
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(128, 5100), seed=st.integers(0, 2**32 - 1),
+       kind=st.sampled_from(["ties", "nan", "inf", "zeros", "late"]))
+def test_long_row_argmax_is_tf_rowmax(isa, n, seed, kind):
+    """Rows long enough for the one-pass AVX-512 body (>= 128): ties across lanes
+    and unrolled blocks, NaNs, infinities, +-0 and a maximum in the masked tail."""
+    rng = np.random.default_rng(seed)
+    row = rng.integers(-3, 3, n).astype(np.float32)
+    if kind == "nan":
+        row[rng.random(n) < 0.3] = np.nan
+    elif kind == "inf":
+        row[rng.random(n) < 0.2] = -np.inf
+        row[rng.random(n) < 0.01] = np.inf
+    elif kind == "zeros":
+        row = np.where(rng.random(n) < 0.5, np.float32(-0.0), np.float32(0.0))
+        row[rng.random(n) < 0.5] = -1
+    elif kind == "late":
+        row[rng.integers(n - 20, n, 2)] = 7          # the maximum in the last block / tail
+    assert _ctc._row_argmax_py(row) == tf_row_argmax(row)[0]
+
+
 # -- against the reference on random inputs -------------------------------------------
 
 @st.composite
