@@ -531,6 +531,8 @@ def ctc_greedy_decoder(inputs, sequence_length=None, merge_repeated=True, blank_
     if _is_foreign(inputs) or _is_foreign(sequence_length):
         return _ctc_foreign(inputs, sequence_length, merge_repeated, blank_index,
                             bool(time_major), num_threads)
+    if not time_major:
+        inputs = _time_major_view(inputs)
     xp = _xp(inputs)
     on_gpu = is_cupy_array(inputs)
     if not hasattr(inputs, "dtype"):
@@ -551,8 +553,6 @@ def ctc_greedy_decoder(inputs, sequence_length=None, merge_repeated=True, blank_
     if inputs.size == 0:
         raise InvalidArgumentError("inputs must not be empty")
     max_time, batch_size, num_classes = (int(d) for d in inputs.shape)
-    if not time_major:
-        max_time, batch_size = batch_size, max_time
     if max_time == 0:  # unreachable after the empty check; kept in TF's order
         raise InvalidArgumentError("max_time is 0")
     if sequence_length.ndim != 1:
@@ -565,8 +565,6 @@ def ctc_greedy_decoder(inputs, sequence_length=None, merge_repeated=True, blank_
         _check_num_classes(num_classes)
         blank = _check_blank(blank_index, num_classes)
         from . import _gpu
-        if not time_major:   # the GPU kernel reads time-major logits
-            inputs = xp.ascontiguousarray(inputs.transpose(1, 0, 2))
         return _gpu.ctc_greedy_decoder(inputs, sequence_length, bool(merge_repeated), blank)
     lengths = sequence_length.astype(np.int64)
     too_long = np.flatnonzero(lengths > max_time)
@@ -577,8 +575,19 @@ def ctc_greedy_decoder(inputs, sequence_length=None, merge_repeated=True, blank_
     lengths = np.maximum(lengths, 0).astype(np.int32)  # TF's loop runs 0 times for < 0
     indices, values, shape, neg = _ctc.decode_padded(
         np.ascontiguousarray(inputs), lengths, blank, bool(merge_repeated),
-        _threads(num_threads, inputs.nbytes), bool(time_major))
+        _threads(num_threads, inputs.nbytes))
     return [SparseTensor(indices, values, shape)], neg
+
+
+def _time_major_view(inputs):
+    """``[B, T, V]`` logits as a ``[T, B, V]`` view, for the full path (copied to
+    contiguous later; the compiled fast path reads ``[B, T, V]`` in place)."""
+    if not hasattr(inputs, "ndim"):
+        inputs = np.asarray(inputs, dtype=np.float32)
+    if inputs.ndim != 3:
+        raise InvalidArgumentError("inputs is not a 3-Tensor")
+    inputs = inputs.transpose(1, 0, 2)
+    return _xp(inputs).ascontiguousarray(inputs) if is_cupy_array(inputs) else inputs
 
 
 def _ctc_foreign(inputs, sequence_length, merge_repeated, blank_index, time_major, num_threads):
