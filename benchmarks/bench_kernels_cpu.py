@@ -56,8 +56,9 @@ ONE_THREAD = False
 NT = None          # readerlib's num_threads: its default, or 1 with --cpu-time
 
 
-def interleaved(fns, rounds):
-    """Best and median seconds per contender, the contenders alternating each round."""
+def interleaved(fns, rounds, number=1):
+    """Best and median seconds per call for each contender, the contenders
+    alternating each round; a round times ``number`` calls (tiny cases)."""
     if ONE_THREAD:
         fns = {k: f for k, f in fns.items() if k != "readerlib 1 thread"}
     times = {k: [] for k in fns}
@@ -66,8 +67,9 @@ def interleaved(fns, rounds):
     for _ in range(rounds):
         for k, f in fns.items():
             t0 = CLOCK()
-            f()
-            times[k].append(CLOCK() - t0)
+            for _ in range(number):
+                f()
+            times[k].append((CLOCK() - t0) / number)
     return {k: (min(v), float(np.median(v))) for k, v in times.items()}
 
 
@@ -111,6 +113,12 @@ def table(title, head, rows):
     return "\n".join(out) + "\n"
 
 
+def ms(seconds):
+    """Milliseconds with 3 significant digits at least (tiny cases are microseconds)."""
+    v = seconds * 1e3
+    return f"{v:.2f}" if v >= 1 else f"{v:.4f}" if v >= 0.01 else f"{v:.5f}"
+
+
 def torch_greedy(torch, xt, lengths, blank):
     """The decode a torch user writes: argmax, then per utterance unique_consecutive
     and drop blanks (no neg_sum_logits, no sparse packing)."""
@@ -122,7 +130,7 @@ def torch_greedy(torch, xt, lengths, blank):
     return out
 
 
-def bench_ctc(rounds, tf, torch, read_bw2):
+def bench_ctc(rounds, tf, torch):
     rows = []
     rng = np.random.default_rng(0)
     for T, B, V in CTC_SHAPES:
@@ -158,16 +166,29 @@ def bench_ctc(rounds, tf, torch, read_bw2):
             assert np.array_equal(sp.values.numpy(), mine.values)
             assert np.array_equal(tneg.numpy(), neg)
             fns["tf.nn.ctc_greedy_decoder"] = lambda: tf.nn.ctc_greedy_decoder(xt_, lt)
-        res = interleaved(fns, rounds * (20 if gb < 1e-3 else 1))
+        reads = {}
+        if (T, B, V) == CTC_BW_SHAPE:
+            # the machine's read bandwidth over the same logits, in the same rounds
+            from concurrent.futures import ThreadPoolExecutor
+            pool = ThreadPoolExecutor(2)
+            flat = x.reshape(-1)
+            halves = [flat[:flat.shape[0] // 2], flat[flat.shape[0] // 2:]]
+            reads = {"(read bandwidth: np.max, 1 thread)": lambda: flat.max(),
+                     "(read bandwidth: np.max, 2 threads)": lambda: list(pool.map(np.max, halves))}
+            fns.update(reads)
+        res = interleaved(fns, rounds * 4, number=200) if gb < 1e-3 else interleaved(fns, rounds)
         base = res["readerlib"][0]
-        peers = [k for k in res if not k.startswith("readerlib")]
+        peers = [k for k in res if not k.startswith(("readerlib", "("))]
         fastest = min(peers, key=lambda k: res[k][0])
+        read2 = x.nbytes / 1e9 / res["(read bandwidth: np.max, 2 threads)"][0] if reads else None
         for k, (best, med) in res.items():
-            bw = f"{gb / best:.1f}"
-            if (T, B, V) == CTC_BW_SHAPE and k == "readerlib":
-                bw += f" ({gb / best / read_bw2:.0%} of 2-thread read)"
-            rows.append([f"({T}, {B}, {V})", k, f"{best * 1e3:.3f}", f"{med * 1e3:.3f}",
-                         bw, f"{best / base:.2f}x" + (" (fastest peer)" if k == fastest else "")])
+            kb = x.nbytes / 1e9 if k in reads else gb
+            bw = f"{kb / best:.1f}"
+            if read2 and k == "readerlib":
+                bw += f" ({gb / best / read2:.0%} of the 2-thread read)"
+            rows.append([f"({T}, {B}, {V})", k, ms(best), ms(med), bw,
+                         "" if k in reads else
+                         f"{best / base:.2f}x" + (" (fastest peer)" if k == fastest else "")])
     return table("CTC greedy decoder, float32, time-major [T, B, V] (lengths: 2/3 full, 1/3 at 3T/4; "
                  "B = 1: full); peers: TF, and the loops a user writes (no neg_sum / sparse packing)",
                  ["(T, B, V)", "contender", "best ms", "median ms", "GB/s of logits read",
@@ -339,14 +360,16 @@ def main(argv=None):
             f"- numpy {np.__version__}" + (f", tensorflow {tf.__version__}" if tf else "")
             + (f", torch {torch.__version__} ({torch.get_num_threads()} threads)" if torch else ""),
             f"- copy bandwidth in this run (np.copyto 256 MiB, read + write): {bw:.1f} GB/s",
-            f"- read bandwidth in this run (np.sum / np.max over {np.prod(CTC_BW_SHAPE) * 4 >> 20} "
-            f"MiB, best): {rbw1:.1f} GB/s on 1 thread, {rbw2:.1f} GB/s on 2 threads",
+            f"- read bandwidth at the start of this run (np.sum / np.max over "
+            f"{np.prod(CTC_BW_SHAPE) * 4 >> 20} MiB, best; 2 threads: one half each): "
+            f"{rbw1:.1f} GB/s on 1 thread, {rbw2:.1f} GB/s on 2 threads (the CTC table repeats "
+            "it interleaved with the (1000, 16, 5001) rounds)",
             f"- load average at start: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}",
             "- timing: " + ("process CPU seconds per call, every contender on ONE thread "
                             "(ms columns are CPU ms; GB/s is per CPU-second)"
                             if args.cpu_time else "wall clock, default threads")]
     if "ctc" in only:
-        parts.append(bench_ctc(args.rounds, tf, torch, rbw2))
+        parts.append(bench_ctc(args.rounds, tf, torch))
     if "fwd" in only:
         parts.append(bench_reindex_fwd(args.rounds, torch))
     if "bwd" in only:
