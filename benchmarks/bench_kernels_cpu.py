@@ -1,13 +1,24 @@
 """Side-by-side CPU benchmarks of readerlib's kernels against their peers.
 
-    python benchmarks/bench_kernels_cpu.py [--rounds 7] [--only ctc|fwd|bwd] [--cpu-time] [--out FILE]
+    python benchmarks/bench_kernels_cpu.py [--rounds 7] [--only ctc|fwd|bwd] [--cpu-time]
+                                           [--sweep] [--out FILE]
 
 Every case runs all its contenders in interleaved rounds (A B C A B C ...), so
 a burst of load from another process hits them all alike; the table reports
 the best round of each (the least disturbed), the ratio to readerlib, and the
 bandwidth: logits read for CTC; bytes read + written for reindex, to set
 against the machine's copy bandwidth measured in the same run (np.copyto of
-256 MiB: read + write).  Results are checked for equality before timing.
+256 MiB: read + write) and its read bandwidth on 1 and 2 threads (the faster
+of np.sum / np.max over the CTC logits of the (1000, 16, 5001) case, one
+half per thread on 2 threads).  Results are checked for equality before
+timing.  The small CTC shape (50, 1, 29) is a single streaming utterance; its
+peers are the loops a user writes (NumPy per utterance, torch argmax +
+unique_consecutive) and tf.nn.ctc_greedy_decoder.
+
+``--sweep`` adds the measurements behind two thresholds: CTC on 1 vs 2
+threads as the logits grow (``readerlib._parallel.MIN_BYTES_PER_THREAD``)
+and the reindex forward with and without streaming stores as the output
+grows (``readerlib.kernels._reindex.STREAM_MIN_BYTES``).
 
 ``--cpu-time`` runs every contender on one thread (readerlib num_threads=1,
 torch.set_num_threads(1), TF intra/inter-op pools of 1) and reports CPU
@@ -29,10 +40,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from readerlib.kernels import (_ctc, batch_reindex, batch_reindex_grad,  # noqa: E402
                                ctc_greedy_decoder)
-from readerlib.kernels.reference import ctc_greedy_decoder_vectorized  # noqa: E402
+from readerlib.kernels import _reindex  # noqa: E402
+from readerlib.kernels.reference import (ctc_greedy_decoder_loop,  # noqa: E402
+                                         ctc_greedy_decoder_vectorized)
 from readerlib import _parallel as rl_parallel  # noqa: E402
 
-CTC_SHAPES = [(500, 32, 1025), (200, 128, 129), (1000, 16, 5001)]
+CTC_SHAPES = [(50, 1, 29), (500, 32, 1025), (200, 128, 129), (1000, 16, 5001)]
+#: The shape whose 2-thread bandwidth is compared with the machine's read bandwidth.
+CTC_BW_SHAPE = (1000, 16, 5001)
 REINDEX_SHAPES = [(4096, 8192, 2048), (65536, 65536, 64), (256, 512, 150528)]
 
 
@@ -41,8 +56,9 @@ ONE_THREAD = False
 NT = None          # readerlib's num_threads: its default, or 1 with --cpu-time
 
 
-def interleaved(fns, rounds):
-    """Best and median seconds per contender, the contenders alternating each round."""
+def interleaved(fns, rounds, number=1):
+    """Best and median seconds per call for each contender, the contenders
+    alternating each round; a round times ``number`` calls (tiny cases)."""
     if ONE_THREAD:
         fns = {k: f for k, f in fns.items() if k != "readerlib 1 thread"}
     times = {k: [] for k in fns}
@@ -51,8 +67,9 @@ def interleaved(fns, rounds):
     for _ in range(rounds):
         for k, f in fns.items():
             t0 = CLOCK()
-            f()
-            times[k].append(CLOCK() - t0)
+            for _ in range(number):
+                f()
+            times[k].append((CLOCK() - t0) / number)
     return {k: (min(v), float(np.median(v))) for k, v in times.items()}
 
 
@@ -61,6 +78,24 @@ def copy_bandwidth(rounds):
     b = np.empty_like(a)
     t = interleaved({"copy": lambda: np.copyto(b, a)}, rounds)["copy"][0]
     return 2 * a.nbytes / t / 1e9
+
+
+def read_bandwidth(rounds):
+    """(1 thread, 2 threads) read GB/s: the faster of np.sum / np.max over the
+    logits of CTC_BW_SHAPE (2 threads: one half each, NumPy releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+    a = np.random.default_rng(3).standard_normal(int(np.prod(CTC_BW_SHAPE)), dtype=np.float32)
+    h = a.shape[0] // 2
+    halves = [a[:h], a[h:]]
+    with ThreadPoolExecutor(2) as pool:
+        res = interleaved({
+            "sum 1": lambda: a.sum(), "max 1": lambda: a.max(),
+            "sum 2": lambda: list(pool.map(np.sum, halves)),
+            "max 2": lambda: list(pool.map(np.max, halves)),
+        }, rounds)
+    gb = a.nbytes / 1e9
+    return (gb / min(res["sum 1"][0], res["max 1"][0]),
+            gb / min(res["sum 2"][0], res["max 2"][0]))
 
 
 def try_import(name):
@@ -78,36 +113,128 @@ def table(title, head, rows):
     return "\n".join(out) + "\n"
 
 
-def bench_ctc(rounds, tf):
+def ms(seconds):
+    """Milliseconds with 3 significant digits at least (tiny cases are microseconds)."""
+    v = seconds * 1e3
+    return f"{v:.2f}" if v >= 1 else f"{v:.4f}" if v >= 0.01 else f"{v:.5f}"
+
+
+def torch_greedy(torch, xt, lengths, blank):
+    """The decode a torch user writes: argmax, then per utterance unique_consecutive
+    and drop blanks (no neg_sum_logits, no sparse packing)."""
+    a = xt.argmax(dim=2)
+    out = []
+    for b in range(a.shape[1]):
+        u = torch.unique_consecutive(a[:int(lengths[b]), b])
+        out.append(u[u != blank])
+    return out
+
+
+def bench_ctc(rounds, tf, torch):
     rows = []
     rng = np.random.default_rng(0)
     for T, B, V in CTC_SHAPES:
         x = rng.standard_normal((T, B, V), dtype=np.float32)
         lengths = np.full(B, T, np.int32)
         lengths[::3] = T * 3 // 4             # some padding, as in real batches
+        if B == 1:
+            lengths[:] = T                    # one streaming utterance, whole
+        xb = np.ascontiguousarray(x.transpose(1, 0, 2))
         gb = float(np.sum(lengths)) * V * 4 / 1e9
         fns = {
             "readerlib": lambda: ctc_greedy_decoder(x, lengths, num_threads=NT),
             "readerlib 1 thread": lambda: ctc_greedy_decoder(x, lengths, num_threads=1),
+            "readerlib [B, T, V] (time_major=False)":
+                lambda: ctc_greedy_decoder(xb, lengths, time_major=False, num_threads=NT),
+            "numpy per-utterance loop": lambda: ctc_greedy_decoder_loop(x, lengths),
             "numpy (vectorised)": lambda: ctc_greedy_decoder_vectorized(x, lengths),
         }
         (mine,), neg = ctc_greedy_decoder(x, lengths)
         ref = ctc_greedy_decoder_vectorized(x, lengths)
         assert np.array_equal(mine.values, ref[1]) and np.array_equal(neg, ref[3])
+        assert np.array_equal(np.concatenate(ctc_greedy_decoder_loop(x, lengths)), mine.values)
+        (mb,), negb = ctc_greedy_decoder(xb, lengths, time_major=False)
+        assert np.array_equal(mb.values, mine.values) and np.array_equal(negb, neg)
+        if torch is not None:
+            xt = torch.from_numpy(x)
+            got = torch_greedy(torch, xt, lengths, V - 1)
+            assert np.array_equal(torch.cat(got).numpy(), mine.values)
+            fns["torch argmax + unique_consecutive"] = lambda: torch_greedy(torch, xt, lengths, V - 1)
         if tf is not None:
-            xt, lt = tf.constant(x), tf.constant(lengths)
-            (sp,), tneg = tf.nn.ctc_greedy_decoder(xt, lt)
+            xt_, lt = tf.constant(x), tf.constant(lengths)
+            (sp,), tneg = tf.nn.ctc_greedy_decoder(xt_, lt)
             assert np.array_equal(sp.values.numpy(), mine.values)
             assert np.array_equal(tneg.numpy(), neg)
-            fns["tf.nn.ctc_greedy_decoder"] = lambda: tf.nn.ctc_greedy_decoder(xt, lt)
-        res = interleaved(fns, rounds)
+            fns["tf.nn.ctc_greedy_decoder"] = lambda: tf.nn.ctc_greedy_decoder(xt_, lt)
+        reads = {}
+        if (T, B, V) == CTC_BW_SHAPE:
+            # the machine's read bandwidth over the same logits, in the same rounds
+            from concurrent.futures import ThreadPoolExecutor
+            pool = ThreadPoolExecutor(2)
+            flat = x.reshape(-1)
+            halves = [flat[:flat.shape[0] // 2], flat[flat.shape[0] // 2:]]
+            reads = {"(read bandwidth: np.max, 1 thread)": lambda: flat.max(),
+                     "(read bandwidth: np.max, 2 threads)": lambda: list(pool.map(np.max, halves))}
+            fns.update(reads)
+        res = interleaved(fns, rounds * 4, number=200) if gb < 1e-3 else interleaved(fns, rounds)
         base = res["readerlib"][0]
+        peers = [k for k in res if not k.startswith(("readerlib", "("))]
+        fastest = min(peers, key=lambda k: res[k][0])
+        read2 = x.nbytes / 1e9 / res["(read bandwidth: np.max, 2 threads)"][0] if reads else None
         for k, (best, med) in res.items():
-            rows.append([f"({T}, {B}, {V})", k, f"{best * 1e3:.2f}", f"{med * 1e3:.2f}",
-                         f"{gb / best:.1f}", f"{best / base:.2f}x"])
-    return table("CTC greedy decoder, float32, time-major [T, B, V] (lengths: 2/3 full, 1/3 at 3T/4)",
+            kb = x.nbytes / 1e9 if k in reads else gb
+            bw = f"{kb / best:.1f}"
+            if read2 and k == "readerlib":
+                bw += f" ({gb / best / read2:.0%} of the 2-thread read)"
+            rows.append([f"({T}, {B}, {V})", k, ms(best), ms(med), bw,
+                         "" if k in reads else
+                         f"{best / base:.2f}x" + (" (fastest peer)" if k == fastest else "")])
+    return table("CTC greedy decoder, float32, time-major [T, B, V] (lengths: 2/3 full, 1/3 at 3T/4; "
+                 "B = 1: full); peers: TF, and the loops a user writes (no neg_sum / sparse packing)",
                  ["(T, B, V)", "contender", "best ms", "median ms", "GB/s of logits read",
                   "time / readerlib"], rows)
+
+
+def sweep(rounds):
+    """The measurements behind the CTC split threshold and the streaming-store threshold."""
+    rows = []
+    rng = np.random.default_rng(4)
+    for T, B, V in [(4, 8, 1025), (16, 8, 1025), (64, 8, 1025), (128, 8, 1025),
+                    (256, 8, 1025), (512, 8, 1025), (1024, 8, 1025)]:
+        x = rng.standard_normal((T, B, V), dtype=np.float32)
+        lengths = np.full(B, T, np.int32)
+        res = interleaved({t: (lambda t=t: ctc_greedy_decoder(x, lengths, num_threads=t))
+                           for t in (1, 2)}, rounds * 3)
+        rows.append([f"CTC ({T}, {B}, {V})", f"{x.nbytes / 2**20:.2f}",
+                     f"{res[1][0] * 1e3:.3f}", f"{res[2][0] * 1e3:.3f}",
+                     f"{res[1][0] / res[2][0]:.2f}x"])
+    out = table("Sweep: CTC on 1 vs 2 threads (the pool splits from 2 x "
+                f"{rl_parallel.MIN_BYTES_PER_THREAD >> 20} MiB of logits)",
+                ["case", "MiB", "1 thread ms", "2 threads ms", "2-thread speed-up"], rows)
+    rows = []
+    for inner in (64, 2048):
+        for mib in (1, 2, 4, 8, 16, 32):
+            n = (mib << 20) // (inner * 4)
+            x = rng.standard_normal((n, inner), dtype=np.float32)
+            idx = rng.integers(0, n, n).astype(np.int64)
+            buf = np.empty((n, inner), np.float32)
+            res = {}
+            for name, th in (("streaming", 0), ("cached", 1 << 62)):
+                old = _reindex._set_stream_min_bytes(th)
+                try:
+                    res[name] = interleaved({name: lambda: batch_reindex(x, idx, out=buf,
+                                                                          num_threads=1)},
+                                            rounds * 3)[name][0]
+                finally:
+                    _reindex._set_stream_min_bytes(old)
+            rows.append([f"{inner * 4} B rows", f"{mib}", f"{res['cached'] * 1e3:.3f}",
+                         f"{res['streaming'] * 1e3:.3f}",
+                         f"{res['cached'] / res['streaming']:.2f}x"])
+    out += "\n" + table("Sweep: reindex forward, one thread, `out=` reused, stores cached vs "
+                        f"streaming (streaming from {_reindex.STREAM_MIN_BYTES >> 20} MiB of output)",
+                        ["rows", "output MiB", "cached ms", "streaming ms", "streaming speed-up"],
+                        rows)
+    return out
 
 
 def bench_reindex_fwd(rounds, torch):
@@ -134,10 +261,17 @@ def bench_reindex_fwd(rounds, torch):
         if torch is not None:
             fns["torch.index_select out="] = lambda: torch.index_select(xt, 0, it, out=tbuf)
         res = interleaved(fns, rounds)
-        for k, (best, med) in res.items():
+        for group in ("", "out="):
+            peers = [k for k in res if not k.startswith("readerlib") and (group in k) == bool(group)]
+            if peers:
+                fastest = min(peers, key=lambda k: res[k][0])
+                res[fastest] = res[fastest] + ("fastest peer",)
+        for k, v in res.items():
+            best, med = v[0], v[1]
             base = res["readerlib out=" if "out=" in k else "readerlib"][0]
             rows.append([f"({N}, {M}, {inner})", k, f"{best * 1e3:.2f}", f"{med * 1e3:.2f}",
-                         f"{gb / best:.1f}", f"{best / base:.2f}x"])
+                         f"{gb / best:.1f}",
+                         f"{best / base:.2f}x" + (" (fastest peer)" if len(v) > 2 else "")])
     return table("batch_reindex forward, float32: y[N, inner] = x[M, inner][idx] "
                  "(fresh output per call, then `out=` a reused buffer; ratios within each group)",
                  ["(N, M, inner)", "contender", "best ms", "median ms",
@@ -201,12 +335,14 @@ def main(argv=None):
     p.add_argument("--only", choices=["ctc", "fwd", "bwd"], action="append")
     p.add_argument("--cpu-time", action="store_true",
                    help="one thread everywhere; report process CPU seconds per call")
+    p.add_argument("--sweep", action="store_true",
+                   help="also the CTC split and streaming-store threshold sweeps")
     p.add_argument("--out", help="also write the markdown here")
     args = p.parse_args(argv)
     global CLOCK, ONE_THREAD, NT
     only = set(args.only or ["ctc", "fwd", "bwd"])
     tf = try_import("tensorflow") if "ctc" in only else None
-    torch = try_import("torch") if only & {"fwd", "bwd"} else None
+    torch = try_import("torch")
     if args.cpu_time:
         CLOCK, ONE_THREAD, NT = time.process_time, True, 1
         if torch is not None:
@@ -217,22 +353,29 @@ def main(argv=None):
     parts = []
     load0 = os.getloadavg()
     bw = copy_bandwidth(args.rounds)
+    rbw1, rbw2 = read_bandwidth(args.rounds)
     head = [f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
             f"readerlib threads {rl_parallel.get_num_threads() if rl_parallel.threads_enabled() else 'off'}, "
             f"CTC row argmax: {_ctc.isa()}",
             f"- numpy {np.__version__}" + (f", tensorflow {tf.__version__}" if tf else "")
             + (f", torch {torch.__version__} ({torch.get_num_threads()} threads)" if torch else ""),
             f"- copy bandwidth in this run (np.copyto 256 MiB, read + write): {bw:.1f} GB/s",
+            f"- read bandwidth at the start of this run (np.sum / np.max over "
+            f"{np.prod(CTC_BW_SHAPE) * 4 >> 20} MiB, best; 2 threads: one half each): "
+            f"{rbw1:.1f} GB/s on 1 thread, {rbw2:.1f} GB/s on 2 threads (the CTC table repeats "
+            "it interleaved with the (1000, 16, 5001) rounds)",
             f"- load average at start: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}",
             "- timing: " + ("process CPU seconds per call, every contender on ONE thread "
                             "(ms columns are CPU ms; GB/s is per CPU-second)"
                             if args.cpu_time else "wall clock, default threads")]
     if "ctc" in only:
-        parts.append(bench_ctc(args.rounds, tf))
+        parts.append(bench_ctc(args.rounds, tf, torch))
     if "fwd" in only:
         parts.append(bench_reindex_fwd(args.rounds, torch))
     if "bwd" in only:
         parts.append(bench_reindex_bwd(args.rounds, torch))
+    if args.sweep:
+        parts.append(sweep(args.rounds))
     load1 = os.getloadavg()
     head.append(f"- load average at end: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
     text = "\n".join(head) + "\n\n" + "\n".join(parts)

@@ -205,6 +205,27 @@ def test_row_argmax_is_tf_rowmax(isa, n, dtype, seed, kind):
     assert _ctc._row_argmax_py(row) == tf_row_argmax(row)[0]
 
 
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(128, 5100), seed=st.integers(0, 2**32 - 1),
+       kind=st.sampled_from(["ties", "nan", "inf", "zeros", "late"]))
+def test_long_row_argmax_is_tf_rowmax(isa, n, seed, kind):
+    """Rows long enough for the one-pass AVX-512 body (>= 128): ties across lanes
+    and unrolled blocks, NaNs, infinities, +-0 and a maximum in the masked tail."""
+    rng = np.random.default_rng(seed)
+    row = rng.integers(-3, 3, n).astype(np.float32)
+    if kind == "nan":
+        row[rng.random(n) < 0.3] = np.nan
+    elif kind == "inf":
+        row[rng.random(n) < 0.2] = -np.inf
+        row[rng.random(n) < 0.01] = np.inf
+    elif kind == "zeros":
+        row = np.where(rng.random(n) < 0.5, np.float32(-0.0), np.float32(0.0))
+        row[rng.random(n) < 0.5] = -1
+    elif kind == "late":
+        row[rng.integers(n - 20, n, 2)] = 7          # the maximum in the last block / tail
+    assert _ctc._row_argmax_py(row) == tf_row_argmax(row)[0]
+
+
 # -- against the reference on random inputs -------------------------------------------
 
 @st.composite
@@ -418,3 +439,124 @@ def test_cupy_input_shares_shape_validation(fake_gpu, shape, lengths, kwargs, ex
     with pytest.raises(exc, match=f"^{re.escape(msg)}$"):
         ctc_greedy_decoder(x, lengths, **kwargs)
     assert fake_gpu == []
+
+
+# -- fast path, time_major=False, torch / DLPack input (issues 14 and 16) ----------
+
+def _random_case(rng, T, B, V, dtype=np.float32):
+    x = rng.standard_normal((T, B, V)).astype(dtype)
+    x[rng.random((T, B)) < 0.3, V - 1] = 9.0            # blanks
+    x[1::2] = x[0::2][: x[1::2].shape[0]]                # repeats
+    lengths = rng.integers(-2, T + 1, B).astype(np.int32)
+    return x, lengths
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(50, 1, 29), (7, 3, 5), (4, 70, 3), (33, 2, 130)])
+@pytest.mark.parametrize("merge", [True, False])
+def test_time_major_false_equals_transposed(dtype, shape, merge):
+    rng = np.random.default_rng(sum(shape))
+    x, lengths = _random_case(rng, *shape, dtype=dtype)
+    want = ctc_greedy_decoder_reference(x, np.maximum(lengths, 0), merge)
+    xb = np.ascontiguousarray(x.transpose(1, 0, 2))
+    assert_same(decode(x, lengths, merge), want)
+    assert_same(decode(xb, lengths, merge, time_major=False), want)
+    # the full Python path (a non-contiguous view is copied) gives the same
+    assert_same(decode(x.transpose(1, 0, 2), lengths, merge, time_major=False), want)
+    assert_same(decode(xb, lengths.astype(np.int64), merge, blank_index=np.int64(-1),
+                       time_major=False, num_threads=2), want)
+
+
+def test_time_major_false_checks_use_batch_major_shape():
+    x = np.zeros((2, 5, 3), np.float32)                  # [B=2, T=5, V=3]
+    with pytest.raises(FailedPreconditionError, match=re.escape("sequence_length(1) <= 5")):
+        ctc_greedy_decoder(x, [5, 6], time_major=False)
+    with pytest.raises(FailedPreconditionError, match="len.sequence_length. != batch_size"):
+        ctc_greedy_decoder(x, [5, 5, 5], time_major=False)
+    with pytest.raises(TypeError, match=r"time_major must be True .* or False"):
+        ctc_greedy_decoder(x, [5, 5], time_major="no")
+
+
+def test_fast_path_falls_back_with_tf_messages():
+    x = np.zeros((4, 2, 3), np.float32)
+    assert _ctc.decode_fast(x, np.array([4, 5], np.int32), None, True, None, True) is None
+    assert _ctc.decode_fast(x, np.array([4, 4], np.int32), 3, True, None, True) is None
+    assert _ctc.decode_fast(x, [4, 4], None, True, None, True) is None
+    with pytest.raises(FailedPreconditionError, match=re.escape("sequence_length(1) <= 4")):
+        ctc_greedy_decoder(x, np.array([4, 5], np.int32))
+    with pytest.raises(InvalidArgumentError, match="blank_index expected to be between -3 and 2"):
+        ctc_greedy_decoder(x, np.array([4, 4], np.int32), blank_index=3)
+    with pytest.raises(ValueError, match="num_threads must be a positive int"):
+        ctc_greedy_decoder(x, np.array([4, 4], np.int32), num_threads=0)
+
+
+def test_fast_path_large_batch_uses_heap_lengths():
+    rng = np.random.default_rng(5)
+    x, lengths = _random_case(rng, 6, 200, 4)            # B > the stack buffer of 64
+    want = ctc_greedy_decoder_reference(x, np.maximum(lengths, 0))
+    assert_same(decode(x, lengths), want)
+    assert_same(decode(x, lengths.astype(np.int64)), want)
+
+
+def test_torch_in_torch_out_zero_copy():
+    torch = pytest.importorskip("torch")
+    from readerlib.kernels import _native
+    rng = np.random.default_rng(6)
+    x, lengths = _random_case(rng, 9, 3, 6)
+    want = ctc_greedy_decoder_reference(x, np.maximum(lengths, 0))
+    xt = torch.from_numpy(x.copy())
+    view, wrap = _native(xt, "inputs")
+    assert view.ctypes.data == xt.data_ptr() and wrap is torch.from_numpy   # no copy
+    (sp,), neg = ctc_greedy_decoder(xt, torch.from_numpy(lengths))
+    for a in (sp.indices, sp.values, sp.dense_shape, neg):
+        assert isinstance(a, torch.Tensor)
+    assert_same((sp.indices.numpy(), sp.values.numpy(), sp.dense_shape.numpy(), neg.numpy()),
+                want)
+    # batch-major torch logits (to_padded's layout), requires_grad: decoded from .detach()
+    xb = torch.from_numpy(np.ascontiguousarray(x.transpose(1, 0, 2))).requires_grad_()
+    (sp,), neg = ctc_greedy_decoder(xb, lengths, time_major=False)
+    assert isinstance(neg, torch.Tensor) and not neg.requires_grad
+    np.testing.assert_array_equal(sp.values.numpy(), want[1])
+
+
+def test_torch_bad_dtype_message_names_argument():
+    torch = pytest.importorskip("torch")
+    x = torch.zeros((3, 1, 4), dtype=torch.int64)
+    with pytest.raises(TypeError, match=r"inputs must be float32 or float64 .*\.float\(\)"):
+        ctc_greedy_decoder(x, [3])
+    with pytest.raises(TypeError, match=r"inputs has dtype torch.bfloat16.*inputs\.float\(\)"):
+        ctc_greedy_decoder(torch.zeros((3, 1, 4), dtype=torch.bfloat16), [3])
+    with pytest.raises(TypeError, match="sequence_length must hold integers"):
+        ctc_greedy_decoder(torch.zeros((3, 1, 4)), torch.tensor([3.0]))
+
+
+class _Producer:
+    """A minimal DLPack producer of another framework (CPU)."""
+    __module__ = "otherframework.tensor"
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, **kwargs):
+        return self._a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+def test_dlpack_producer_cpu_zero_copy():
+    from readerlib.kernels import _native
+    rng = np.random.default_rng(7)
+    x, lengths = _random_case(rng, 5, 2, 4)
+    view, _ = _native(_Producer(x), "inputs")
+    assert view.ctypes.data == x.ctypes.data
+    want = ctc_greedy_decoder_reference(x, np.maximum(lengths, 0))
+    assert_same(decode(_Producer(x), _Producer(lengths)), want)
+
+
+def test_dlpack_producer_on_unknown_device_is_refused():
+    class OnTPU(_Producer):
+        def __dlpack_device__(self):
+            return (9, 0)
+    with pytest.raises(TypeError, match="inputs lives on DLPack device type 9"):
+        ctc_greedy_decoder(OnTPU(np.zeros((2, 1, 3), np.float32)), [2])

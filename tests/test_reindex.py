@@ -424,3 +424,116 @@ def test_backward_large_fresh_output_lazy_zero_path():
         touched = np.zeros(num_rows, bool)
         touched[idx] = True
         assert not dx[~touched].any()
+
+
+# -- torch tensors and DLPack producers (issue 14) ---------------------------------
+
+def test_torch_in_torch_out():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((6, 3, 2)).astype(np.float32)
+    idx = np.array([5, 0, 0, 2], np.int64)
+    y = batch_reindex(torch.from_numpy(x), torch.from_numpy(idx))
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.float32
+    np.testing.assert_array_equal(y.numpy(), x[idx])
+    dx = batch_reindex_grad(torch.from_numpy(x[idx]), torch.from_numpy(idx), 6)
+    assert isinstance(dx, torch.Tensor)
+    np.testing.assert_array_equal(dx.numpy(), batch_reindex_grad_reference(x[idx], idx, 6))
+    # NumPy x with a torch index: the result follows x (NumPy)
+    assert isinstance(batch_reindex(x, torch.from_numpy(idx)), np.ndarray)
+
+
+def test_torch_zero_copy_in_and_out():
+    torch = pytest.importorskip("torch")
+    from readerlib.kernels import _native
+    xt = torch.arange(24, dtype=torch.float64).reshape(8, 3)
+    view, _ = _native(xt, "x")
+    assert view.ctypes.data == xt.data_ptr()                  # read in place
+    out = torch.empty((3, 3), dtype=torch.float64)
+    y = batch_reindex(xt, torch.tensor([7, 1, 7]), out=out)
+    assert y is out and y.data_ptr() == out.data_ptr()        # written in place
+    np.testing.assert_array_equal(out.numpy(), xt.numpy()[[7, 1, 7]])
+    y = batch_reindex(xt, [2, 3])
+    assert y.data_ptr() == _native(y, "y")[0].ctypes.data     # torch.from_numpy: a view
+    dxo = torch.empty((8, 3), dtype=torch.float64)
+    assert batch_reindex_grad(y, [1, 1], 8, out=dxo) is dxo
+    np.testing.assert_array_equal(dxo.numpy()[1], xt.numpy()[2] + xt.numpy()[3])
+
+
+def test_torch_bad_arguments_name_the_argument():
+    torch = pytest.importorskip("torch")
+    x = torch.zeros((4, 2), requires_grad=True)
+    with pytest.raises(TypeError, match=r"x requires grad.*x\.detach\(\)"):
+        batch_reindex(x, [0])
+    with pytest.raises(TypeError, match=r"x has dtype torch.bfloat16.*x\.float\(\)"):
+        batch_reindex(torch.zeros((4, 2), dtype=torch.bfloat16), [0])
+    with pytest.raises(TypeError, match="idx must hold integers"):
+        batch_reindex(torch.zeros((4, 2)), torch.tensor([0.0]))
+    with pytest.raises(TypeError, match=r"dy requires grad.*dy\.detach\(\)"):
+        batch_reindex_grad(x, [0, 1, 2, 3], 4)
+    with pytest.raises(ValueError, match="out must have shape"):
+        batch_reindex(torch.zeros((4, 2)), [0], out=torch.zeros((2, 2)))
+
+
+def test_dlpack_producer_input():
+    class Producer:
+        __module__ = "otherframework"
+
+        def __init__(self, a):
+            self._a = a
+
+        def __dlpack__(self, **kwargs):
+            return self._a.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self):
+            return self._a.__dlpack_device__()
+
+    x = np.arange(12, dtype=np.int32).reshape(4, 3)
+    y = batch_reindex(Producer(x), Producer(np.array([3, 3, 0])))
+    np.testing.assert_array_equal(y, x[[3, 3, 0]])
+
+
+# -- streaming stores and the output block cache (issue 16) ----------------------
+
+@pytest.fixture
+def stream_always():
+    old = _reindex._set_stream_min_bytes(0)
+    yield
+    _reindex._set_stream_min_bytes(old)
+
+
+@pytest.mark.parametrize("row_bytes", [16, 48, 64, 256, 1040, 8192, 20, 24])
+@pytest.mark.parametrize("idx_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_streaming_gather_equals_take(stream_always, row_bytes, idx_dtype, threads):
+    rng = np.random.default_rng(row_bytes)
+    x = rng.integers(0, 255, (37, row_bytes), dtype=np.uint8)
+    idx = rng.integers(0, 37, 101).astype(idx_dtype)
+    np.testing.assert_array_equal(batch_reindex(x, idx, num_threads=threads), x[idx])
+    out = np.empty(101 * row_bytes + 1, np.uint8)[1:].reshape(101, row_bytes)
+    assert out.ctypes.data % 16 != 0                      # misaligned: the cached path
+    np.testing.assert_array_equal(batch_reindex(x, idx, out=out, num_threads=threads), x[idx])
+
+
+def test_big_fresh_outputs_reuse_released_blocks():
+    _reindex.release_cached_outputs()
+    rows = (_reindex.CACHED_OUTPUT_BYTES // 4096) + 3      # a little over the threshold
+    x = np.arange(16 * 1024, dtype=np.float32).reshape(16, 1024)
+    idx = np.arange(rows) % 16
+    y = batch_reindex(x, idx)
+    assert y.flags.c_contiguous and y.flags.writeable and y.ctypes.data % 64 == 0
+    np.testing.assert_array_equal(y, x[idx])
+    addr = y.ctypes.data
+    del y                                                   # its block is kept ...
+    assert _reindex.cached_bytes() >= rows * 4096
+    y2 = batch_reindex(x[::-1].copy(), idx)                 # ... and reused, fully overwritten
+    assert y2.ctypes.data == addr
+    np.testing.assert_array_equal(y2, x[::-1][idx])
+    view = y2[5:]
+    del y2                                                  # a view keeps the block alive
+    np.testing.assert_array_equal(view[:2], x[::-1][idx[5:7]])
+    del view
+    _reindex.release_cached_outputs()
+    assert _reindex.cached_bytes() == 0
+    # small outputs stay plain NumPy arrays
+    assert batch_reindex(x, [0, 1]).base is None

@@ -58,6 +58,80 @@ def _threads(num_threads, work_bytes=None):
     return min(int(num_threads), _parallel.MAX_THREADS)
 
 
+# -- foreign arrays: PyTorch tensors and DLPack producers ------------------------
+
+#: DLPack device types whose memory the CPU kernels can read (kDLCPU, kDLCUDAHost)
+#: and those the CuPy kernels can (kDLCUDA, kDLCUDAManaged).
+_DLPACK_CPU = (1, 3)
+_DLPACK_CUDA = (2, 13)
+
+
+def _is_foreign(a):
+    """A tensor of another framework: has ``__dlpack__`` and is neither NumPy nor CuPy."""
+    return (not isinstance(a, np.ndarray) and hasattr(a, "__dlpack__")
+            and hasattr(a, "__dlpack_device__") and not is_cupy_array(a))
+
+
+def _native(a, what, detach=False):
+    """``(array, wrap)``: a NumPy (CPU) or CuPy (CUDA) view of a PyTorch tensor or
+    other DLPack producer ``a``, without a copy, and ``wrap``, which turns a
+    result array back into ``a``'s kind (torch in -> torch out; another
+    producer -> its module's ``from_dlpack`` when it has one, else the NumPy /
+    CuPy array).  ``wrap`` is None for anything else (returned unchanged).
+
+    ``detach``: a torch tensor that requires grad is read as its ``.detach()``;
+    otherwise it is refused, since the result could not carry the gradient.
+    """
+    if not _is_foreign(a):
+        return a, None
+    kind = type(a).__module__.split(".")[0]
+    if kind == "torch":
+        import torch
+        if a.requires_grad:
+            if not detach:
+                raise TypeError(f"{what} requires grad, and this kernel is not recorded by "
+                                f"autograd: pass {what}.detach() (the backward of batch_reindex "
+                                "is batch_reindex_grad)")
+            a = a.detach()
+        if a.device.type == "cpu":
+            try:
+                return a.resolve_conj().resolve_neg().numpy(), torch.from_numpy
+            except TypeError as e:   # a dtype NumPy has no equivalent for (bfloat16 ...)
+                raise TypeError(f"{what} has dtype {a.dtype}, which the CPU kernels do not "
+                                f"read ({e}); cast it, e.g. {what}.float()") from None
+        if a.device.type == "cuda":
+            from ..gpu import require_cupy
+            return require_cupy().from_dlpack(a), torch.from_dlpack
+        raise TypeError(f"{what} is a torch tensor on {a.device}; pass a CPU or CUDA tensor "
+                        f"({what}.cpu())")
+    dev_type = int(a.__dlpack_device__()[0])
+    if dev_type in _DLPACK_CPU:
+        arr = np.from_dlpack(a)
+    elif dev_type in _DLPACK_CUDA:
+        from ..gpu import require_cupy
+        arr = require_cupy().from_dlpack(a)
+    else:
+        raise TypeError(f"{what} lives on DLPack device type {dev_type}; the kernels read "
+                        "CPU (NumPy) and CUDA (CuPy) memory: copy it to one of those first")
+    import sys
+    back = getattr(sys.modules.get(kind), "from_dlpack", None)
+    return arr, (back if callable(back) else (lambda r: r))
+
+
+def _wrap_all(wrap, *results):
+    """Apply ``wrap`` (from :func:`_native`) to result arrays; identity when None."""
+    if wrap is None:
+        return results
+    return tuple(wrap(r) for r in results)
+
+
+def _sparse(indices, values, dense_shape):
+    """A SparseTensor from the kernels' int64 arrays, without re-checking them."""
+    sp = SparseTensor.__new__(SparseTensor)
+    sp.indices, sp.values, sp.dense_shape = indices, values, dense_shape
+    return sp
+
+
 # -- batch_reindex --------------------------------------------------------------
 
 def _check_reindex_dtype(a, what):
@@ -176,6 +250,8 @@ def batch_reindex(x, idx, *, out=None, num_threads=None):
         if out is not None:
             raise TypeError("out= is not supported for LoDTensor input")
         return _batch_reindex_lod(x, idx, num_threads)
+    if _is_foreign(x) or _is_foreign(idx) or _is_foreign(out):
+        return _batch_reindex_foreign(x, idx, out, num_threads)
     x, xp, on_gpu = _reindex_operand(x, "x")
     idx = _as_index(idx, xp)
     if on_gpu:
@@ -183,6 +259,8 @@ def batch_reindex(x, idx, *, out=None, num_threads=None):
             raise NotImplementedError("out= is not supported for CuPy arrays")
         from . import _gpu
         return _gpu.batch_reindex(x, idx)
+    if out is None:   # every byte is overwritten: may reuse a released block
+        out = _reindex.empty_output((idx.shape[0],) + x.shape[1:], x.dtype)
     out = _check_out(out, (idx.shape[0],) + x.shape[1:], x.dtype, x)
     n_threads = _threads(num_threads, 2 * out.nbytes)
     if idx.shape[0] == 0:
@@ -191,6 +269,18 @@ def batch_reindex(x, idx, *, out=None, num_threads=None):
         _check_bounds(idx, x.shape[0])   # before paying for the contiguous copy
     _reindex.gather_rows(np.ascontiguousarray(x), idx, out, n_threads)
     return out
+
+
+def _batch_reindex_foreign(x, idx, out, num_threads):
+    """batch_reindex for torch tensors / DLPack producers: zero-copy views in,
+    the result handed back as ``x``'s kind (``out`` itself when given)."""
+    x_arr, wrap = _native(x, "x")
+    idx_arr, _ = _native(idx, "idx")
+    out_arr, _ = _native(out, "out")
+    y = batch_reindex(x_arr, idx_arr, out=out_arr, num_threads=num_threads)
+    if out is not None:
+        return out
+    return _wrap_all(wrap, y)[0]
 
 
 def _batch_reindex_lod(t, idx, num_threads):
@@ -231,7 +321,7 @@ def _batch_reindex_lod(t, idx, num_threads):
     if n_rows.shape[0] > 1:
         np.cumsum(n_rows[:-1], out=dst_row[1:])
     total = int(n_rows.sum())
-    out = np.empty((total,) + data.shape[1:], dtype=data.dtype)
+    out = _reindex.empty_output((total,) + data.shape[1:], data.dtype)
     if total:
         _reindex.copy_segments(np.ascontiguousarray(data), np.ascontiguousarray(begin),
                                np.ascontiguousarray(n_rows), dst_row, out,
@@ -285,6 +375,12 @@ def batch_reindex_grad(dy, idx, num_rows, *, out=None, num_threads=None):
     >>> batch_reindex_grad(np.ones((3, 2)), [2, 0, 2], 3).tolist()
     [[1.0, 1.0], [0.0, 0.0], [2.0, 2.0]]
     """
+    if _is_foreign(dy) or _is_foreign(idx) or _is_foreign(out):
+        dy_arr, wrap = _native(dy, "dy")
+        out_arr, _ = _native(out, "out")
+        dx = batch_reindex_grad(dy_arr, _native(idx, "idx")[0], num_rows, out=out_arr,
+                                num_threads=num_threads)
+        return out if out is not None else _wrap_all(wrap, dx)[0]
     dy, xp, on_gpu = _reindex_operand(dy, "dy")
     if not isinstance(num_rows, numbers.Integral) or isinstance(num_rows, bool):
         raise TypeError(f"num_rows must be an int, got {type(num_rows).__name__}")
@@ -342,7 +438,7 @@ def _check_ctc_dtype(a):
 
 
 def ctc_greedy_decoder(inputs, sequence_length=None, merge_repeated=True, blank_index=None,
-                       *, num_threads=None):
+                       *, time_major=True, num_threads=None):
     """Greedy (best-path) CTC decoding, as ``tf.nn.ctc_greedy_decoder``.
 
     At every frame the argmax class is taken (the first one on ties; TF's
@@ -353,9 +449,13 @@ def ctc_greedy_decoder(inputs, sequence_length=None, merge_repeated=True, blank_
 
     Parameters
     ----------
-    inputs : ndarray or LoDTensor
+    inputs : ndarray, torch.Tensor, DLPack producer or LoDTensor
         Logits, time-major ``[max_time, batch_size, num_classes]`` float32 or
-        float64 (NumPy: CPU kernel; CuPy: GPU kernel).  Or a one-level
+        float64 (NumPy: CPU kernel; CuPy: GPU kernel; a PyTorch tensor or any
+        ``__dlpack__`` producer is read in place, CPU -> CPU kernel, CUDA ->
+        GPU kernel, and the results come back as the same kind of array),
+        or ``[batch_size, max_time, num_classes]`` with ``time_major=False``
+        (``LoDTensor.to_padded``'s layout, decoded in place).  Or a one-level
         LoDTensor ``data [total_frames, num_classes]`` holding one sequence
         per utterance, decoded without padding (same outputs as the padded
         form).
@@ -369,6 +469,9 @@ def ctc_greedy_decoder(inputs, sequence_length=None, merge_repeated=True, blank_
     blank_index : int, optional
         Class of the blank; default ``num_classes - 1``.  Negative values count
         from ``num_classes`` (``-1`` is the default).
+    time_major : bool, default True
+        False: padded ``inputs`` are batch-major ``[batch_size, max_time,
+        num_classes]``; same outputs as ``inputs.transpose(1, 0, 2)`` with True.
     num_threads : int, optional
         Threads for the CPU kernel.  Default: ``readerlib.get_num_threads()``,
         fewer for small inputs (see ``readerlib.set_num_threads``).
@@ -409,8 +512,23 @@ def ctc_greedy_decoder(inputs, sequence_length=None, merge_repeated=True, blank_
     >>> decoded.to_dense().tolist(), neg_sum.ravel().tolist()
     ([[0, 0], [2, 0]], [0.5, 0.30000001192092896])
     """
+    if type(inputs) is np.ndarray and (time_major is True or time_major is False):
+        # The common case in one compiled call (validation included); None when
+        # an argument needs a conversion or a message: then the full path below.
+        r = _ctc.decode_fast(inputs, sequence_length, blank_index, merge_repeated,
+                             num_threads, time_major)
+        if r is not None:
+            return [_sparse(r[0], r[1], r[2])], r[3]
     if isinstance(inputs, LoDTensor):
         return _ctc_lod(inputs, sequence_length, merge_repeated, blank_index, num_threads)
+    if not isinstance(time_major, (bool, np.bool_)):
+        raise TypeError(f"time_major must be True ([max_time, batch, classes]) or False "
+                        f"([batch, max_time, classes]), got {time_major!r}")
+    if _is_foreign(inputs) or _is_foreign(sequence_length):
+        return _ctc_foreign(inputs, sequence_length, merge_repeated, blank_index,
+                            bool(time_major), num_threads)
+    if not time_major:
+        inputs = _time_major_view(inputs)
     xp = _xp(inputs)
     on_gpu = is_cupy_array(inputs)
     if not hasattr(inputs, "dtype"):
@@ -459,6 +577,35 @@ def ctc_greedy_decoder(inputs, sequence_length=None, merge_repeated=True, blank_
         np.ascontiguousarray(inputs), lengths, blank, bool(merge_repeated),
         _threads(num_threads, inputs.nbytes))
     return [SparseTensor(indices, values, shape)], neg
+
+
+def _time_major_view(inputs):
+    """``[B, T, V]`` logits as a ``[T, B, V]`` view, for the full path (copied to
+    contiguous later; the compiled fast path reads ``[B, T, V]`` in place)."""
+    if not hasattr(inputs, "ndim"):
+        inputs = np.asarray(inputs, dtype=np.float32)
+    if inputs.ndim != 3:
+        raise InvalidArgumentError("inputs is not a 3-Tensor")
+    inputs = inputs.transpose(1, 0, 2)
+    return _xp(inputs).ascontiguousarray(inputs) if is_cupy_array(inputs) else inputs
+
+
+def _ctc_foreign(inputs, sequence_length, merge_repeated, blank_index, time_major, num_threads):
+    """ctc_greedy_decoder for torch tensors / DLPack producers: decoded in place
+    (NumPy or CuPy view), every output array handed back as ``inputs``' kind."""
+    x, wrap = _native(inputs, "inputs", detach=True)
+    lengths, _ = _native(sequence_length, "sequence_length", detach=True)
+    if is_cupy_array(x) and isinstance(lengths, np.ndarray):
+        lengths = _xp(x).asarray(lengths)
+    elif isinstance(x, np.ndarray) and is_cupy_array(lengths):
+        lengths = lengths.get()
+    if hasattr(x, "dtype") and x.dtype not in CTC_DTYPES:
+        raise TypeError(f"inputs must be float32 or float64 logits, got {inputs.dtype}; "
+                        "cast with .float() (torch) or .astype(np.float32)")
+    (sp,), neg = ctc_greedy_decoder(x, lengths, merge_repeated, blank_index,
+                                    time_major=time_major, num_threads=num_threads)
+    indices, values, shape, neg = _wrap_all(wrap, sp.indices, sp.values, sp.dense_shape, neg)
+    return [_sparse(indices, values, shape)], neg
 
 
 def _ctc_lod(t, sequence_length, merge_repeated, blank_index, num_threads):

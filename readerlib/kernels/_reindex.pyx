@@ -119,7 +119,41 @@ cdef extern from *:
         (void)p; (void)nbytes;
     #endif
     }
+
+    /* Forward copy of one row with streaming (non-temporal) stores: the output
+       bypasses the caches, so its lines are not read before being written
+       (no read-for-ownership: 2 bytes of traffic per byte copied instead of 3)
+       and do not evict the source.  Consecutive rows are consecutive in the
+       output, so the write-combining buffers still see whole lines.
+       Needs a 16-byte aligned `d` and `n % 16 == 0`; the caller fences. */
+    #if defined(__SSE2__) || defined(_M_X64)
+    #include <emmintrin.h>
+    #define RL_HAVE_STREAM 1
+    static inline void rl_stream_row(char* d, const char* s, Py_ssize_t n) {
+        Py_ssize_t c = 0;
+        for (; c + 64 <= n; c += 64) {
+            __m128i a0 = _mm_loadu_si128((const __m128i*)(s + c));
+            __m128i a1 = _mm_loadu_si128((const __m128i*)(s + c + 16));
+            __m128i a2 = _mm_loadu_si128((const __m128i*)(s + c + 32));
+            __m128i a3 = _mm_loadu_si128((const __m128i*)(s + c + 48));
+            _mm_stream_si128((__m128i*)(d + c), a0);
+            _mm_stream_si128((__m128i*)(d + c + 16), a1);
+            _mm_stream_si128((__m128i*)(d + c + 32), a2);
+            _mm_stream_si128((__m128i*)(d + c + 48), a3);
+        }
+        for (; c < n; c += 16)
+            _mm_stream_si128((__m128i*)(d + c), _mm_loadu_si128((const __m128i*)(s + c)));
+    }
+    static inline void rl_stream_fence(void) { _mm_sfence(); }
+    #else
+    #define RL_HAVE_STREAM 0
+    static inline void rl_stream_row(char* d, const char* s, Py_ssize_t n) { memcpy(d, s, n); }
+    static inline void rl_stream_fence(void) {}
+    #endif
     """
+    int RL_HAVE_STREAM
+    void rl_stream_row(char* d, const char* s, intp_t n) noexcept nogil
+    void rl_stream_fence() noexcept nogil
     void rl_prefetch_row(const void* p, intp_t nbytes) noexcept nogil
     float rl_half_to_float(uint16_t h) noexcept nogil
     uint16_t rl_float_to_half(float value) noexcept nogil
@@ -128,6 +162,27 @@ cdef extern from *:
 # Rows up to this size (and a multiple of 32 bytes) are copied with inlined moves.
 cdef enum:
     SHORT_ROW_BYTES = 1024
+
+# The forward's streaming path prefetches the source row this many indices ahead.
+cdef enum:
+    PREFETCH_ROWS = 8
+
+#: Outputs at least this big are written with streaming stores (see
+#: rl_stream_row); smaller ones stay in the caches, where the caller will read
+#: them next.  Measured with benchmarks/bench_kernels_cpu.py --sweep-stream.
+#: (one thread, output and source both this big, cached vs streaming: 256-byte
+#: rows 1.06x at 8 MiB, 2.3x at 16 MiB; 8 KiB rows 0.83x at 8, 1.5x at 16).
+STREAM_MIN_BYTES = 16 << 20
+cdef int64_t _stream_min_bytes = STREAM_MIN_BYTES
+
+
+def _set_stream_min_bytes(n):
+    """Change the streaming-store threshold (benchmarks' sweep; returns the old value)."""
+    global _stream_min_bytes
+    old = _stream_min_bytes
+    _stream_min_bytes = max(0, int(n))
+    return old
+
 
 # The backward prefetches the dy rows of the output row this many rows ahead.
 cdef enum:
@@ -221,9 +276,24 @@ cdef inline void _gather_chunks(const char* src, intp_t row_bytes, const index_t
             memcpy(d + c, s + c, 32)
 
 
+cdef inline void _gather_stream(const char* src, intp_t row_bytes, const index_t* idx,
+                                intp_t begin, intp_t end, char* dst) noexcept nogil:
+    """Rows of 16k bytes into a 16-byte aligned output too big for the caches:
+    streaming stores, and the source rows a few indices ahead prefetched (the
+    gather's reads are random: no hardware prefetcher predicts them)."""
+    cdef intp_t i
+    for i in range(begin, end):
+        if i + PREFETCH_ROWS < end:
+            rl_prefetch_row(src + <intp_t> idx[i + PREFETCH_ROWS] * row_bytes, row_bytes)
+        rl_stream_row(dst + i * row_bytes, src + <intp_t> idx[i] * row_bytes, row_bytes)
+    rl_stream_fence()
+
+
 cdef inline void _gather_range(const char* src, intp_t row_bytes, const index_t* idx,
-                               intp_t begin, intp_t end, char* dst) noexcept nogil:
-    if row_bytes == 1:
+                               intp_t begin, intp_t end, char* dst, bint stream) noexcept nogil:
+    if stream:
+        _gather_stream(src, row_bytes, idx, begin, end, dst)
+    elif row_bytes == 1:
         _gather_words(<const uint8_t*> src, idx, begin, end, <uint8_t*> dst)
     elif row_bytes == 2:
         _gather_words(<const uint16_t*> src, idx, begin, end, <uint16_t*> dst)
@@ -242,15 +312,16 @@ cdef struct _gather_job:
     intp_t row_bytes
     const void* idx
     bint idx32
+    bint stream
     char* dst
 
 
 cdef void _gather_body(void* ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
     cdef _gather_job* j = <_gather_job*> ctx
     if j.idx32:
-        _gather_range(j.src, j.row_bytes, <const int32_t*> j.idx, begin, end, j.dst)
+        _gather_range(j.src, j.row_bytes, <const int32_t*> j.idx, begin, end, j.dst, j.stream)
     else:
-        _gather_range(j.src, j.row_bytes, <const int64_t*> j.idx, begin, end, j.dst)
+        _gather_range(j.src, j.row_bytes, <const int64_t*> j.idx, begin, end, j.dst, j.stream)
 
 
 cdef int _gather_rows(const char* src, intp_t n_src, intp_t row_bytes, const index_t* idx,
@@ -264,8 +335,137 @@ cdef int _gather_rows(const char* src, intp_t n_src, intp_t row_bytes, const ind
     j.idx = idx
     j.idx32 = index_t is int32_t
     j.dst = dst
+    j.stream = (RL_HAVE_STREAM and n * row_bytes >= _stream_min_bytes and row_bytes % 16 == 0
+                and (<size_t> dst) % 16 == 0)
     parallel_for(n_threads, n, _gather_body, &j)
     return OK
+
+
+# -- fresh outputs without page faults ---------------------------------------------
+#
+# A fresh output of 32 MiB or more is a new mmap (glibc's mmap threshold tops
+# out at 32 MiB), so every call pays a page fault and the kernel's zeroing for
+# every page of it before the copy can write it: at (4096, 8192, 2048) that
+# was 7 ms of a 9.7 ms call (perf: clear_page / clear_huge_page), the copy
+# itself 2.9 ms.  Smaller blocks are recycled by malloc already.  So big
+# outputs come from a small cache of blocks that earlier outputs released
+# (the block is the array's base; when the array dies, the block returns
+# here): a training loop that gathers a batch per step reuses the same pages.
+# Bounded: at most CACHE_SLOTS idle blocks and CACHE_MAX_BYTES in all; every
+# byte of such an output is overwritten by the gather, so reuse is invisible.
+
+cdef extern from *:
+    """
+    #include <stdlib.h>
+    #if defined(__linux__)
+    #include <sys/mman.h>
+    #endif
+    #define RL_CACHE_SLOTS 2
+    #define RL_BLOCK_ALIGN ((size_t)2 << 20)
+    static struct { void* ptr; size_t size; } rl_cache[RL_CACHE_SLOTS];
+    static size_t rl_cache_max_bytes = (size_t)512 << 20;
+
+    static size_t rl_block_round(size_t n) { return (n + RL_BLOCK_ALIGN - 1) & ~(RL_BLOCK_ALIGN - 1); }
+
+    /* A block of rl_block_round(n) bytes: an idle cached one of that size, else new. */
+    static void* rl_block_get(size_t n) {
+        size_t size = rl_block_round(n);
+        void* p = NULL;
+        int k;
+        for (k = 0; k < RL_CACHE_SLOTS; ++k) {
+            if (rl_cache[k].ptr && rl_cache[k].size == size) {
+                p = rl_cache[k].ptr;
+                rl_cache[k].ptr = NULL;
+                return p;
+            }
+        }
+        if (posix_memalign(&p, RL_BLOCK_ALIGN, size) != 0) return NULL;
+    #if defined(__linux__) && defined(MADV_HUGEPAGE)
+        madvise(p, size, MADV_HUGEPAGE);   /* as NumPy does for big arrays */
+    #endif
+        return p;
+    }
+
+    static size_t rl_cache_bytes(void) {
+        size_t t = 0;
+        int k;
+        for (k = 0; k < RL_CACHE_SLOTS; ++k) if (rl_cache[k].ptr) t += rl_cache[k].size;
+        return t;
+    }
+
+    /* Keep a released block for the next output (evicting the oldest), or free it. */
+    static void rl_block_put(void* p, size_t n) {
+        size_t size = rl_block_round(n);
+        int k;
+        if (size > rl_cache_max_bytes) { free(p); return; }
+        if (rl_cache[RL_CACHE_SLOTS - 1].ptr) free(rl_cache[RL_CACHE_SLOTS - 1].ptr);
+        for (k = RL_CACHE_SLOTS - 1; k > 0; --k) rl_cache[k] = rl_cache[k - 1];
+        rl_cache[0].ptr = p;
+        rl_cache[0].size = size;
+        while (rl_cache_bytes() > rl_cache_max_bytes) {
+            for (k = RL_CACHE_SLOTS - 1; k >= 0 && !rl_cache[k].ptr; --k) {}
+            free(rl_cache[k].ptr);
+            rl_cache[k].ptr = NULL;
+        }
+    }
+
+    static void rl_cache_clear(void) {
+        int k;
+        for (k = 0; k < RL_CACHE_SLOTS; ++k) { free(rl_cache[k].ptr); rl_cache[k].ptr = NULL; }
+    }
+    """
+    void* rl_block_get(size_t n) noexcept nogil
+    void rl_block_put(void* p, size_t n) noexcept nogil
+    size_t rl_cache_bytes() noexcept nogil
+    void rl_cache_clear() noexcept nogil
+
+#: Fresh outputs at least this big come from the block cache (smaller: np.empty).
+CACHED_OUTPUT_BYTES = 32 << 20
+
+
+cdef class _Block:
+    """Owner of a cached block: the base of the arrays made by :func:`empty_output`."""
+    cdef void* ptr
+    cdef size_t nbytes
+
+    def __dealloc__(self):
+        if self.ptr != NULL:
+            rl_block_put(self.ptr, self.nbytes)   # the GIL serialises the cache
+            self.ptr = NULL
+
+
+def empty_output(shape, dtype):
+    """An uninitialised C-contiguous array for a kernel output that the kernel
+    overwrites entirely; from the block cache when it is big (see above)."""
+    dtype = np.dtype(dtype)
+    shape = tuple(int(d) for d in shape)
+    cdef intp_t nbytes = dtype.itemsize
+    for d in shape:
+        nbytes *= d
+    if nbytes < CACHED_OUTPUT_BYTES or not dtype.isnative or len(shape) > 32:
+        return np.empty(shape, dtype=dtype)
+    cdef _Block block = _Block.__new__(_Block)
+    block.ptr = rl_block_get(<size_t> nbytes)
+    if block.ptr == NULL:
+        return np.empty(shape, dtype=dtype)       # let NumPy raise its MemoryError
+    block.nbytes = <size_t> nbytes
+    cdef cnp.npy_intp dims[32]
+    cdef int nd = len(shape), k
+    for k in range(nd):
+        dims[k] = shape[k]
+    cdef cnp.ndarray arr = cnp.PyArray_SimpleNewFromData(nd, dims, dtype.num, block.ptr)
+    cnp.set_array_base(arr, block)
+    return arr
+
+
+def cached_bytes():
+    """Bytes held by idle cached output blocks (tests)."""
+    return rl_cache_bytes()
+
+
+def release_cached_outputs():
+    """Free the idle cached output blocks (they are otherwise kept for reuse)."""
+    rl_cache_clear()
 
 
 def _raise_for(int rc):

@@ -138,3 +138,27 @@ def ctc_greedy_decoder_vectorized(inputs, sequence_length, merge_repeated=True, 
     indices = np.stack([b_idx, pos], axis=1).astype(np.int64)
     shape = np.array([batch, counts.max() if batch else 0], dtype=np.int64)
     return indices, values, shape, neg
+
+
+def ctc_greedy_decoder_loop(inputs, sequence_length, merge_repeated=True, blank_index=None):
+    """The decoder as a user writes it: per utterance, argmax, merge repeats, drop
+    blanks (benchmark peer for small, streaming shapes).
+
+    Returns one int64 label array per utterance (no ``neg_sum_logits``, no
+    sparse packing: less work than the kernel does).  NumPy's argmax treats NaN
+    as the maximum, unlike TF: inputs without NaN only.
+    """
+    max_time, batch, num_classes = inputs.shape
+    blank = num_classes - 1 if blank_index is None else blank_index
+    if blank < 0:
+        blank += num_classes
+    out = []
+    for b in range(batch):
+        a = inputs[:max(int(sequence_length[b]), 0), b].argmax(axis=1)
+        if merge_repeated and a.shape[0] > 1:
+            keep = np.empty(a.shape[0], dtype=bool)
+            keep[0] = True
+            np.not_equal(a[1:], a[:-1], out=keep[1:])
+            a = a[keep]
+        out.append(a[a != blank])
+    return out
