@@ -82,6 +82,12 @@ cdef int64_t columns_encode(const rl_layout *L, const rl_columns *C, int64_t i, 
 
 cdef int layout_from_schema(rl_layout *L, object schema) except -1
 
+# The owner (NumPy base object) of arrays that view a block: holds one reference.
+cdef class BlockRef:
+    cdef rl_block *block
+
+cdef BlockRef block_ref(rl_block *b)
+
 # CRC-32C of a buffer; a large one is split over readerlib's worker threads
 # (readerlib._parallel: readerlib.set_num_threads, READERLIB_NUM_THREADS).
 cdef uint32_t crc32c_parallel(const char *p, int64_t n) noexcept nogil

@@ -292,9 +292,8 @@ cdef rl_block *encode_instance(object schema, const rl_layout *L, object instanc
 
 
 # -------------------------------------------------------------- Python views
-cdef class _BlockRef:
+cdef class BlockRef:
     """Keeps an rl_block alive for NumPy arrays that view it."""
-    cdef rl_block *block
 
     def __dealloc__(self):
         if self.block != NULL:
@@ -302,8 +301,8 @@ cdef class _BlockRef:
             self.block = NULL
 
 
-cdef _BlockRef _block_ref(rl_block *b):
-    cdef _BlockRef r = _BlockRef.__new__(_BlockRef)
+cdef BlockRef block_ref(rl_block *b):
+    cdef BlockRef r = BlockRef.__new__(BlockRef)
     rl_block_incref(b)
     r.block = b
     return r
@@ -337,7 +336,7 @@ cdef inline int64_t _align64(int64_t x) noexcept nogil:
 
 
 cdef tuple _wrap_batch(ReaderBase r, rl_record *rec):
-    cdef _BlockRef owner = _block_ref(rec.block)
+    cdef BlockRef owner = block_ref(rec.block)
     cdef const char *base = rec.data
     cdef int64_t n = rl_load_i64(base)
     cdef int nf = <int>rl_load_i64(base + 8)

@@ -14,18 +14,12 @@
 # lod_off == PADDED_FIELD (-2): a padded sequence field, dense [n, rows, *shape]
 # (rows is the padded length T), written by the padded/bucketed batches.
 from readerlib._typedefs cimport int64_t
-from readerlib.readers._base cimport rl_block, rl_record, rl_layout, RL_MAX_FIELDS
+from readerlib.readers._base cimport rl_block, rl_record, rl_layout, RL_MAX_FIELDS, BlockRef, block_ref
 
 cdef enum:
     PADDED_FIELD = -2
     CODEC_MAX_NDIM = 8        # value shapes up to this many dims take the fast checks
 
-
-cdef class BlockRef:
-    cdef rl_block *block
-
-
-cdef BlockRef block_ref(rl_block *b)
 
 
 cdef class InstanceCodec:

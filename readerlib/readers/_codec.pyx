@@ -29,22 +29,6 @@ cnp.import_array()
 _OFFSETS_FIELD = Field("offsets", "int64")
 
 
-cdef class BlockRef:
-    """Keeps an rl_block alive for the NumPy arrays that view it."""
-
-    def __dealloc__(self):
-        if self.block != NULL:
-            rl_block_decref(self.block)
-            self.block = NULL
-
-
-cdef BlockRef block_ref(rl_block *b):
-    cdef BlockRef r = BlockRef.__new__(BlockRef)
-    rl_block_incref(b)
-    r.block = b
-    return r
-
-
 cdef object _view(object owner, const char *ptr, int nd, cnp.npy_intp *dims, int typenum):
     arr = cnp.PyArray_SimpleNewFromData(nd, dims, typenum, <void *>ptr)
     cnp.set_array_base(arr, owner)
