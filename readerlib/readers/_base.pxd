@@ -88,6 +88,10 @@ cdef class BlockRef:
 
 cdef BlockRef block_ref(rl_block *b)
 
+# A LoDTensor over arrays the caller built well formed (a batch block's views):
+# no re-validation.
+cdef object trusted_lod(object data, list lod)
+
 # CRC-32C of a buffer; a large one is split over readerlib's worker threads
 # (readerlib._parallel: readerlib.set_num_threads, READERLIB_NUM_THREADS).
 cdef uint32_t crc32c_parallel(const char *p, int64_t n) noexcept nogil

@@ -322,7 +322,7 @@ cdef object _view(object owner, const char *ptr, int64_t rows, object field):
     return arr
 
 
-cdef object _trusted_lod(object data, list lod):
+cdef object trusted_lod(object data, list lod):
     t = LoDTensor.__new__(LoDTensor)
     t.data = data
     t.lod = lod
@@ -357,7 +357,7 @@ cdef tuple _wrap_batch(ReaderBase r, rl_record *rec):
         else:
             data = _view(owner, base + doff, n, field)
             lod = []
-        out.append(_trusted_lod(data, lod))
+        out.append(trusted_lod(data, lod))
     return tuple(out)
 
 

@@ -20,7 +20,7 @@ from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM, PyTuple_GET_SIZE
 from readerlib._typedefs cimport int64_t
 from readerlib.readers._base cimport (
     rl_block, rl_record, rl_layout, rl_block_incref, rl_block_decref, rl_block_new,
-    rl_load_i64, rl_store_i64, layout_from_schema, layout_parse, RL_MAX_FIELDS)
+    rl_load_i64, rl_store_i64, layout_from_schema, layout_parse, RL_MAX_FIELDS, trusted_lod)
 from readerlib.readers._base import _cast_to_field
 from readerlib.tensor import Field, LoDTensor, Schema
 
@@ -214,13 +214,6 @@ cdef class InstanceCodec:
         return pos
 
 
-cdef object _trusted_lod(object data, list lod):
-    t = LoDTensor.__new__(LoDTensor)
-    t.data = data
-    t.lod = lod
-    return t
-
-
 cdef class BatchCodec:
     """View / build batch blocks of one schema (see _codec.pxd).
 
@@ -275,7 +268,7 @@ cdef class BatchCodec:
                 lod = [_view(owner, base + loff, 1, dims, cnp.NPY_INT64)]
             else:
                 lod = []
-            out[f] = _trusted_lod(data, lod)
+            out[f] = trusted_lod(data, lod)
         return tuple(out)
 
     cdef list normalize(self, object batch, str what):
