@@ -18,20 +18,25 @@ the numbers behind ``readerlib._parallel.MIN_BYTES_PER_THREAD``.
 0.25) with and without a competitor.
 
     python benchmarks/bench_contention.py [--repeats 5] [--scale 1] [--main /work/main]
-                                          [--sweep] [--cli] [--out FILE]
+                                          [--sweep] [--cli] [--quick] [--out FILE]
 """
-import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+import harness
+from harness import Competitors
+
+
+def build_root():
+    """The folder that holds the readerlib under test (the in-place build or an install)."""
+    import readerlib
+    return os.path.dirname(os.path.dirname(os.path.abspath(readerlib.__file__)))
+
 KINDS = {"small": ("64 B records", 2_000_000), "large": ("64 KiB records", 4096)}
 
 WORKER = r"""
@@ -63,39 +68,20 @@ try:
     out["pool"] = {"workers": _parallel._pool_workers(), "losing_splits": _parallel._losing_splits()}
 except ImportError:        # an OpenMP build
     out["pool"] = None
-print(json.dumps(out))
+emit(out)
 """
 
 
-class Competitors:
-    """`n` busy processes spinning in Python, killed on exit."""
-
-    def __init__(self, n):
-        self.n, self.procs = n, []
-
-    def __enter__(self):
-        for _ in range(self.n):
-            self.procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
-        time.sleep(0.3 if self.n else 0)   # let them reach the loop
-        return self
-
-    def __exit__(self, *exc):
-        for p in self.procs:
-            p.kill()
-        for p in self.procs:
-            p.wait()
-
-
 def run_worker(pythonpath, paths, repeats, env_extra=None):
-    env = dict(os.environ, PYTHONPATH=pythonpath, OPENBLAS_NUM_THREADS="1")
-    env.pop("READERLIB_NUM_THREADS", None)
+    env = {"PYTHONPATH": pythonpath, "OPENBLAS_NUM_THREADS": "1", "READERLIB_NUM_THREADS": None}
     env.update(env_extra or {})
     # -P: the build under test comes from PYTHONPATH, never from the current directory
-    r = subprocess.run([sys.executable, "-P", "-c", WORKER, json.dumps(paths), str(repeats)],
-                       env=env, capture_output=True, text=True, timeout=1800)
-    if r.returncode:
-        raise SystemExit(f"worker failed ({pythonpath}):\n{r.stderr}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    try:
+        (res,), _ = harness.run_child(WORKER, [json.dumps(paths), repeats], timeout=1800, env=env,
+                                      python_flags=("-P",))
+    except RuntimeError as e:
+        raise SystemExit(f"worker failed ({pythonpath}):\n{e}")
+    return res
 
 
 def rates(samples):
@@ -107,14 +93,13 @@ def fmt_rate(kind, r):
 
 
 def chains(args, out):
-    sys.path.insert(0, ROOT)
     from readerlib import bench
     tmp = tempfile.mkdtemp(prefix="rl-contention-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     paths = {}
     for kind, (_, n) in KINDS.items():
         paths[kind] = os.path.join(tmp, f"{kind}.rio")
         bench.make_dataset(paths[kind], kind, max(1, int(n * args.scale)))
-    builds = [("this branch", ROOT)] + ([("main (OpenMP)", args.main)] if args.main else [])
+    builds = [("this branch", build_root())] + ([("main (OpenMP)", args.main)] if args.main else [])
     rows, pools = [], []
     try:
         for n_comp in (0, 1):
@@ -148,24 +133,18 @@ def chains(args, out):
 
 
 def sweep(args, out):
-    sys.path.insert(0, ROOT)
     import numpy as np
     import readerlib as rl
     from readerlib import _parallel
     from readerlib.readers import _base
     old_min = _parallel._set_min_bytes_per_thread(1)   # always split: measure the split itself
     sizes = [32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 4 << 20]
+    if args.quick:
+        sizes = sizes[:2]
     rows = []
 
-    def best_us(fn, total_bytes):
-        reps = max(20, min(2000, int((256 << 20) / max(total_bytes, 1))))
-        ts = []
-        for _ in range(5):
-            t = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            ts.append((time.perf_counter() - t) / reps * 1e6)
-        return min(ts), statistics.median(ts)
+    def reps(total_bytes):
+        return 2 if args.quick else max(20, min(2000, int((256 << 20) / max(total_bytes, 1))))
 
     try:
         for n_comp in (0, 1):
@@ -179,21 +158,34 @@ def sweep(args, out):
                     rng = np.random.default_rng(0)
                     idxs = [rng.integers(0, len(x), size // 256) for _ in range(16)]
                     y = np.empty((size // 256, 256), np.uint8)
-                    res = {}
-                    for t in (1, 2):
-                        rl.set_num_threads(t)
-                        it = iter(range(1 << 62))
-                        res[("crc", t)] = best_us(
-                            lambda: _base._crc32c_parallel_py(slices[next(it) % len(slices)]), size)
-                        res[("gather", t)] = best_us(
-                            lambda: rl.batch_reindex(x, idxs[next(it) % 16], out=y, num_threads=t), 2 * size)
+                    it = iter(range(1 << 62))
+
+                    def calls(fn, t, n):
+                        # `n` calls on `t` threads, timed as one round (the thread count set outside it)
+                        def run():
+                            rl.set_num_threads(t)
+                            t0 = time.perf_counter()
+                            for _ in range(n):
+                                fn(t)
+                            return harness.Sample(time.perf_counter() - t0, n)
+                        return run
+
+                    def crc(t):
+                        _base._crc32c_parallel_py(slices[next(it) % len(slices)])
+
+                    def gather(t):
+                        rl.batch_reindex(x, idxs[next(it) % 16], out=y, num_threads=t)
+                    st = harness.interleaved({("crc", t): calls(crc, t, reps(size)) for t in (1, 2)}, 5)
+                    st.update(harness.interleaved({("gather", t): calls(gather, t, reps(2 * size))
+                                                   for t in (1, 2)}, 5))
+                    res = {k: (1e6 / v.rate_best, 1e6 / v.rate_median) for k, v in st.items()}
                     rows.append((n_comp, size, res))
                     print(f"  sweep {n_comp} competitor(s) {size >> 10} KiB: "
                           + ", ".join(f"{k[0]} {k[1]}t {v[0]:.1f} us" for k, v in res.items()), flush=True)
     finally:
         _parallel._set_min_bytes_per_thread(old_min)
         rl.set_num_threads(_parallel._default_num_threads())
-    out.append("Time per call, best of 5 rounds (median in parentheses); cold data (a 64 MiB "
+    out.append("Time per call, best of 5 interleaved rounds (median in parentheses); cold data (a 64 MiB "
                "buffer read slice by slice); the split forced on (threshold 1 byte).")
     out.append("")
     out.append("| busy competitors | bytes | crc32c 1 thread (us) | crc32c 2 threads (us) | "
@@ -205,7 +197,7 @@ def sweep(args, out):
 
 
 def cli(args, out):
-    env = dict(os.environ, PYTHONPATH=ROOT, OPENBLAS_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=build_root(), OPENBLAS_NUM_THREADS="1")
     code = "from readerlib.cli import main; main(['bench', '--datasets', 'small,large', '--scale', '0.25'])"
     for n_comp in (0, 1):
         with Competitors(n_comp):
@@ -218,34 +210,26 @@ def cli(args, out):
         print("\n".join(out[-6:]), flush=True)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=5)
+def main(argv=None):
+    ap = harness.parser(__doc__, repeats=5)
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--main", default=None, help="another readerlib tree to compare (PYTHONPATH)")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--cli", action="store_true")
     ap.add_argument("--no-chains", action="store_true")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    load = os.getloadavg()[0]
-    out = [f"Machine: {platform.machine()}, {os.cpu_count()} CPUs (shared with other jobs), "
-           f"Python {platform.python_version()}.  Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.  "
-           f"Load average (1 min) before: {load:.1f}.", ""]
-    if not args.no_chains:
-        chains(args, out)
-        out.append("")
-    if args.sweep:
-        sweep(args, out)
-        out.append("")
-    if args.cli:
-        cli(args, out)
-    out.append(f"Load average (1 min) after: {os.getloadavg()[0]:.1f}.")
-    text = "\n".join(out)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    args = harness.parse(ap, argv)
+    if args.quick:
+        args.scale = min(args.scale, 0.005)
+    with harness.Report(args, "Threads on a shared machine") as rep:
+        out = rep.lines
+        if not args.no_chains:
+            chains(args, out)
+            out.append("")
+        if args.sweep:
+            sweep(args, out)
+            out.append("")
+        if args.cli:
+            cli(args, out)
 
 
 if __name__ == "__main__":

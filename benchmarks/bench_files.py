@@ -1,6 +1,6 @@
 """Benchmarks (b) open_files over 16 files and (c) TFRecord reading against tf.data.
 
-    python benchmarks/bench_files.py [--quick] [--out benchmarks/results_files.md]
+    python benchmarks/bench_files.py [--quick] [--repeats R] [--dir DIR] [--out FILE]
 
 (b) 16 TFRecord files of 64-byte records, open_files(...).batch(256) with 1
     and 2 worker threads, next to reading the same files one after another
@@ -10,25 +10,18 @@
     variants, the fastest is the peer), in the same run; ratios are
     readerlib / fastest tf.data.
 
-Every figure is the best of `--repeat` passes over a file already in the
-page cache.  Machines here are shared and noisy: read the ratios.
+The contenders of a table run interleaved, `--repeats` rounds (harness.py),
+over files already in the page cache; best reported.  Machines here are shared and noisy: read the ratios.
 """
-import argparse
 import os
-import platform
 import shutil
-import sys
 import tempfile
-import time
 
+import harness
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import readerlib as rl  # noqa: E402
-from readerlib.formats._tfrecord import TFRecordReader, TFRecordWriter  # noqa: E402
-from readerlib.readers.files import open_files  # noqa: E402
-
-COPY_GBS = 23.0     # DESIGN.md: CPU copy ~23 GB/s (read+write)
+import readerlib as rl
+from readerlib import TFRecordReader, TFRecordWriter, open_files
 
 
 def write_file(path, n, size, seed, compression=None):
@@ -41,13 +34,16 @@ def write_file(path, n, size, seed, compression=None):
     return path
 
 
-def best(fn, repeat):
-    times, out = [], None
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return min(times), out
+def best_all(fns, repeat):
+    """{name: (best seconds, records of the last pass)}, the contenders interleaved."""
+    counts = {}
+
+    def counted(name, fn):
+        def run():
+            counts[name] = fn()
+        return run
+    st = harness.interleaved({k: counted(k, f) for k, f in fns.items()}, repeat)
+    return {k: (st[k].best, counts[k]) for k in fns}
 
 
 def drain(reader):
@@ -73,38 +69,38 @@ def bench_open_files(d, n_files, per_file, repeat):
             n += drain(TFRecordReader(p, schema=schema).batch(256))
         return n
 
-    t, n = best(sequential, repeat)
-    assert n == total
-    rows.append(("files one after another, consumer thread (no pool)", t, n))
-    for threads in (1, 2):
+    def pooled(files, threads, sch=schema):
         def run():
-            with open_files(paths, num_threads=threads, schema=schema) as r:
+            with open_files(files, num_threads=threads, **({"schema": sch} if sch else {})) as r:
                 return drain(r.batch(256))
-        t, n = best(run, repeat)
-        assert n == total
-        rows.append((f"open_files(16 files, num_threads={threads}).batch(256)", t, n))
-    # the default schema (records as uint8 sequences, one copy into LoD form)
-    def run_lod():
-        with open_files(paths, num_threads=2) as r:
-            return drain(r.batch(256))
-    t, n = best(run_lod, repeat)
-    rows.append(("open_files(16 files, num_threads=2).batch(256), uint8 LoD records", t, n))
+        return run
+
+    res = best_all({"files one after another, consumer thread (no pool)": sequential,
+                    "open_files(16 files, num_threads=1).batch(256)": pooled(paths, 1),
+                    "open_files(16 files, num_threads=2).batch(256)": pooled(paths, 2),
+                    # the default schema (records as uint8 sequences, one copy into LoD form)
+                    "open_files(16 files, num_threads=2).batch(256), uint8 LoD records":
+                        pooled(paths, 2, None)}, repeat)
+    rows = [(name, t, n) for name, (t, n) in res.items()]
+    assert all(n == total for _, _, n in rows), rows
     # GZIP files: the workers inflate, the part a pool can spread over cores
-    gz_rows = []
     for p in gz:
         TFRecordReader(p, schema=schema, compression="GZIP").__len__()
 
     def gz_sequential():
         return sum(drain(TFRecordReader(p, schema=schema, compression="GZIP").batch(256)) for p in gz)
 
-    t, n = best(gz_sequential, repeat)
-    gz_rows.append(("GZIP files one after another, consumer thread (no pool)", t, n))
-    for threads in (1, 2):
-        def run_gz():
+    def gz_pooled(threads):
+        def run():
             with open_files(gz, num_threads=threads, schema=schema) as r:
                 return drain(r.batch(256))
-        t, n = best(run_gz, repeat)
-        gz_rows.append((f"open_files(16 GZIP files, num_threads={threads}).batch(256)", t, n))
+        return run
+
+    res = best_all({"GZIP files one after another, consumer thread (no pool)": gz_sequential,
+                    "open_files(16 GZIP files, num_threads=1).batch(256)": gz_pooled(1),
+                    "open_files(16 GZIP files, num_threads=2).batch(256)": gz_pooled(2)}, repeat)
+    gz_rows = [(name, t, n) for name, (t, n) in res.items()]
+    n = gz_rows[0][2]
     return rows, total * 64, gz_rows, n * 64
 
 
@@ -119,12 +115,6 @@ def bench_tf(path, n, size, repeat):
 
     def rl_fixed():
         return drain(TFRecordReader(path, schema=fixed).batch(256))
-
-    for name, fn in [("readerlib TFRecordReader().batch(256) (uint8 LoD)", rl_lod),
-                     ("readerlib TFRecordReader(schema=uint8[size]).batch(256)", rl_fixed)]:
-        t, k = best(fn, repeat)
-        assert k == n, (k, n)
-        rows.append(("rl", name, t))
 
     def tf_iter(ds):
         def f():
@@ -145,94 +135,77 @@ def bench_tf(path, n, size, repeat):
                          .map(lambda x: tf.io.decode_raw(x, tf.uint8), num_parallel_calls=tf.data.AUTOTUNE)
                          .batch(256).prefetch(tf.data.AUTOTUNE)))
         variants.append(("tf.data TFRecordDataset() per record", tf.data.TFRecordDataset(path)))
-    for name, ds in variants:
-        t, k = best(tf_iter(ds), repeat)
+    fns = {"readerlib TFRecordReader().batch(256) (uint8 LoD)": rl_lod,
+           "readerlib TFRecordReader(schema=uint8[size]).batch(256)": rl_fixed}
+    fns.update((name, tf_iter(ds)) for name, ds in variants)
+    for name, (t, k) in best_all(fns, repeat).items():
         assert k == n, (name, k, n)
-        rows.append(("tf", name, t))
+        rows.append(("rl" if name.startswith("readerlib") else "tf", name, t))
     return rows
 
 
-def fmt_rate(n, nbytes, t):
-    return f"{n / t / 1e6:8.2f} M rec/s | {nbytes / t / 1e9:6.2f} GB/s"
-
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="small files (smoke run)")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--out", default=None, help="write a Markdown table here")
+def main(argv=None):
+    ap = harness.parser(__doc__, repeats=3)
     ap.add_argument("--dir", default=None, help="where to write the data (default: a temp dir)")
-    args = ap.parse_args()
+    args = harness.parse(ap, argv)
     d = args.dir or tempfile.mkdtemp(prefix="rl_bench_files_")
     os.makedirs(d, exist_ok=True)
-    scale = 0.05 if args.quick else 1.0
-    lines = []
-
-    def out(s=""):
-        print(s, flush=True)
-        lines.append(s)
-
+    scale = 0.004 if args.quick else 1.0
+    rep = harness.Report(args, "open_files and TFRecord (benchmarks (b) and (c))")
+    out = rep.add
     try:
-        out("## open_files and TFRecord (benchmarks (b) and (c))")
-        out()
-        out(f"Command: `python {' '.join(sys.argv)}`  ")
-        out(f"Machine: {platform.machine()}, {os.cpu_count()} CPUs (shared), Python "
-            f"{platform.python_version()}, NumPy {np.__version__}; best of {args.repeat} passes, "
-            f"data in the page cache; CPU copy bound ~{COPY_GBS:.0f} GB/s (DESIGN.md).")
-        out()
-        per_file = int(125_000 * scale)
-        rows, nbytes, gz_rows, gz_bytes = bench_open_files(d, 16, per_file, args.repeat)
-        out(f"### (b) open_files over 16 TFRecord files, {16 * per_file} records of 64 B "
-            f"(fixed schema uint8[64] unless noted)")
-        out()
-        out("| chain | s | records/s | payload GB/s | vs no pool |")
-        out("|---|---:|---:|---:|---:|")
-        base = rows[0][1]
-        for name, t, n in rows:
-            out(f"| {name} | {t:.3f} | {n / t / 1e6:.2f} M | {nbytes / t / 1e9:.2f} | {base / t:.2f}x |")
-        base = gz_rows[0][1]
-        for name, t, n in gz_rows:
-            out(f"| {name} ({n} records) | {t:.3f} | {n / t / 1e6:.2f} M | {gz_bytes / t / 1e9:.2f} | "
-                f"{base / t:.2f}x |")
-        out()
-        shutil.rmtree(d, ignore_errors=True)
-        os.makedirs(d, exist_ok=True)
+        with rep:
+            copy = harness.copy_bandwidth(16 << 20 if args.quick else 256 << 20, args.repeats)
+            out(harness.bounds_line(copy) + " (page cache reads are bounded by memcpy)")
+            out()
+            per_file = max(100, int(125_000 * scale))
+            rows, nbytes, gz_rows, gz_bytes = bench_open_files(d, 16, per_file, args.repeats)
+            out(f"#### (b) open_files over 16 TFRecord files, {16 * per_file} records of 64 B "
+                f"(fixed schema uint8[64] unless noted)")
+            out()
+            out("| chain | s | records/s | payload GB/s | vs no pool |")
+            out("|---|---:|---:|---:|---:|")
+            base = rows[0][1]
+            for name, t, n in rows:
+                out(f"| {name} | {t:.3f} | {n / t / 1e6:.2f} M | {nbytes / t / 1e9:.2f} | {base / t:.2f}x |")
+            base = gz_rows[0][1]
+            for name, t, n in gz_rows:
+                out(f"| {name} ({n} records) | {t:.3f} | {n / t / 1e6:.2f} M | {gz_bytes / t / 1e9:.2f} | "
+                    f"{base / t:.2f}x |")
+            out()
+            shutil.rmtree(d, ignore_errors=True)
+            os.makedirs(d, exist_ok=True)
 
-        try:
-            import tensorflow as tf   # noqa: F401
-            have_tf = True
-        except ImportError:
-            have_tf = False
-            out("tensorflow is not installed: (c) skipped.")
-        if have_tf:
-            import tensorflow as tf
-            out(f"### (c) TFRecord read throughput against tf.data (TensorFlow {tf.__version__})")
-            out()
-            out("| records | reader | s | records/s | payload GB/s |")
-            out("|---|---|---:|---:|---:|")
-            summary = []
-            for size, n, target in [(64, int(2_000_000 * scale), 10), (65536, int(4000 * scale), 3)]:
-                path = write_file(os.path.join(d, f"r{size}.tfrecord"), n, size, 99)
-                rows = bench_tf(path, n, size, args.repeat)
-                for kind, name, t in rows:
-                    out(f"| {n} x {size} B | {name} | {t:.3f} | {n / t / 1e6:.3f} M | {n * size / t / 1e9:.2f} |")
-                best_tf = min(t for kind, _, t in rows if kind == "tf")
-                rl_lod = rows[0][2]
-                rl_fix = rows[1][2]
-                summary.append((size, best_tf / rl_lod, best_tf / rl_fix, target))
-                os.unlink(path)
-            out()
-            out("| records | readerlib / fastest tf.data (uint8 LoD) | (fixed schema) | target |")
-            out("|---|---:|---:|---:|")
-            for size, r_lod, r_fix, target in summary:
-                out(f"| {size} B | {r_lod:.1f}x | {r_fix:.1f}x | >= {target}x |")
-            out()
+            tf = harness.try_import("tensorflow") if harness.want(args, "tf") else None
+            if tf is None:
+                out("tensorflow not run: (c) skipped.")
+            else:
+                out(f"#### (c) TFRecord read throughput against tf.data (TensorFlow {tf.__version__})")
+                out()
+                out("| records | reader | s | records/s | payload GB/s |")
+                out("|---|---|---:|---:|---:|")
+                summary = []
+                for size, n, target in [(64, max(1000, int(2_000_000 * scale)), 10),
+                                        (65536, max(16, int(4000 * scale)), 3)]:
+                    path = write_file(os.path.join(d, f"r{size}.tfrecord"), n, size, 99)
+                    rows = bench_tf(path, n, size, args.repeats)
+                    for kind, name, t in rows:
+                        out(f"| {n} x {size} B | {name} | {t:.3f} | {n / t / 1e6:.3f} M | "
+                            f"{n * size / t / 1e9:.2f} |")
+                    best_tf = min(t for kind, _, t in rows if kind == "tf")
+                    rl_lod = rows[0][2]
+                    rl_fix = rows[1][2]
+                    summary.append((size, best_tf / rl_lod, best_tf / rl_fix, target))
+                    os.unlink(path)
+                out()
+                out("| records | readerlib / fastest tf.data (uint8 LoD) | (fixed schema) | target |")
+                out("|---|---:|---:|---:|")
+                for size, r_lod, r_fix, target in summary:
+                    out(f"| {size} B | {r_lod:.1f}x | {r_fix:.1f}x | >= {target}x |")
+                out()
     finally:
         if not args.dir:
             shutil.rmtree(d, ignore_errors=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

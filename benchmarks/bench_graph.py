@@ -6,17 +6,18 @@
    (create_* ops -> read, one Session.run per batch) against the eager chain
    (``for batch in chain``), same file, same run.
 
-    python benchmarks/bench_graph.py [--records N] [--repeat R] [--out FILE]
+    python benchmarks/bench_graph.py [--records N] [--repeats R] [--calls C] [--quick] [--out FILE]
 
-Prints a Markdown table (best and median of the repeats); --out writes it too.
+Prints a Markdown table (best and median of interleaved rounds, harness.py);
+--out writes it too.
 """
-import argparse
 import os
 import statistics
 import sys
 import tempfile
 import time
 
+import harness
 import numpy as np
 
 import readerlib as rl
@@ -25,29 +26,40 @@ import readerlib.graph as rg
 BUFFER, BATCH = 10_000, 256
 
 
-def time_calls(fn, n):
-    fn()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t) / n
+def session_runner(graph_of, session_of, n):
+    """A contender: ``n`` Session.run calls of a constant -> identity graph (one built per contender)."""
+    sess, y = session_of(graph_of())
+
+    def run():
+        t = time.perf_counter()
+        for _ in range(n):
+            sess.run(y)
+        return harness.Sample(time.perf_counter() - t, n)
+    return run, sess
 
 
-def overhead_rl(n):
+def rl_graph():
     g = rg.Graph()
     with g.as_default():
         y = rg.identity(rg.constant(1.0))
-    with rg.Session(graph=g) as sess:
-        return time_calls(lambda: sess.run(y), n)
+    return g, y
 
 
-def overhead_tf(n):
+def tf_graph():
     import tensorflow as tf
     g = tf.Graph()
     with g.as_default():
         y = tf.identity(tf.constant(1.0))
-    with tf.compat.v1.Session(graph=g) as sess:
-        return time_calls(lambda: sess.run(y), n)
+    return g, y
+
+
+def rl_session(gy):
+    return rg.Session(graph=gy[0]), gy[1]
+
+
+def tf_session(gy):
+    import tensorflow as tf
+    return tf.compat.v1.Session(graph=gy[0]), gy[1]
 
 
 def eager_pass(path, clock=time.perf_counter):
@@ -119,25 +131,36 @@ def stats(values):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = harness.parser(__doc__, repeats=5)
     p.add_argument("--records", type=int, default=2_000_000)
-    p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--calls", type=int, default=20_000)
-    p.add_argument("--out")
-    a = p.parse_args(argv)
-    lines = ["| case | readerlib | peer | ratio (best) | ratio (median) |", "|---|---|---|---|---|"]
+    a = harness.parse(p, argv)
+    if a.quick:
+        a.records, a.calls = 20_000, 200
+    a.repeat = a.repeats
+    rep = harness.Report(a, "Graph layer: Session.run overhead and the reader ops")
+    rep.__enter__()
+    lines = rep.lines
+    lines += ["| case | readerlib | peer | ratio (best) | ratio (median) |", "|---|---|---|---|---|"]
 
-    rl_t = [overhead_rl(a.calls) for _ in range(a.repeat)]
-    try:
-        tf_t = [overhead_tf(a.calls // 4) for _ in range(a.repeat)]
-        (rb, rm), (tb, tm) = stats(rl_t), stats(tf_t)
+    contenders, sessions = {}, []
+    run, sess = session_runner(rl_graph, rl_session, a.calls)
+    contenders["readerlib"], _ = run, sessions.append(sess)
+    if harness.want(a, "tf") and harness.try_import("tensorflow"):
+        run, sess = session_runner(tf_graph, tf_session, a.calls // 4)
+        contenders["tf"], _ = run, sessions.append(sess)
+    st = harness.interleaved(contenders, a.repeat)
+    for sess in sessions:
+        sess.close()
+    rb, rm = 1 / st["readerlib"].rate_best, 1 / st["readerlib"].rate_median
+    if "tf" in st:
+        tb, tm = 1 / st["tf"].rate_best, 1 / st["tf"].rate_median
         lines.append(f"| Session.run(constant -> identity), us per run | {rb * 1e6:.2f} (median "
                      f"{rm * 1e6:.2f}) | tf.compat.v1 {tb * 1e6:.2f} (median {tm * 1e6:.2f}) | "
                      f"{tb / rb:.1f}x | {tm / rm:.1f}x |")
-    except ImportError:
-        rb, rm = stats(rl_t)
+    else:
         lines.append(f"| Session.run(constant -> identity), us per run | {rb * 1e6:.2f} | "
-                     "(TensorFlow not installed) | | |")
+                     "(TensorFlow not run) | | |")
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "small.rio")
@@ -181,11 +204,7 @@ def main(argv=None):
         lines.append(f"| per batch, cheapest 50-batch stretch of a pass (best of {a.repeat}), us | "
                      f"{min(sg) * 1e6:.2f} | eager chain {min(se) * 1e6:.2f} | "
                      f"{min(se) / min(sg):.2f}x | {statistics.median(se) / statistics.median(sg):.2f}x |")
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    rep.__exit__(None, None, None)
     return 0
 
 

@@ -1,7 +1,7 @@
 """Side-by-side CPU benchmarks of readerlib's kernels against their peers.
 
-    python benchmarks/bench_kernels_cpu.py [--rounds 7] [--only ctc|fwd|bwd] [--cpu-time]
-                                           [--sweep] [--out FILE]
+    python benchmarks/bench_kernels_cpu.py [--repeats 7] [--only ctc|fwd|bwd] [--cpu-time]
+                                           [--sweep] [--quick] [--peers tf,torch] [--out FILE]
 
 Every case runs all its contenders in interleaved rounds (A B C A B C ...), so
 a burst of load from another process hits them all alike; the table reports
@@ -28,22 +28,18 @@ efficiency figure that time slices lost to other processes do not distort
 """
 from __future__ import annotations
 
-import argparse
-import os
 import platform
-import sys
 import time
 
+import harness
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from readerlib.kernels import (_ctc, batch_reindex, batch_reindex_grad,  # noqa: E402
+from readerlib.kernels import (_ctc, batch_reindex, batch_reindex_grad,
                                ctc_greedy_decoder)
-from readerlib.kernels import _reindex  # noqa: E402
-from readerlib.kernels.reference import (ctc_greedy_decoder_loop,  # noqa: E402
+from readerlib.kernels import _reindex
+from readerlib.kernels.reference import (ctc_greedy_decoder_loop,
                                          ctc_greedy_decoder_vectorized)
-from readerlib import _parallel as rl_parallel  # noqa: E402
+from readerlib import _parallel as rl_parallel
 
 CTC_SHAPES = [(50, 1, 29), (500, 32, 1025), (200, 128, 129), (1000, 16, 5001)]
 #: The shape whose 2-thread bandwidth is compared with the machine's read bandwidth.
@@ -57,53 +53,12 @@ NT = None          # readerlib's num_threads: its default, or 1 with --cpu-time
 
 
 def interleaved(fns, rounds, number=1):
-    """Best and median seconds per call for each contender, the contenders
-    alternating each round; a round times ``number`` calls (tiny cases)."""
+    """{contender: (best, median) seconds per call}, the contenders interleaved
+    (harness.interleaved on this run's clock); ``number`` calls per round (tiny cases)."""
     if ONE_THREAD:
         fns = {k: f for k, f in fns.items() if k != "readerlib 1 thread"}
-    times = {k: [] for k in fns}
-    for f in fns.values():   # warm up: page faults, lazy imports, thread pools
-        f()
-    for _ in range(rounds):
-        for k, f in fns.items():
-            t0 = CLOCK()
-            for _ in range(number):
-                f()
-            times[k].append((CLOCK() - t0) / number)
-    return {k: (min(v), float(np.median(v))) for k, v in times.items()}
-
-
-def copy_bandwidth(rounds):
-    a = np.ones(64 << 20, np.float32)
-    b = np.empty_like(a)
-    t = interleaved({"copy": lambda: np.copyto(b, a)}, rounds)["copy"][0]
-    return 2 * a.nbytes / t / 1e9
-
-
-def read_bandwidth(rounds):
-    """(1 thread, 2 threads) read GB/s: the faster of np.sum / np.max over the
-    logits of CTC_BW_SHAPE (2 threads: one half each, NumPy releases the GIL)."""
-    from concurrent.futures import ThreadPoolExecutor
-    a = np.random.default_rng(3).standard_normal(int(np.prod(CTC_BW_SHAPE)), dtype=np.float32)
-    h = a.shape[0] // 2
-    halves = [a[:h], a[h:]]
-    with ThreadPoolExecutor(2) as pool:
-        res = interleaved({
-            "sum 1": lambda: a.sum(), "max 1": lambda: a.max(),
-            "sum 2": lambda: list(pool.map(np.sum, halves)),
-            "max 2": lambda: list(pool.map(np.max, halves)),
-        }, rounds)
-    gb = a.nbytes / 1e9
-    return (gb / min(res["sum 1"][0], res["max 1"][0]),
-            gb / min(res["sum 2"][0], res["max 2"][0]))
-
-
-def try_import(name):
-    try:
-        return __import__(name)
-    except Exception as e:   # not installed, or broken
-        print(f"# {name} unavailable: {type(e).__name__}: {e}", file=sys.stderr)
-        return None
+    st = harness.interleaved(fns, rounds, number=number, clock=CLOCK)
+    return {k: (v.best, v.median) for k, v in st.items()}
 
 
 def table(title, head, rows):
@@ -330,19 +285,23 @@ def bench_reindex_bwd(rounds, torch):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=7)
+    global CTC_SHAPES, CTC_BW_SHAPE, REINDEX_SHAPES
+    p = harness.parser(__doc__, repeats=7)
     p.add_argument("--only", choices=["ctc", "fwd", "bwd"], action="append")
     p.add_argument("--cpu-time", action="store_true",
                    help="one thread everywhere; report process CPU seconds per call")
     p.add_argument("--sweep", action="store_true",
                    help="also the CTC split and streaming-store threshold sweeps")
-    p.add_argument("--out", help="also write the markdown here")
-    args = p.parse_args(argv)
+    args = harness.parse(p, argv)
+    args.rounds = args.repeats
+    if args.quick:
+        CTC_SHAPES = [(50, 1, 29), (40, 4, 129)]
+        CTC_BW_SHAPE = CTC_SHAPES[-1]
+        REINDEX_SHAPES = [(256, 512, 64)]
     global CLOCK, ONE_THREAD, NT
     only = set(args.only or ["ctc", "fwd", "bwd"])
-    tf = try_import("tensorflow") if "ctc" in only else None
-    torch = try_import("torch")
+    tf = harness.try_import("tensorflow") if "ctc" in only and harness.want(args, "tf") else None
+    torch = harness.try_import("torch") if harness.want(args, "torch") else None
     if args.cpu_time:
         CLOCK, ONE_THREAD, NT = time.process_time, True, 1
         if torch is not None:
@@ -351,20 +310,22 @@ def main(argv=None):
             tf.config.threading.set_intra_op_parallelism_threads(1)
             tf.config.threading.set_inter_op_parallelism_threads(1)
     parts = []
-    load0 = os.getloadavg()
-    bw = copy_bandwidth(args.rounds)
-    rbw1, rbw2 = read_bandwidth(args.rounds)
-    head = [f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+    rep = harness.Report(args, "CPU kernels: ctc_greedy_decoder, batch_reindex, batch_reindex_grad")
+    rep.__enter__()
+    copy = harness.copy_bandwidth(16 << 20 if args.quick else 256 << 20, args.rounds)
+    read = harness.read_bandwidth(repeats=args.rounds, data=np.random.default_rng(3).standard_normal(
+        int(np.prod(CTC_BW_SHAPE)), dtype=np.float32))
+    bw, rbw1, rbw2 = copy["rw"], read["1"], read["2"]
+    head = [f"- cpu: {platform.processor() or platform.machine()}, "
             f"readerlib threads {rl_parallel.get_num_threads() if rl_parallel.threads_enabled() else 'off'}, "
             f"CTC row argmax: {_ctc.isa()}",
             f"- numpy {np.__version__}" + (f", tensorflow {tf.__version__}" if tf else "")
             + (f", torch {torch.__version__} ({torch.get_num_threads()} threads)" if torch else ""),
-            f"- copy bandwidth in this run (np.copyto 256 MiB, read + write): {bw:.1f} GB/s",
+            f"- copy bandwidth in this run (np.copyto {copy['bytes'] >> 20} MiB, read + write): {bw:.1f} GB/s",
             f"- read bandwidth at the start of this run (np.sum / np.max over "
-            f"{np.prod(CTC_BW_SHAPE) * 4 >> 20} MiB, best; 2 threads: one half each): "
+            f"{read['bytes'] / 2**20:.3g} MiB, best; 2 threads: one half each): "
             f"{rbw1:.1f} GB/s on 1 thread, {rbw2:.1f} GB/s on 2 threads (the CTC table repeats "
             "it interleaved with the (1000, 16, 5001) rounds)",
-            f"- load average at start: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}",
             "- timing: " + ("process CPU seconds per call, every contender on ONE thread "
                             "(ms columns are CPU ms; GB/s is per CPU-second)"
                             if args.cpu_time else "wall clock, default threads")]
@@ -376,13 +337,8 @@ def main(argv=None):
         parts.append(bench_reindex_bwd(args.rounds, torch))
     if args.sweep:
         parts.append(sweep(args.rounds))
-    load1 = os.getloadavg()
-    head.append(f"- load average at end: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
-    text = "\n".join(head) + "\n\n" + "\n".join(parts)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    rep.add(*head, "", *parts)
+    rep.__exit__(None, None, None)
 
 
 if __name__ == "__main__":

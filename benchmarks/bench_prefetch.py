@@ -16,20 +16,18 @@ as `readerlib bench`) -> shuffle -> batch, read from the page cache.  The
 reader's own time per batch is measured first (no compute), so the table
 shows how much faster than the step it is.
 
-Run:  PYTHONPATH=. python benchmarks/bench_prefetch.py [--write benchmarks/results_prefetch.md]
+Run:  PYTHONPATH=. python benchmarks/bench_prefetch.py [--repeats 5] [--quick] [--out FILE]
+
+(--repeats: runs per row, the median reported, all listed.)
 """
-import argparse
 import os
-import platform
-import statistics
-import sys
 import tempfile
 import time
 
+import harness
 import numpy as np
 
 import readerlib as rl
-from readerlib.readers._prefetch import PrefetchReader
 
 
 def write_dataset(path, n, seed=0):
@@ -135,13 +133,12 @@ def reader_time_per_batch(path, batch, shuffle, seed, epochs):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, repeats=5)
     ap.add_argument("--records", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--shuffle", type=int, default=256)
     ap.add_argument("--step-ms", type=float, default=2.0)
     ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--trials", type=int, default=5, help="median over this many runs per row")
     ap.add_argument("--capacities", default="1,2,4,8")
     ap.add_argument("--modes", default="sleep,spin")
     ap.add_argument("--skip", type=int, default=1,
@@ -150,8 +147,12 @@ def main(argv=None):
     ap.add_argument("--normal-sched", default="2",
                     help="capacities to run again with the prefetch thread under the normal scheduler "
                          "policy (READERLIB_PREFETCH_SCHED=normal), for comparison")
-    ap.add_argument("--write", help="write the markdown table to this file")
-    args = ap.parse_args(argv)
+    args = harness.parse(ap, argv)
+    if args.quick:
+        args.records, args.epochs, args.capacities, args.normal_sched = 96, 1, "2", ""
+    args.trials = args.repeats
+    report = harness.Report(args, "8(a) Training-loop simulation: time blocked waiting for data")
+    report.__enter__()
 
     tmp = tempfile.mkdtemp(prefix="rl-bench-prefetch-")
     path = os.path.join(tmp, "seq.rio")
@@ -163,7 +164,6 @@ def main(argv=None):
           f"reader alone: {t_read * 1e3:.3f} ms/batch "
           f"({nbytes / nbatches / t_read / 1e9:.2f} GB/s), step {args.step_ms} ms", flush=True)
 
-    load_before = os.getloadavg()
     rows = []
     caps = [int(c) for c in args.capacities.split(",") if c]
     for mode in args.modes.split(","):
@@ -174,7 +174,7 @@ def main(argv=None):
             for _ in range(args.trials):
                 chain = make_chain(path, args.batch, args.shuffle, seed)
                 if cap:
-                    chain = PrefetchReader(chain, capacity=cap)
+                    chain = chain.prefetch(capacity=cap)
                     time.sleep(0.05)       # the time a real loop spends building its model
                 stats = ThreadStats(chain) if cap else None
                 if stats:
@@ -204,17 +204,7 @@ def main(argv=None):
                   f"thread cpu {row['thr_cpu']:.3f} ms, runqueue {row['thr_rq']:.3f} ms /step "
                   f"(trials: {row['fracs']} %)", flush=True)
 
-    cmd = "PYTHONPATH=. python benchmarks/bench_prefetch.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
-        "## 8(a) Training-loop simulation: time blocked waiting for data",
-        "",
-        f"Command: `{cmd.strip()}`",
-        "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs (shared), Python {platform.python_version()}, "
-        f"NumPy {np.__version__}.  Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.  "
-        f"Load average (1 min) before / after: {load_before[0]:.1f} / {os.getloadavg()[0]:.1f} "
-        f"(other jobs share the cores; the prefetch thread competes with them).",
-        "",
         f"Chain: RecordIO ({args.records} variable-length float32 sequences 50-500 x 80, "
         f"{nbytes / 1e6:.0f} MB, page cache) -> shuffle({args.shuffle}, seed=0) -> batch({args.batch}); "
         f"{nbatches} batches/epoch, {args.epochs} epochs per run.  "
@@ -243,12 +233,8 @@ def main(argv=None):
                      + ("- | - |" if r['thr_cpu'] != r['thr_cpu'] else
                         f"{r['thr_cpu']:.3f} ms | {r['thr_rq']:.3f} ms |")
                      + f" {r['fracs']} |")
-    text = "\n".join(lines) + "\n"
-    print()
-    print(text)
-    if args.write:
-        with open(args.write, "w") as f:
-            f.write(text)
+    report.add(*lines)
+    report.__exit__(None, None, None)
     os.remove(path)
     os.rmdir(tmp)
 

@@ -1,6 +1,6 @@
 """Ray Data: readerlib's read_recordio against Ray Data's own readers (issue 17).
 
-    python benchmarks/bench_ray.py [--quick] [--repeat 5] [--out ray.md]
+    python benchmarks/bench_ray.py [--quick] [--repeats 5] [--sizes 64,65536] [--fixed-cost] [--out FILE]
 
 The same records (64 B and 64 KiB of random bytes each), written as
   * RecordIO files (one field ``data``: uint8[size]) -> ``readerlib.integrations.ray.read_recordio``
@@ -12,25 +12,22 @@ cluster (``ray.init(num_cpus=2)``) started once for the whole run.  A pass is
 building the Dataset and iterating all of it (``iter_batches(batch_size=None,
 batch_format="pyarrow")``, as a training loop would) -- planning included.
 Each reader runs one untimed pass first (worker start-up, TensorFlow import in
-the workers), then `--repeat` timed ones; best and median are reported, and
+the workers), then `--repeats` timed rounds, the readers interleaved (harness.py); best and median are reported, and
 ratios of best to best against ``read_tfrecords``.  The files are in the page
 cache.  The machine is shared: read the ratios.
 """
-import argparse
 import os
 import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
+import harness
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import readerlib as rl  # noqa: E402
+import readerlib as rl
 
-COPY_GBS = 23.0     # DESIGN.md: CPU copy ~23 GB/s (read+write)
 FILES = 8
 
 
@@ -77,15 +74,13 @@ def one_pass(make):
     return time.perf_counter() - t, n
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--out")
+def main(argv=None):
+    ap = harness.parser(__doc__, repeats=5)
     ap.add_argument("--sizes", default="64,65536", help="record sizes in bytes, comma-separated")
     ap.add_argument("--fixed-cost", action="store_true",
                     help="only time passes over 8 files of 10 records (Ray's fixed cost per pass)")
-    args = ap.parse_args()
+    args = harness.parse(ap, argv)
+    args.repeat = args.repeats
 
     import ray
     import readerlib.integrations.ray as rlray
@@ -109,7 +104,10 @@ def main():
         return
     cases = [(int(s), count.get(int(s), max(1, (13 << 20 if args.quick else 128 << 20) // int(s))))
              for s in args.sizes.split(",")]
-    lines = [f"###### Ray Data readers, {FILES} files each, override_num_blocks={FILES}, "
+    report = harness.Report(args, "Ray Data source")
+    report.__enter__()
+    copy = harness.copy_bandwidth(16 << 20 if args.quick else 256 << 20, args.repeats)
+    lines = [harness.bounds_line(copy), "", f"###### Ray Data readers, {FILES} files each, override_num_blocks={FILES}, "
              f"ray.init(num_cpus=2), best / median of {args.repeat} passes (Ray {ray.__version__}, "
              f"pyarrow {__import__('pyarrow').__version__}, Python {platform.python_version()})",
              "", "| records | reader | best rec/s | median rec/s | best GB/s | median GB/s | vs read_tfrecords (best) |",
@@ -125,16 +123,16 @@ def main():
                 ("readerlib read_tfrecord (raw records)",
                  lambda: rlray.read_tfrecord(paths["tfraw"], schema=schema, override_num_blocks=FILES)),
             ]
-            times = {}
-            for name, make in readers:
-                _, got = one_pass(make)                     # warm-up (workers, imports, page cache)
-                assert got == n, (name, got, n)
-                ts = []
-                for _ in range(args.repeat):
+            def contender(name, make):
+                def run():
                     t, got = one_pass(make)
                     assert got == n, (name, got, n)
-                    ts.append(t)
-                times[name] = ts
+                    return harness.Sample(t, got)
+                return run
+            # the warm-up pass: workers, imports, page cache
+            st = harness.interleaved({name: contender(name, make) for name, make in readers}, args.repeat)
+            times = {name: v.seconds for name, v in st.items()}
+            for name, ts in times.items():
                 print(f"{size} B  {name}: best {n / min(ts):,.0f} rec/s, median {n / statistics.median(ts):,.0f}",
                       flush=True)
             peer = min(times["ray.data.read_tfrecords"])
@@ -147,13 +145,8 @@ def main():
     finally:
         shutil.rmtree(root, ignore_errors=True)
         ray.shutdown()
-    lines.append("")
-    lines.append(f"(CPU copy bandwidth for scale: ~{COPY_GBS:.0f} GB/s read+write, DESIGN.md.)")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    report.add(*lines)
+    report.__exit__(None, None, None)
 
 
 if __name__ == "__main__":

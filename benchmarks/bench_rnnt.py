@@ -4,8 +4,8 @@ Realistic random model (issue 5): LSTM predictor 1 x 640, joint 640, encoder
 dim 640, vocabulary 1024 + blank (blank last), blank bias calibrated so about
 85% of joint evaluations emit blank, T = 375 frames (30 s at 80 ms), float32.
 
-Times are per batch (median of --repeats runs) on the same data in the same
-process, reported with their ratios (loop_frames / loop_labels).  Also reports
+Times are per batch (median of --repeats runs, the algorithms interleaved
+round by round, harness.py) on the same data in the same process, reported with their ratios (loop_frames / loop_labels).  Also reports
 predictor and joint calls and rows (rows = utterance-steps actually computed),
 which is where the difference between the algorithms comes from.
 
@@ -13,10 +13,9 @@ Usage::
 
     python benchmarks/bench_rnnt.py                 # CPU, batches 1 16 32 128
     python benchmarks/bench_rnnt.py --device gpu    # CuPy (loop_labels, loop_frames)
+    python benchmarks/bench_rnnt.py --quick --out FILE
 """
-import argparse
 import os
-import sys
 import time
 
 # One BLAS thread: the box is shared, and an oversubscribed OpenBLAS spins
@@ -24,9 +23,8 @@ import time
 for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_v, "1")
 
-import numpy as np
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import harness  # noqa: E402
+import numpy as np  # noqa: E402
 
 from readerlib.rnnt import RNNTModel, rnnt_greedy_decode  # noqa: E402
 
@@ -68,30 +66,24 @@ def make_model(target, seed=0, xp=np):
     return m, 0.5 * (lo + hi), blank_fraction(m, x, lengths)
 
 
-def timeit(fn, repeats, first):
-    """Median of ``repeats`` runs; a first (warm-up) run over 5 s counts as the only one."""
-    if first > 5.0:
-        return first
-    ts = [first]
-    for _ in range(repeats - 1):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    global V, H, J, ENC, T
+    ap = harness.parser(__doc__, repeats=3)
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32, 128])
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--single-max-utts", type=int, default=8,
                     help="'single' is timed on at most this many utterances and scaled to the batch")
     ap.add_argument("--blank-target", type=float, default=0.85)
     ap.add_argument("--algorithms", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--masked-max-batch", type=int, default=32,
                     help="loop_labels_masked (full batch every step) only up to this batch")
-    args = ap.parse_args()
+    args = harness.parse(ap, argv)
+    if args.quick:
+        V, H, J, ENC, T = 63, 32, 32, 32, 24
+        args.batches = [1, 4]
+    report = harness.Report(args, "Batched RNN-T greedy decoding")
+    report.__enter__()
+    out = report.add
 
     model, bias, frac = make_model(args.blank_target)
     xp = np
@@ -99,18 +91,18 @@ def main():
         import cupy
         xp = cupy
         model = model.to(cupy)
-    print(f"# model: LSTM 1x{H}, joint {J}, vocab {V}+blank, enc {ENC}, T={T}, float32; "
-          f"blank bias {bias:.3f} -> {100 * frac:.1f}% blank evaluations (loop_labels, 2 utts x 120 frames)", flush=True)
-    print(f"# device: {args.device}; repeats {args.repeats} (median)")
-    print("| batch | algorithm | time / batch (ms) | ms / utt | predictor calls | predictor rows "
+    out(f"- model: LSTM 1x{H}, joint {J}, vocab {V}+blank, enc {ENC}, T={T}, float32; "
+          f"blank bias {bias:.3f} -> {100 * frac:.1f}% blank evaluations (loop_labels, 2 utts x 120 frames)")
+    out(f"- device: {args.device}; repeats {args.repeats} (median)", "")
+    out("| batch | algorithm | time / batch (ms) | ms / utt | predictor calls | predictor rows "
           "| joint calls | joint rows | time vs first row |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    out("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     rng = np.random.default_rng(123)
     for B in args.batches:
         x_h = rng.standard_normal((B, T, ENC)).astype(np.float32)
         L_h = np.full(B, T, dtype=np.int64)
         x, L = xp.asarray(x_h), xp.asarray(L_h)
-        results = {}
+        results, runs = {}, {}
         for name in args.algorithms:
             alg, kw = VARIANTS[name]
             if args.device == "gpu" and "compact" in kw:
@@ -130,21 +122,31 @@ def main():
                 xp.cuda.runtime.deviceSynchronize()
             first = time.perf_counter() - t0
 
-            def run():
+            def run(xb=xb, Lb=Lb, alg=alg, kw=kw):
                 rnnt_greedy_decode(model, xb, Lb, 10, alg, **kw)
                 if xp is not np:
                     xp.cuda.runtime.deviceSynchronize()
-            t = timeit(run, args.repeats, first) * scale
-            results[name] = (t, st, [h.y_sequence.tolist() for h in hyps])
-            note = f" (timed on {xb.shape[0]} utts, scaled x{scale:g})" if scale != 1.0 else ""
-            base = next(iter(results.values()))[0]
-            print(f"| {B} | {name}{note} | {1e3 * t:.1f} | {1e3 * t / B:.2f} | {st['predictor_calls']} | "
-                  f"{st['predictor_rows']} | {st['joint_calls']} | {st['joint_rows']} | {t / base:.2f}x |",
-                  flush=True)
+            runs[name] = run
+            results[name] = (first, st, [h.y_sequence.tolist() for h in hyps], scale, xb.shape[0])
+        # the first run counts; further rounds (interleaved) unless one first run took over 5 s
+        firsts = {k: [v[0]] for k, v in results.items()}
+        if args.repeats > 1 and max(v[0] for v in results.values()) <= 5.0:
+            more = harness.interleaved(runs, args.repeats - 1, warmup=0)
+            for k in firsts:
+                firsts[k] += more[k].seconds
+        base = None
+        for name, (_, st, _, scale, nb) in results.items():
+            t = float(np.median(firsts[name])) * scale
+            base = base or t
+            note = f" (timed on {nb} utts, scaled x{scale:g})" if scale != 1.0 else ""
+            out(f"| {B} | {name}{note} | {1e3 * t:.1f} | {1e3 * t / B:.2f} | {st['predictor_calls']} | "
+                f"{st['predictor_rows']} | {st['joint_calls']} | {st['joint_rows']} | {t / base:.2f}x |")
         n = min(len(r[2]) for r in results.values())
         first_labels = next(iter(results.values()))[2][:n]
         for name in results:
             assert results[name][2][:n] == first_labels, f"{name} disagrees"
+    out()
+    report.__exit__(None, None, None)
 
 
 if __name__ == "__main__":

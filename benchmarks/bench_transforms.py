@@ -1,9 +1,10 @@
 """Transformations benchmark (issue 14): what a map, map_batches, padding and
 bucketing cost, side by side with the same chain without them and tf.data.
 
-    python benchmarks/bench_transforms.py [--records N] [--repeat R] [--out FILE]
+    python benchmarks/bench_transforms.py [--records N] [--seq-records N] [--repeats R] [--quick]
+                                          [--peers tf] [--out FILE]
 
-Cases (each timed R times, round robin so that a noisy neighbour hits every
+Cases (each timed R times, interleaved by harness.py so that a noisy neighbour hits every
 case alike; best and median reported, ratios taken within the same run):
 
 - 64 B records, file -> shuffle(10k) -> batch(256) -> NumPy (bench_core's chain),
@@ -16,13 +17,14 @@ case alike; best and median reported, ratios taken within the same run):
 - the sequence data of bench_core (lengths 50..500 x 80 float32): the fraction
   of padding in plain padded batches of 64 against bucketed ones.
 """
-import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 
+import harness
 import numpy as np
 
 import readerlib as rl
@@ -44,13 +46,15 @@ def count_batches(chain):
 
 
 def round_robin(cases, repeat):
-    """{name: [records/s per run]}: every case once per round, `repeat` rounds."""
-    out = {name: [] for name in cases}
-    for _ in range(repeat):
-        for name, run in cases.items():
+    """{name: [records/s per round]}: the cases interleaved (harness.interleaved),
+    each returning (records, seconds); the caller warms them up."""
+    def sample(run):
+        def f():
             n, dt = run()
-            out[name].append(n / dt)
-    return out
+            return harness.Sample(dt, n)
+        return f
+    st = harness.interleaved({k: sample(v) for k, v in cases.items()}, repeat, warmup=0)
+    return {k: [v.units / t for t in v.seconds] for k, v in st.items()}
 
 
 def tfdata_case(path_tf, with_map):
@@ -83,7 +87,7 @@ def python_floor(n=300_000):
     return n, time.perf_counter() - t
 
 
-def small_cases(tmp, n_records, repeat, peers):
+def small_cases(tmp, n_records, repeat, peers, floor_n=300_000):
     path = os.path.join(tmp, "small.rio")
     bench.make_dataset(path, "small", n_records)
 
@@ -108,10 +112,10 @@ def small_cases(tmp, n_records, repeat, peers):
         "chain + map(identity), 1 thread": chain("map1"),
         "chain + map(identity), 2 threads": chain("map2"),
         "chain + map_batches(identity)": chain("map_batches"),
-        "Python floor: fn((np.empty(64, uint8),)) in a loop, no chain": python_floor,
+        "Python floor: fn((np.empty(64, uint8),)) in a loop, no chain": lambda: python_floor(floor_n),
     }
-    if "tf" in peers:
-        try:
+    if "tf" in peers and harness.try_import("tensorflow"):
+        if True:
             import tensorflow as tf
             path_tf = os.path.join(tmp, "small.tfrecord")
             ntf = min(n_records, 1_000_000)
@@ -120,8 +124,6 @@ def small_cases(tmp, n_records, repeat, peers):
                     w.write(x.tobytes())
             cases["tf.data chain"] = tfdata_case(path_tf, False)
             cases["tf.data chain + map(identity, AUTOTUNE)"] = tfdata_case(path_tf, True)
-        except ImportError:
-            pass
     for run in cases.values():       # warm page cache, TF's graph building
         run()
     res = round_robin(cases, repeat)
@@ -179,8 +181,8 @@ def cpu_cost_cases(repeat, peers, n_records=1_000_000):
     cases = {"chain": ours("plain"), "chain + map(identity), 1 thread": ours("map1"),
              "chain + map(identity), 2 threads": ours("map2"),
              "chain + map_batches(identity)": ours("map_batches")}
-    if "tf" in peers:
-        try:
+    if "tf" in peers and harness.try_import("tensorflow"):
+        if True:
             import tensorflow as tf
 
             def tf_run():
@@ -193,8 +195,6 @@ def cpu_cost_cases(repeat, peers, n_records=1_000_000):
                     n += b.shape[0]
                 return n, time.process_time() - t
             cases["tf.data from_tensor_slices + map(identity, AUTOTUNE)"] = tf_run
-        except ImportError:
-            pass
     for run in cases.values():
         run()
     return round_robin(cases, repeat)
@@ -262,25 +262,25 @@ def padding_cases(tmp, n_records):
     return rows
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = harness.parser(__doc__, repeats=5)
     ap.add_argument("--records", type=int, default=1_000_000, help="64 B records")
     ap.add_argument("--seq-records", type=int, default=4000)
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--peers", default="tf")
-    ap.add_argument("--out")
-    args = ap.parse_args()
-    peers = set(args.peers.split(",")) if args.peers else set()
+    args = harness.parse(ap, argv)
+    big = 1_000_000
+    if args.quick:
+        args.records, args.seq_records, big = 5000, 40, 5000
+    peers = {p for p in ("tf",) if harness.want(args, p)}
     tmp = tempfile.mkdtemp(prefix="rl-bench-transforms-",
                            dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
-    lines = [f"- load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
-             f"{os.cpu_count()} CPUs; {args.repeat} rounds, round robin"]
-    small = small_cases(tmp, args.records, args.repeat, peers)
-    cpu = batch_cpu_cases(args.repeat)
-    cost = cpu_cost_cases(args.repeat, peers)
-    gil = gil_free_cases(tmp, args.seq_records, args.repeat)
+    report = harness.Report(args, "Transformations: map, map_batches, padding, bucketing")
+    report.__enter__()
+    lines = report.lines
+    small = small_cases(tmp, args.records, args.repeats, peers, floor_n=min(300_000, big))
+    cpu = batch_cpu_cases(args.repeats, n_records=2 * big)
+    cost = cpu_cost_cases(args.repeats, peers, n_records=big)
+    gil = gil_free_cases(tmp, args.seq_records, args.repeats)
     pad = padding_cases(tmp, args.seq_records)
-    lines.append(f"- load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     lines.append("")
     lines.append(f"###### {args.records:,} x 64 B records, file -> shuffle({BUFFER}) -> batch({BATCH})")
     lines.append("")
@@ -298,7 +298,7 @@ def main():
             lines.append(f"- {name} vs tf.data + map(identity, AUTOTUNE): {max(small[name]) / tfb:.1f}x "
                          f"(best), {statistics.median(small[name]) / tfm:.1f}x (median)")
     lines.append("")
-    lines.append("###### CPU cost: records per CPU second, all threads (1,000,000 x 64 B in memory "
+    lines.append(f"###### CPU cost: records per CPU second, all threads ({big:,} x 64 B in memory "
                  "-> shuffle(10000) -> ... -> batch(256))")
     lines.append("")
     lines.append("| chain | best rec/CPU-s | median rec/CPU-s | best / chain | median / chain |")
@@ -308,7 +308,7 @@ def main():
         b, m = max(v), statistics.median(v)
         lines.append(f"| {name} | {b:,.0f} | {m:,.0f} | {b / c0:.1%} | {m / cm:.1%} |")
     lines.append("")
-    lines.append("###### thread CPU time per batch (ArrayReader of 2,000,000 x 64 B -> shuffle -> batch(256))")
+    lines.append(f"###### thread CPU time per batch (ArrayReader of {2 * big:,} x 64 B -> shuffle -> batch(256))")
     lines.append("")
     lines.append("| chain | best us/batch | median us/batch | cost vs batch(256), best | median |")
     lines.append("|---|---|---|---|---|")
@@ -332,11 +332,9 @@ def main():
     lines.append("|---|---|---|---|---|---|---|")
     for name, n, nb, real, padded, frac, rate in pad:
         lines.append(f"| {name} | {n:,} | {nb} | {real:,} | {padded:,} | {frac:.1%} | {rate:,.0f} |")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    lines.append("")
+    report.__exit__(None, None, None)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
