@@ -89,7 +89,7 @@ def main(argv=None):
     ray.data.DataContext.get_current().enable_progress_bars = False
     # 64 B: 200k records (read_tfrecords parses ~6k Examples/s here); 64 KiB: 512 MiB, so
     # that Ray's fixed cost per pass (planning, scheduling 8 tasks: ~0.1 s) is not the figure
-    count = {64: 20_000 if args.quick else 200_000, 64 << 10: 200 if args.quick else 8_000}
+    count = {64: 2_000 if args.quick else 200_000, 64 << 10: 16 if args.quick else 8_000}
     if args.fixed_cost:
         root = tempfile.mkdtemp(prefix="bench_ray_")
         try:
