@@ -2,7 +2,7 @@
 
 The core chains (bench_core.py / ``readerlib bench``): file -> shuffle(10k) ->
 batch(256) over 64 B records and over 64 KiB records, with 0 and 1 competing
-busy processes (``while True: pass`` in a subprocess, killed at the end), each
+busy processes (a ``while True`` loop in a subprocess, killed at the end), each
 run with readerlib's default thread count and with ``set_num_threads(1)``,
 alternating in the same process, ``--repeats`` times; best and median.
 

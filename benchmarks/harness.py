@@ -31,6 +31,7 @@ say how stable they were; compare ratios taken in the same run.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import platform
@@ -180,16 +181,24 @@ def speedup(stats, name, peer):
     return a.rate_best / b.rate_best, a.rate_median / b.rate_median
 
 
+#: A busy loop that ends by itself once its parent is gone (a benchmark killed
+#: hard leaves no spinning orphan behind).
+SPIN = ("import os\np = os.getppid()\ni = 0\nwhile True:\n    i += 1\n"
+        "    if not i & 0xFFFFF and os.getppid() != p:\n        break\n")
+
+
 class Competitors:
-    """``n`` busy processes spinning in Python while the block runs, killed on exit."""
+    """``n`` busy processes spinning in Python while the block runs, killed on
+    exit (and at interpreter exit, should the block never be left normally)."""
 
     def __init__(self, n):
         self.n, self.procs = n, []
 
     def __enter__(self):
         for _ in range(self.n):
-            self.procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+            self.procs.append(subprocess.Popen([sys.executable, "-c", SPIN]))
         if self.n:
+            atexit.register(self.__exit__, None, None, None)
             time.sleep(0.3)        # let them reach the loop
         return self
 
