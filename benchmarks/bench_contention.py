@@ -224,6 +224,8 @@ def main(argv=None):
         args.scale = min(args.scale, 0.005)
     with harness.Report(args, "Threads on a shared machine") as rep:
         out = rep.lines
+        out += [harness.bounds_line(harness.copy_bandwidth(16 << 20 if args.quick else 256 << 20, args.repeats))
+                + " (the 64 KiB chain copies every byte once into its batch)", ""]
         if not args.no_chains:
             chains(args, out)
             out.append("")

@@ -153,6 +153,8 @@ def main(argv=None):
     args.trials = args.repeats
     report = harness.Report(args, "8(a) Training-loop simulation: time blocked waiting for data")
     report.__enter__()
+    report.add(harness.bounds_line(harness.copy_bandwidth(16 << 20 if args.quick else 256 << 20, args.repeats))
+               + " (the reader alone copies every byte once into its batch)", "")
 
     tmp = tempfile.mkdtemp(prefix="rl-bench-prefetch-")
     path = os.path.join(tmp, "seq.rio")
