@@ -60,7 +60,7 @@ CASES = [
     ("bench_scaling.py", ["--peers", "none"],
      ["| RecordIO file, 4,000 records |", "| ArrayReader (memory), 4,000 records |",
       "| shuffle buffer 10,000 |", "| batch 4,096 |", "| 64 x 64 KiB, 2 thread(s) |",
-      "| readerlib RecordIOReader.shuffle.batch |", "| readerlib |", "memcpy of 16 MiB"], []),
+      "| readerlib RecordIOReader.shuffle.batch, shuffle(2,000) |", "| readerlib |", "memcpy of 16 MiB"], []),
     # Ray's start-up alone takes 10-30 s here: run it with -m slow
     pytest.param("bench_ray.py", ["--sizes", "64", "--repeats", "1"],
                  ["| 2,000 x 64B | readerlib read_recordio |", "| 2,000 x 64B | ray.data.read_tfrecords |"],
