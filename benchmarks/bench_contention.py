@@ -134,11 +134,7 @@ def chains(args, out):
 def sweep(args, out):
     import numpy as np
     import readerlib as rl
-    from readerlib import _parallel
-    try:
-        from readerlib import _core as crc_module        # the layout of issue 13
-    except ImportError:
-        from readerlib.readers import _base as crc_module
+    from readerlib import _core, _parallel
     old_min = _parallel._set_min_bytes_per_thread(1)   # always split: measure the split itself
     sizes = [32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 4 << 20]
     if args.quick:
@@ -173,7 +169,7 @@ def sweep(args, out):
                         return run
 
                     def crc(t):
-                        crc_module._crc32c_parallel_py(slices[next(it) % len(slices)])
+                        _core._crc32c_parallel_py(slices[next(it) % len(slices)])
 
                     def gather(t):
                         rl.batch_reindex(x, idxs[next(it) % 16], out=y, num_threads=t)

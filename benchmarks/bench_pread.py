@@ -72,7 +72,7 @@ def build_root():
 def write_files(tmp, scale):
     import numpy as np
     import readerlib as rl
-    from readerlib.formats._tfrecord import TFRecordWriter
+    from readerlib import TFRecordWriter
     files = {}
     for size, n in ((64, max(1000, int(1_000_000 * scale))), (65536, max(16, int(4096 * scale)))):
         rng = np.random.default_rng(size)
