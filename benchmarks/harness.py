@@ -7,20 +7,21 @@ environment -- the in-place build with ``PYTHONPATH=.``, or an install).
 What it gives a benchmark:
 
 - :func:`parser`: the flags every benchmark shares -- ``--repeats N``
-  (interleaved rounds), ``--quick`` (tiny sizes: a smoke run whose figures
+  (interleaved rounds), ``--peers`` (which peers run beside readerlib),
+  ``--quick`` (tiny sizes: a smoke run whose figures
   mean nothing), ``--busy N`` (N competing busy processes for the whole run)
   and ``--out FILE`` (the Markdown report, also printed).
 - :func:`interleaved`: several contenders timed round after round in the
   same run (A B C, B C A, C A B ...), so a burst of load from another
   process hits them all alike; :class:`Stats` per contender (best, median,
   spread) and :func:`speedup` against a named peer, best and median.
-- :class:`Competitors`: busy processes (``while True: pass``) for a
+- :class:`Competitors`: busy processes (a Python busy loop each) for a
   benchmark of behaviour under contention.
 - :func:`copy_bandwidth` / :func:`read_bandwidth`: the machine's memcpy and
   read bandwidth measured in the same run, to print next to the figures they
   bound (:func:`bounds_line`).
 - :func:`run_child`: a Python snippet in a fresh interpreter, with a time
-  limit, returning what it :func:`emit`-ted and its peak RSS (VmHWM): memory
+  limit, returning what it ``emit``-ted and its peak RSS (VmHWM): memory
   figures and start-up times never mix with the parent's state.
 - :class:`Report`: the Markdown report with its header (command, date,
   machine, load before and after, busy competitors).
@@ -59,9 +60,9 @@ def parser(doc, repeats=5):
     p.add_argument("--repeats", type=int, default=repeats,
                    help=f"interleaved rounds per contender; best and median over them (default {repeats})")
     p.add_argument("--quick", action="store_true",
-                   help="tiny sizes, one round: a smoke run (its figures mean nothing)")
+                   help="tiny sizes, at most 2 rounds: a smoke run (its figures mean nothing)")
     p.add_argument("--busy", type=int, default=0,
-                   help="competing busy processes (while True: pass) during the whole run")
+                   help="competing busy processes (a Python busy loop each) during the whole run")
     p.add_argument("--peers", default="all",
                    help="peers to run beside readerlib: 'all', 'none' or a list (tf,torch,numpy,...)")
     p.add_argument("--out", help="also write the Markdown report to this file")
@@ -77,7 +78,7 @@ def parse(p, argv=None):
 
 
 def want(args, peer):
-    """Whether ``--peers`` asks for ``peer`` (and it is importable, for module names)."""
+    """Whether ``--peers`` asks for ``peer`` (the caller checks that it imports: :func:`try_import`)."""
     if args.peers == "none" or (args.peers != "all" and peer not in args.peers.split(",")):
         return False
     return True
