@@ -926,3 +926,123 @@ def test_index_counts_that_overflow_int64_are_rejected(tmp_path):
         r = rl.RecordIOReader(path, on_error="skip")       # the index is not used: chunks scanned
     assert any("index entry disagrees with the chunk layout" in str(w.message) for w in ws)
     assert len(r) == 10 and [int(x[0]) for x in r] == list(range(10))
+
+
+# ------------------------------------- issue 16: version 2, big records read a block each
+def _big_v2_file(path, sizes=(33_000, 40_000, 36_000, 50_000, 33_333), page_align="auto", seed=4):
+    """Sequence records of >= 32 KiB (so the per-record path: a block each, read
+    in groups), two chunks, with padding when page-aligned."""
+    rng = np.random.default_rng(seed)
+    recs = [rng.integers(1, 256, k, dtype=np.uint8) for k in sizes]
+    schema = rl.Schema([rl.Field("b", "uint8", (), lod_level=1)])
+    with rl.RecordIOWriter(path, schema, chunk_size=130_000, page_align=page_align) as w:
+        for x in recs:
+            w.write((x,))
+    return [x.tobytes() for x in recs]
+
+
+def _big_v2_regions(path):
+    """Byte ranges of a v2 file that are not record payload: headers, tables,
+    padding, record row-count prefixes, footer (every one of them is flipped)."""
+    data = path.read_bytes()
+    r = rl.RecordIOReader(path)
+    offs, nrec = r.chunk_table()
+    keep = set(range(r.data_start))
+    for o, n in zip(map(int, offs), map(int, nrec)):
+        keep.update(range(o, o + 32 + 8 * n))
+        sizes = np.frombuffer(data[o + 32:o + 32 + 4 * n], "<u4")
+        pos = o + 32 + 8 * n
+        flag = int.from_bytes(data[o + 8:o + 12], "little")
+        for s in sizes:
+            if flag & 0x100:
+                pad = -pos % 4096           # its ends and a few bytes between
+                keep.update(x for x in (pos, pos + 1, pos + pad // 2, pos + pad - 2, pos + pad - 1)
+                            if pos <= x < pos + pad)
+                pos += pad
+            keep.update(range(pos, pos + 8))
+            keep.add(pos + int(s) - 1)
+            pos += int(s)
+    keep.update(range(_trailer_index_offset(data), len(data)))
+    return data, sorted(keep)
+
+
+@pytest.mark.parametrize("page_align", ["auto", False])
+def test_v2_big_records_every_structural_byte_and_sampled_payload_bytes(tmp_path, page_align):
+    """The per-record path (a block each, read a group at a time): flipping any
+    header, table, padding, prefix or footer byte, and a sample of payload bytes
+    (hypothesis), raises a RecordIOError naming the file and an offset at or
+    before the byte (a record's error also names the record), or -- footer
+    only -- warns and delivers all the data unchanged."""
+    from hypothesis import given, settings, strategies as st, HealthCheck
+    path = tmp_path / "big.rio"
+    want = _big_v2_file(path, page_align=page_align)
+    r = rl.RecordIOReader(path)
+    assert r.version == 2 and r.num_chunks == 2
+    assert [bytes(v[0]) for v in r] == want and r._bytes_verified == sum(8 + len(w) for w in want)
+    data, structural = _big_v2_regions(path)
+    bad = tmp_path / "bad.rio"
+
+    def check(i, mask):
+        b = bytearray(data)
+        b[i] ^= mask
+        bad.write_bytes(bytes(b))
+        try:
+            got, ws, _ = read_all(bad)
+        except rl.RecordIOError as e:
+            _check_error(e, bad, flipped_at=i)
+            if "record checksum" in str(e):
+                assert "(record " in str(e), str(e)
+            return
+        assert [g[0] for g in got] == want and ws, f"byte {i} ^ {mask:#x} went unnoticed"
+
+    for i in structural:
+        check(i, 0x41)
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.integers(0, len(data) - 1), st.integers(1, 255))
+    def any_byte(i, mask):
+        check(i, mask)
+    any_byte()
+
+
+def test_v2_record_error_names_file_offset_and_record(tmp_path):
+    path = tmp_path / "big.rio"
+    want = _big_v2_file(path)
+    r = rl.RecordIOReader(path)
+    offs, nrec = r.chunk_table()
+    data = bytearray(path.read_bytes())
+    # the third record of chunk 0, well inside its payload
+    o, n = int(offs[0]), int(nrec[0])
+    sizes = np.frombuffer(bytes(data[o + 32:o + 32 + 4 * n]), "<u4")
+    pos = o + 32 + 8 * n
+    for k in range(2):
+        pos += -pos % 4096 + int(sizes[k])
+    pos += -pos % 4096
+    data[pos + 1000] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(rl.RecordIOError) as e:
+        list(rl.RecordIOReader(path))
+    assert str(path) in str(e.value) and f"byte offset {pos}" in str(e.value)
+    assert "record checksum mismatch (record 2 of chunk 0)" in str(e.value)
+    # skip mode: the bad chunk goes, the other chunk's records come, nothing else
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        rs = rl.RecordIOReader(path, on_error="skip")
+        got = [bytes(v[0]) for v in rs]
+    assert got == want[n:] and rs.skipped_chunks == 1
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_big_records_resume_exactly_and_exactly_once(tmp_path, version):
+    from helpers import assert_checkpoint_equal, assert_exactly_once
+    path = str(tmp_path / "big.rio")
+    x = np.random.default_rng(5).integers(0, 256, (37, 40_000), dtype=np.uint8)
+    with rl.RecordIOWriter(path, rl.Schema([rl.Field("x", "uint8", (40_000,))]), chunk_size=200_000,
+                           version=version) as w:
+        w.write_batch({"x": x})
+    assert rl.RecordIOReader(path).version == version
+    assert_checkpoint_equal(lambda: rl.RecordIOReader(path).shuffle(8, seed=3).batch(5))
+    chain = rl.RecordIOReader(path).shuffle(10, seed=1).batch(4)
+    for _ in range(2):
+        got = [row.tobytes() for (b,) in chain for row in np.asarray(b.data)]
+        assert_exactly_once(got, [row.tobytes() for row in x])
