@@ -108,9 +108,16 @@ static uint32_t rl_cc_sw_raw(uint32_t crc, char *dst, const char *src, size_t n)
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <nmmintrin.h>
+#include <emmintrin.h>
+/* RL_CC_STORE: a plain store, or (nt) a streaming one that skips the cache:
+ * the destination's lines are not read in first (no read-for-ownership), for
+ * a destination that is not read again soon.  Fence with rl_cc_fence(). */
+#define RL_CC_STORE(nt, dst, v) do { \
+        if (nt) _mm_stream_si64((long long *)(dst), (long long)(v)); else memcpy((dst), &(v), 8); \
+    } while (0)
 __attribute__((target("sse4.2")))
 static inline uint64_t rl_cc_hw_streams(uint64_t crc0, char **pd, const char **ps, size_t *pn,
-                                        size_t block, uint32_t zeros[][256]) {
+                                        size_t block, uint32_t zeros[][256], int nt) {
     char *d = *pd;
     const char *s = *ps;
     size_t n = *pn;
@@ -121,9 +128,9 @@ static inline uint64_t rl_cc_hw_streams(uint64_t crc0, char **pd, const char **p
             memcpy(&a, s + i, 8);
             memcpy(&b, s + block + i, 8);
             memcpy(&c, s + 2 * block + i, 8);
-            memcpy(d + i, &a, 8);                 /* the stored value is the one checked */
-            memcpy(d + block + i, &b, 8);
-            memcpy(d + 2 * block + i, &c, 8);
+            RL_CC_STORE(nt, d + i, a);            /* the stored value is the one checked */
+            RL_CC_STORE(nt, d + block + i, b);
+            RL_CC_STORE(nt, d + 2 * block + i, c);
             crc0 = _mm_crc32_u64(crc0, a);
             crc1 = _mm_crc32_u64(crc1, b);
             crc2 = _mm_crc32_u64(crc2, c);
@@ -141,10 +148,22 @@ static inline uint64_t rl_cc_hw_streams(uint64_t crc0, char **pd, const char **p
 }
 
 __attribute__((target("sse4.2")))
-static uint32_t rl_cc_hw_raw(uint32_t crc, char *d, const char *s, size_t n) {
+static uint32_t rl_cc_hw_raw(uint32_t crc, char *d, const char *s, size_t n, int nt) {
     uint64_t crc0 = crc;
-    crc0 = rl_cc_hw_streams(crc0, &d, &s, &n, RL_CC_LONG, rl_cc_long);
-    crc0 = rl_cc_hw_streams(crc0, &d, &s, &n, RL_CC_SHORT, rl_cc_short);
+    /* streaming stores need 8-byte-aligned destinations: align d first */
+    while (n && ((uintptr_t)d & 7) != 0) {
+        unsigned char v = (unsigned char)*s++;
+        *d++ = (char)v;
+        crc0 = _mm_crc32_u8((uint32_t)crc0, v);
+        n--;
+    }
+    if (nt) {
+        crc0 = rl_cc_hw_streams(crc0, &d, &s, &n, RL_CC_LONG, rl_cc_long, 1);
+        crc0 = rl_cc_hw_streams(crc0, &d, &s, &n, RL_CC_SHORT, rl_cc_short, 1);
+    } else {
+        crc0 = rl_cc_hw_streams(crc0, &d, &s, &n, RL_CC_LONG, rl_cc_long, 0);
+        crc0 = rl_cc_hw_streams(crc0, &d, &s, &n, RL_CC_SHORT, rl_cc_short, 0);
+    }
     while (n >= 8) {
         uint64_t a;
         memcpy(&a, s, 8);
@@ -166,9 +185,25 @@ static uint32_t rl_cc_hw_raw(uint32_t crc, char *d, const char *s, size_t n) {
  * bytes stored, continuing from `crc` (0 to start). */
 static inline uint32_t rl_crc32c_copy(uint32_t crc, char *dst, const char *src, size_t n) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    if (rl_cc_hw == 1) return ~rl_cc_hw_raw(~crc, dst, src, n);
+    if (rl_cc_hw == 1) return ~rl_cc_hw_raw(~crc, dst, src, n, 0);
 #endif
     return ~rl_cc_sw_raw(~crc, dst, src, n);
+}
+
+/* The same with streaming stores (x86-64; plain stores elsewhere): for a
+ * destination written once and read later (a record's block, a batch).  Call
+ * rl_cc_fence() before another thread may read dst. */
+static inline uint32_t rl_crc32c_copy_nt(uint32_t crc, char *dst, const char *src, size_t n) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    if (rl_cc_hw == 1) return ~rl_cc_hw_raw(~crc, dst, src, n, 1);
+#endif
+    return ~rl_cc_sw_raw(~crc, dst, src, n);
+}
+
+static inline void rl_cc_fence(void) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    _mm_sfence();
+#endif
 }
 
 static inline int rl_cc_uses_hardware(void) { return rl_cc_hw == 1; }

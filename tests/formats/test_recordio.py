@@ -966,8 +966,17 @@ def _big_v2_regions(path):
     return data, sorted(keep)
 
 
+@pytest.fixture(params=[False, True], ids=["direct", "staged"])
+def staged(request):
+    """Both ways of reading v2 big records (_recordio._set_staged_reads)."""
+    from readerlib.formats._recordio import _set_staged_reads
+    old = _set_staged_reads(request.param)
+    yield request.param
+    _set_staged_reads(old)
+
+
 @pytest.mark.parametrize("page_align", ["auto", False])
-def test_v2_big_records_every_structural_byte_and_sampled_payload_bytes(tmp_path, page_align):
+def test_v2_big_records_every_structural_byte_and_sampled_payload_bytes(tmp_path, page_align, staged):
     """The per-record path (a block each, read a group at a time): flipping any
     header, table, padding, prefix or footer byte, and a sample of payload bytes
     (hypothesis), raises a RecordIOError naming the file and an offset at or
@@ -1005,7 +1014,7 @@ def test_v2_big_records_every_structural_byte_and_sampled_payload_bytes(tmp_path
     any_byte()
 
 
-def test_v2_record_error_names_file_offset_and_record(tmp_path):
+def test_v2_record_error_names_file_offset_and_record(tmp_path, staged):
     path = tmp_path / "big.rio"
     want = _big_v2_file(path)
     r = rl.RecordIOReader(path)
@@ -1033,7 +1042,7 @@ def test_v2_record_error_names_file_offset_and_record(tmp_path):
 
 
 @pytest.mark.parametrize("version", [1, 2])
-def test_big_records_resume_exactly_and_exactly_once(tmp_path, version):
+def test_big_records_resume_exactly_and_exactly_once(tmp_path, version, staged):
     from helpers import assert_checkpoint_equal, assert_exactly_once
     path = str(tmp_path / "big.rio")
     x = np.random.default_rng(5).integers(0, 256, (37, 40_000), dtype=np.uint8)
