@@ -5,6 +5,9 @@ and median of ``--repeats``:
 
 * ``rio v2``      readerlib RecordIO, format version 2 (the default writer): a
                   CRC-32C per record, verified right after its group is read
+* ``rio v2 staged``  the same, each group read into an L2-resident buffer and
+                  copied to the records' blocks by the fused CRC + copy loop with
+                  streaming stores (``_recordio._set_staged_reads(True)``)
 * ``rio v1``      the same data in format version 1 (one CRC per chunk)
 * ``tfrecord``    readerlib's TFRecord reader over the same records
 * ``torch``       a PyTorch DataLoader (shuffle=True, batch_size=256,
@@ -46,7 +49,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import readerlib as rl  # noqa: E402
-from readerlib.formats._recordio import _gather_copy  # noqa: E402
+from readerlib.formats._recordio import _gather_copy, _set_staged_reads  # noqa: E402
 from readerlib.formats._tfrecord import TFRecordReader, TFRecordWriter  # noqa: E402
 from bench_contention import Competitors  # noqa: E402
 
@@ -156,7 +159,14 @@ def make_peers(x, schema, paths, torch_batches):
             return n
         return f
 
-    return {"rio v2": rio("rio v2"), "rio v1": rio("rio v1"), "tfrecord": tfr, "torch": torch_dl,
+    def rio_staged(seed):
+        old = _set_staged_reads(True)
+        try:
+            return rio("rio v2")(seed)
+        finally:
+            _set_staged_reads(old)
+
+    return {"rio v2": rio("rio v2"), "rio v2 staged": rio_staged, "rio v1": rio("rio v1"), "tfrecord": tfr, "torch": torch_dl,
             "memcpy": memcpy, "memcpy gather": memcpy_gather, "mmap fused": mmap_gather(True),
             "mmap memcpy": mmap_gather(False)}
 
@@ -237,7 +247,7 @@ def main():
             for name, v in r.items():
                 print(f"  {name:14s} {v['best']:6.2f} / {v['median']:6.2f}")
             v2 = r["rio v2"]
-            for peer in ("memcpy", "torch", "rio v1", "tfrecord", "mmap fused"):
+            for peer in ("memcpy", "torch", "rio v1", "rio v2 staged", "tfrecord", "mmap fused"):
                 print(f"  rio v2 / {peer:11s} best {v2['best'] / r[peer]['best']:.2f}  "
                       f"median {v2['median'] / r[peer]['median']:.2f}")
         mb, base = peak_rss(paths["rio v2"])
