@@ -129,6 +129,7 @@ def _python_records(path):
     """
     with open(path, "rb") as f:
         head = f.read(24)
+        v2 = head[7:8] == b"2"          # version 2: uncompressed chunks add a table of record CRCs
         (slen,) = struct.unpack_from("<I", head, 8)
         f.seek(24 + slen)
         while True:
@@ -140,7 +141,7 @@ def _python_records(path):
             body = f.read(stored)
             mv = memoryview(body)
             sizes = struct.unpack_from(f"<{n}I", body, 0)
-            p = 4 * n
+            p = 8 * n if v2 and comp & 0xFF == 0 else 4 * n
             for s in sizes:
                 if comp & 0x100:                  # page-aligned records
                     p += -(base + p) % 4096

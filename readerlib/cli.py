@@ -56,11 +56,11 @@ def detect_format(path):
     """
     with open(path, "rb") as f:
         head = f.read(1 << 16)
-    if head.startswith(RECORDIO_MAGIC):
+    if head.startswith(RECORDIO_MAGIC) or head.startswith(b"RLRECIO2"):
         return "recordio", None
     if head.startswith(RECORDIO_MAGIC[:7]):
         raise CliError(f"{path}: RecordIO version {head[7:8]!r} is not supported (this readerlib reads "
-                       f"{RECORDIO_MAGIC.decode()})")
+                       f"{RECORDIO_MAGIC.decode()} and RLRECIO2)")
     if not head:
         return "tfrecord", None                 # a TFRecord file with no records (TF reads it so)
     if _tfrecord_head_ok(head):

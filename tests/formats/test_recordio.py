@@ -331,11 +331,15 @@ def _small_file(path, compressor, kind="lod"):
     """A few hundred bytes, several chunks: sequence records, fixed records, or no records."""
     cols, schema, want = make_columns(0 if kind == "empty" else 6, lod=kind != "fixed", max_len=2,
                                       inner=(1,), seed=3)
-    write_recordio(path, cols, schema, chunk_size=60 if kind != "fixed" else 24, compressor=compressor)
+    version = 1 if compressor.endswith("-v1") else 2
+    write_recordio(path, cols, schema, chunk_size=60 if kind != "fixed" else 24,
+                   compressor=compressor.replace("-v1", ""), version=version)
     return want
 
 
-KINDS = [("none", "lod"), ("zlib", "lod"), ("none", "fixed"), ("zlib", "fixed"), ("none", "empty")]
+# "-v1": the same files in format version 1 (readers keep reading it)
+KINDS = [("none", "lod"), ("zlib", "lod"), ("none", "fixed"), ("zlib", "fixed"), ("none", "empty"),
+         ("none-v1", "lod"), ("none-v1", "fixed")]
 
 
 def _check_error(e, path, flipped_at=None):
@@ -610,9 +614,9 @@ def test_crc32c_bad_input():
 
 
 def test_file_checksums_are_crc32c(tmp_path):
-    """The chunk header's body checksum is CRC-32C of the stored body (spec cross-check)."""
+    """Version 1: the chunk header's body checksum is CRC-32C of the stored body (spec cross-check)."""
     path = tmp_path / "x.rio"
-    write_recordio(path, {"x": np.arange(5)}, rl.Schema([rl.Field("x", "int64")]))
+    write_recordio(path, {"x": np.arange(5)}, rl.Schema([rl.Field("x", "int64")]), version=1)
     data = path.read_bytes()
     r = rl.RecordIOReader(path)
     off = int(r.chunk_table()[0][0])
@@ -625,8 +629,15 @@ def test_file_checksums_are_crc32c(tmp_path):
     assert int.from_bytes(head[28:32], "little") == rl.crc32c(head[:28], salt)
     assert int.from_bytes(head[28:32], "little") != rl.crc32c(head[:28])
     assert data[:8] == b"RLRECIO1"
+    assert rl.RecordIOReader(path).version == 1
     # zlib chunks: the checksum covers the compressed bytes, and they inflate to sizes + payload
-    write_recordio(path, {"x": np.arange(5)}, rl.Schema([rl.Field("x", "int64")]), compressor="zlib")
+    for version in (1, 2):
+        write_recordio(path, {"x": np.arange(5)}, rl.Schema([rl.Field("x", "int64")]), compressor="zlib",
+                       version=version)
+        _check_zlib_chunk(path)
+
+
+def _check_zlib_chunk(path):
     data = path.read_bytes()
     off = int(rl.RecordIOReader(path).chunk_table()[0][0])
     head = data[off:off + 32]
@@ -635,6 +646,100 @@ def test_file_checksums_are_crc32c(tmp_path):
     assert int.from_bytes(head[12:16], "little") == rl.crc32c(body)
     raw = zlib.decompress(body)
     assert raw[:20] == b"\x08\x00\x00\x00" * 5 and raw[20:] == np.arange(5, dtype="<i8").tobytes()
+
+
+@pytest.mark.parametrize("page_align", [False, True])
+def test_version2_layout_per_record_crcs(tmp_path, page_align):
+    """Version 2 (the default): after the size table, a table of each record's
+    CRC-32C; the header's checksum covers the two tables; padding is zero."""
+    path = tmp_path / "x.rio"
+    recs = [np.arange(k, dtype=np.uint8) for k in (5, 0, 300, 7)]
+    schema = rl.Schema([rl.Field("b", "uint8", (), lod_level=1)])
+    with rl.RecordIOWriter(path, schema, page_align=page_align) as w:
+        assert w.version == 2
+        for x in recs:
+            w.write((x,))
+    data = path.read_bytes()
+    assert data[:8] == b"RLRECIO2"
+    r = rl.RecordIOReader(path)
+    assert r.version == 2
+    off = int(r.chunk_table()[0][0])
+    head = data[off:off + 32]
+    n = int.from_bytes(head[4:8], "little")
+    assert n == 4 and int.from_bytes(head[8:12], "little") == (0x100 if page_align else 0)
+    tables = data[off + 32:off + 32 + 8 * n]
+    assert int.from_bytes(head[12:16], "little") == rl.crc32c(tables)
+    sizes = np.frombuffer(tables[:4 * n], "<u4")
+    crcs = np.frombuffer(tables[4 * n:], "<u4")
+    pos = off + 32 + 8 * n
+    for i, x in enumerate(recs):
+        enc = len(x).to_bytes(8, "little") + x.tobytes()          # i64 row count, then the rows
+        assert sizes[i] == len(enc)
+        if page_align:
+            pad = -pos % 4096
+            assert data[pos:pos + pad] == bytes(pad)
+            pos += pad
+        assert data[pos:pos + len(enc)] == enc and crcs[i] == rl.crc32c(enc)
+        pos += len(enc)
+    assert pos == off + 32 + int.from_bytes(head[16:24], "little")
+    assert [bytes(v[0]) for v in r] == [x.tobytes() for x in recs]
+    assert r._bytes_verified == sum(8 + len(x) for x in recs)
+
+
+def test_version1_files_still_read_and_version_is_checked(tmp_path):
+    schema = rl.Schema([rl.Field("x", "uint8", (40000,))])
+    x = np.random.default_rng(1).integers(0, 256, (9, 40000), dtype=np.uint8)
+    for version, page_align in [(1, "auto"), (1, False), (2, "auto"), (2, False)]:
+        path = tmp_path / f"v{version}{page_align}.rio"
+        with rl.RecordIOWriter(path, schema, version=version, page_align=page_align,
+                               chunk_size=200_000) as w:
+            w.write_batch({"x": x})
+        assert path.read_bytes()[:8] == b"RLRECIO%d" % version
+        for low_memory in (True, False):
+            r = rl.RecordIOReader(path, low_memory=low_memory)
+            assert r.version == version
+            np.testing.assert_array_equal(np.stack([v[0] for v in r]), x)
+            b = next(iter(rl.RecordIOReader(path).shuffle(4, seed=0).batch(9)))
+            assert sorted(map(bytes, np.asarray(b[0].data))) == sorted(map(bytes, x))
+    with pytest.raises(ValueError, match="version"):
+        rl.RecordIOWriter(tmp_path / "bad.rio", schema, version=3)
+    good = (tmp_path / "v2auto.rio").read_bytes()
+    (tmp_path / "v9.rio").write_bytes(good[:7] + b"9" + good[8:])
+    with pytest.raises(rl.RecordIOError, match="version b'9' is not supported"):
+        rl.RecordIOReader(tmp_path / "v9.rio")
+
+
+def test_fused_crc_copy_equals_crc_then_copy():
+    """rl_crccopy.h: the copy is exact and its CRC is rl_crc32c's, at every
+    length around the stream boundaries (3 x 8 KiB, 3 x 256) and alignment."""
+    from readerlib.formats._recordio import _crc32c_copy, _gather_copy
+    src = np.random.default_rng(2).integers(0, 256, 80_000, dtype=np.uint8).tobytes()
+    for n in [0, 1, 7, 8, 9, 767, 768, 769, 775, 24575, 24576, 24577, 25344, 49152 + 768 + 9, 79_000]:
+        for a in (0, 1, 5):
+            d = bytearray(n)
+            assert _crc32c_copy(d, src[a:a + n]) == rl.crc32c(src[a:a + n]), (n, a)
+            assert bytes(d) == src[a:a + n]
+    d = bytearray(100)
+    assert _crc32c_copy(d, src[100:200], rl.crc32c(src[:100])) == rl.crc32c(src[:200])
+    with pytest.raises(ValueError):
+        _crc32c_copy(bytearray(3), b"abcd")
+    dst = np.zeros((3, 1000), np.uint8)
+    crcs = _gather_copy(dst, src, [5000, 0, 77], True)
+    assert [bytes(r) for r in dst] == [src[5000:6000], src[:1000], src[77:1077]]
+    assert list(crcs) == [rl.crc32c(src[o:o + 1000]) for o in (5000, 0, 77)]
+    with pytest.raises(IndexError):
+        _gather_copy(dst, src, [0, 0, 79_500], False)
+
+
+def test_fused_crc_copy_software_path_equals_hardware_path():
+    code = ("import numpy as np; from readerlib.formats._recordio import _crc32c_copy, "
+            "_crc32c_copy_uses_hardware as hw; src = np.arange(30000, dtype=np.uint32).tobytes(); "
+            "d = bytearray(len(src)); print(hw(), _crc32c_copy(d, src), bytes(d) == src)")
+    env = dict(os.environ, READERLIB_NO_HW_CRC="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=ROOT, timeout=60, check=True).stdout.split()
+    src = np.arange(30000, dtype=np.uint32).tobytes()
+    assert out == ["False", str(rl.crc32c(src)), "True"]
 
 
 def test_unclosed_writer_finishes_its_file_when_collected(tmp_path):
@@ -821,3 +926,132 @@ def test_index_counts_that_overflow_int64_are_rejected(tmp_path):
         r = rl.RecordIOReader(path, on_error="skip")       # the index is not used: chunks scanned
     assert any("index entry disagrees with the chunk layout" in str(w.message) for w in ws)
     assert len(r) == 10 and [int(x[0]) for x in r] == list(range(10))
+
+
+# ------------------------------------- issue 16: version 2, big records read a block each
+def _big_v2_file(path, sizes=(33_000, 40_000, 36_000, 50_000, 33_333), page_align="auto", seed=4):
+    """Sequence records of >= 32 KiB (so the per-record path: a block each, read
+    in groups), two chunks, with padding when page-aligned."""
+    rng = np.random.default_rng(seed)
+    recs = [rng.integers(1, 256, k, dtype=np.uint8) for k in sizes]
+    schema = rl.Schema([rl.Field("b", "uint8", (), lod_level=1)])
+    with rl.RecordIOWriter(path, schema, chunk_size=130_000, page_align=page_align) as w:
+        for x in recs:
+            w.write((x,))
+    return [x.tobytes() for x in recs]
+
+
+def _big_v2_regions(path):
+    """Byte ranges of a v2 file that are not record payload: headers, tables,
+    padding, record row-count prefixes, footer (every one of them is flipped)."""
+    data = path.read_bytes()
+    r = rl.RecordIOReader(path)
+    offs, nrec = r.chunk_table()
+    keep = set(range(r.data_start))
+    for o, n in zip(map(int, offs), map(int, nrec)):
+        keep.update(range(o, o + 32 + 8 * n))
+        sizes = np.frombuffer(data[o + 32:o + 32 + 4 * n], "<u4")
+        pos = o + 32 + 8 * n
+        flag = int.from_bytes(data[o + 8:o + 12], "little")
+        for s in sizes:
+            if flag & 0x100:
+                pad = -pos % 4096           # its ends and a few bytes between
+                keep.update(x for x in (pos, pos + 1, pos + pad // 2, pos + pad - 2, pos + pad - 1)
+                            if pos <= x < pos + pad)
+                pos += pad
+            keep.update(range(pos, pos + 8))
+            keep.add(pos + int(s) - 1)
+            pos += int(s)
+    keep.update(range(_trailer_index_offset(data), len(data)))
+    return data, sorted(keep)
+
+
+@pytest.fixture(params=[False, True], ids=["direct", "staged"])
+def staged(request):
+    """Both ways of reading v2 big records (_recordio._set_staged_reads)."""
+    from readerlib.formats._recordio import _set_staged_reads
+    old = _set_staged_reads(request.param)
+    yield request.param
+    _set_staged_reads(old)
+
+
+@pytest.mark.parametrize("page_align", ["auto", False])
+def test_v2_big_records_every_structural_byte_and_sampled_payload_bytes(tmp_path, page_align, staged):
+    """The per-record path (a block each, read a group at a time): flipping any
+    header, table, padding, prefix or footer byte, and a sample of payload bytes
+    (hypothesis), raises a RecordIOError naming the file and an offset at or
+    before the byte (a record's error also names the record), or -- footer
+    only -- warns and delivers all the data unchanged."""
+    from hypothesis import given, settings, strategies as st, HealthCheck
+    path = tmp_path / "big.rio"
+    want = _big_v2_file(path, page_align=page_align)
+    r = rl.RecordIOReader(path)
+    assert r.version == 2 and r.num_chunks == 2
+    assert [bytes(v[0]) for v in r] == want and r._bytes_verified == sum(8 + len(w) for w in want)
+    data, structural = _big_v2_regions(path)
+    bad = tmp_path / "bad.rio"
+
+    def check(i, mask):
+        b = bytearray(data)
+        b[i] ^= mask
+        bad.write_bytes(bytes(b))
+        try:
+            got, ws, _ = read_all(bad)
+        except rl.RecordIOError as e:
+            _check_error(e, bad, flipped_at=i)
+            if "record checksum" in str(e):
+                assert "(record " in str(e), str(e)
+            return
+        assert [g[0] for g in got] == want and ws, f"byte {i} ^ {mask:#x} went unnoticed"
+
+    for i in structural:
+        check(i, 0x41)
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.integers(0, len(data) - 1), st.integers(1, 255))
+    def any_byte(i, mask):
+        check(i, mask)
+    any_byte()
+
+
+def test_v2_record_error_names_file_offset_and_record(tmp_path, staged):
+    path = tmp_path / "big.rio"
+    want = _big_v2_file(path)
+    r = rl.RecordIOReader(path)
+    offs, nrec = r.chunk_table()
+    data = bytearray(path.read_bytes())
+    # the third record of chunk 0, well inside its payload
+    o, n = int(offs[0]), int(nrec[0])
+    sizes = np.frombuffer(bytes(data[o + 32:o + 32 + 4 * n]), "<u4")
+    pos = o + 32 + 8 * n
+    for k in range(2):
+        pos += -pos % 4096 + int(sizes[k])
+    pos += -pos % 4096
+    data[pos + 1000] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(rl.RecordIOError) as e:
+        list(rl.RecordIOReader(path))
+    assert str(path) in str(e.value) and f"byte offset {pos}" in str(e.value)
+    assert "record checksum mismatch (record 2 of chunk 0)" in str(e.value)
+    # skip mode: the bad chunk goes, the other chunk's records come, nothing else
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        rs = rl.RecordIOReader(path, on_error="skip")
+        got = [bytes(v[0]) for v in rs]
+    assert got == want[n:] and rs.skipped_chunks == 1
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_big_records_resume_exactly_and_exactly_once(tmp_path, version, staged):
+    from helpers import assert_checkpoint_equal, assert_exactly_once
+    path = str(tmp_path / "big.rio")
+    x = np.random.default_rng(5).integers(0, 256, (37, 40_000), dtype=np.uint8)
+    with rl.RecordIOWriter(path, rl.Schema([rl.Field("x", "uint8", (40_000,))]), chunk_size=200_000,
+                           version=version) as w:
+        w.write_batch({"x": x})
+    assert rl.RecordIOReader(path).version == version
+    assert_checkpoint_equal(lambda: rl.RecordIOReader(path).shuffle(8, seed=3).batch(5))
+    chain = rl.RecordIOReader(path).shuffle(10, seed=1).batch(4)
+    for _ in range(2):
+        got = [row.tobytes() for (b,) in chain for row in np.asarray(b.data)]
+        assert_exactly_once(got, [row.tobytes() for row in x])

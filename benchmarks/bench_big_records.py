@@ -1,0 +1,265 @@
+"""Big records in one pass (issue 16 item 1): 64 KiB records, file -> shuffle(10k) -> batch(256).
+
+Peers, in the same process, interleaved (the order rotates every repeat), best
+and median of ``--repeats``:
+
+* ``rio v2``      readerlib RecordIO, format version 2 (the default writer): a
+                  CRC-32C per record, verified right after its group is read
+* ``rio v2 staged``  the same, each group read into an L2-resident buffer and
+                  copied to the records' blocks by the fused CRC + copy loop with
+                  streaming stores (``_recordio._set_staged_reads(True)``)
+* ``rio v1``      the same data in format version 1 (one CRC per chunk)
+* ``tfrecord``    readerlib's TFRecord reader over the same records
+* ``torch``       a PyTorch DataLoader (shuffle=True, batch_size=256,
+                  num_workers=0, torch's default threads) over a uint8 tensor
+                  of the same bytes held in memory (no file, no checksum); the
+                  first ``--torch-batches`` batches of each epoch are timed
+* ``memcpy``      memcpy of the same bytes: each 256-record batch copied from a
+                  contiguous in-memory array (np.copyto), in file order
+* ``memcpy gather``   the same, rows gathered in a shuffled order (the DRAM
+                  floor of a shuffled batch)
+* ``mmap fused``  the floor of option (b), not a reader: the v2 file mapped, each
+                  batch's records (shuffled order) copied from the mapping with
+                  the fused CRC + copy loop (readerlib/include/rl_crccopy.h) and
+                  their CRCs compared; no SIGBUS guard, no chain
+* ``mmap memcpy`` the same gather from the mapping with plain memcpy
+
+GB/s counts record payload bytes (65,536 per record).  The machine's copy
+bandwidth (one thread, np.copyto of 256 MiB) is printed beside the figures.
+``--busy 1`` repeats everything with one competing busy process (as
+bench_contention.py).  Peak RSS of the default v2 chain is measured in a
+subprocess and compared with shuffle buffer + 64 MB.
+
+    python benchmarks/bench_big_records.py [--records 16384] [--repeats 5] [--busy 0,1]
+                                           [--out FILE.json]
+"""
+import argparse
+import json
+import mmap
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import readerlib as rl  # noqa: E402
+from readerlib.formats._recordio import _gather_copy, _set_staged_reads  # noqa: E402
+from readerlib.formats._tfrecord import TFRecordReader, TFRecordWriter  # noqa: E402
+from bench_contention import Competitors  # noqa: E402
+
+SIZE = 65536
+BUFFER, BATCH = 10_000, 256
+
+
+def write_files(d, n, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 256, size=(n, SIZE), dtype=np.uint8)
+    schema = rl.Schema([rl.Field("x", "uint8", (SIZE,))])
+    paths = {"rio v2": os.path.join(d, "v2.rio"), "rio v1": os.path.join(d, "v1.rio"),
+             "tfrecord": os.path.join(d, "x.tfrecord")}
+    for key, version in (("rio v2", 2), ("rio v1", 1)):
+        with rl.RecordIOWriter(paths[key], schema, version=version) as w:
+            for i in range(0, n, 256):
+                w.write_batch({"x": x[i:i + 256]})
+    with TFRecordWriter(paths["tfrecord"]) as w:
+        for i in range(0, n, 256):
+            w.write_batch(x[i:i + 256])
+    return x, schema, paths
+
+
+def v2_record_offsets(path):
+    """(file offset, CRC) of every record of a v2 file (from its tables)."""
+    r = rl.RecordIOReader(path)
+    offs, nrec = r.chunk_table()
+    out, crcs = [], []
+    with open(path, "rb") as f:
+        for o, n in zip(map(int, offs), map(int, nrec)):
+            f.seek(o)
+            h = f.read(32 + 8 * n)
+            flag = int.from_bytes(h[8:12], "little")
+            sizes = np.frombuffer(h[32:32 + 4 * n], "<u4")
+            crcs.extend(np.frombuffer(h[32 + 4 * n:32 + 8 * n], "<u4").tolist())
+            pos = o + 32 + 8 * n
+            for s in sizes:
+                if flag & 0x100:
+                    pos += -pos % 4096
+                out.append(pos)
+                pos += int(s)
+    r.close()
+    return np.array(out, np.int64), np.array(crcs, np.uint32)
+
+
+def run_chain(chain):
+    n = 0
+    for (t,) in chain:
+        n += t.data.shape[0]
+    chain.close()
+    return n
+
+
+def make_peers(x, schema, paths, torch_batches):
+    n = x.shape[0]
+    offsets, crcs = v2_record_offsets(paths["rio v2"])
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    tx = torch.from_numpy(x)
+    out = np.empty((BATCH, SIZE), np.uint8)
+
+    def rio(key):
+        return lambda seed: run_chain(rl.RecordIOReader(paths[key]).shuffle(BUFFER, seed=seed).batch(BATCH))
+
+    def tfr(seed):
+        return run_chain(TFRecordReader(paths["tfrecord"], schema=schema).shuffle(BUFFER, seed=seed)
+                         .batch(BATCH))
+
+    def torch_dl(seed):
+        # the first torch_batches batches of a shuffled epoch (its rate does not depend on how
+        # much of the epoch is timed: in memory, no buffer to fill)
+        g = torch.Generator().manual_seed(seed)
+        k = 0
+        for j, (b,) in enumerate(DataLoader(TensorDataset(tx), batch_size=BATCH, shuffle=True,
+                                            generator=g)):
+            k += b.shape[0]
+            if j + 1 == torch_batches:
+                break
+        return k
+
+    def memcpy(seed):
+        for i in range(0, n, BATCH):
+            m = min(BATCH, n - i)
+            np.copyto(out[:m], x[i:i + m])
+        return n
+
+    def memcpy_gather(seed):
+        perm = np.random.default_rng(seed).permutation(n)
+        for i in range(0, n, BATCH):
+            idx = perm[i:i + BATCH]
+            np.take(x, idx, axis=0, out=out[:len(idx)])
+        return n
+
+    def mmap_gather(fused):
+        def f(seed):
+            perm = np.random.default_rng(seed).permutation(n)
+            with open(paths["rio v2"], "rb") as fh:
+                mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+                try:
+                    for i in range(0, n, BATCH):
+                        idx = perm[i:i + BATCH]
+                        got = _gather_copy(out[:len(idx)], mm, offsets[idx], fused)
+                        if fused and not np.array_equal(got, crcs[idx]):
+                            raise AssertionError("mmap fused: CRC mismatch")
+                finally:
+                    mm.close()
+            return n
+        return f
+
+    def rio_staged(seed):
+        old = _set_staged_reads(True)
+        try:
+            return rio("rio v2")(seed)
+        finally:
+            _set_staged_reads(old)
+
+    return {"rio v2": rio("rio v2"), "rio v2 staged": rio_staged, "rio v1": rio("rio v1"), "tfrecord": tfr, "torch": torch_dl,
+            "memcpy": memcpy, "memcpy gather": memcpy_gather, "mmap fused": mmap_gather(True),
+            "mmap memcpy": mmap_gather(False)}
+
+
+def copy_bandwidth():
+    a = np.ones(256 << 20, np.uint8)
+    b = np.empty_like(a)
+    best = min(_timed(lambda: np.copyto(b, a)) for _ in range(5))
+    return a.nbytes / best / 1e9
+
+
+def _timed(fn):
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def measure(peers, n, repeats):
+    names = list(peers)
+    for name in names:                       # warm-up: page cache, pools, imports
+        peers[name](0)
+    rates = {name: [] for name in names}
+    for rep in range(repeats):
+        order = names[rep % len(names):] + names[:rep % len(names)]
+        for name in order:
+            t = time.perf_counter()
+            k = peers[name](rep + 1)
+            dt = time.perf_counter() - t
+            assert k == n or name == "torch", (name, k, n)
+            rates[name].append(k * SIZE / dt / 1e9)
+    return {name: {"best": max(v), "median": statistics.median(v), "all": v} for name, v in rates.items()}
+
+
+# VmHWM, not ru_maxrss: a child's ru_maxrss starts from its parent's peak at fork (Linux)
+HWM = "int([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]) / 1024"
+PEAK = f"""
+import sys, readerlib as rl
+base = {HWM}
+n = 0
+for (t,) in rl.RecordIOReader(sys.argv[1]).shuffle(10_000, seed=0).batch(256):
+    n += t.data.shape[0]
+print(n, base, {HWM})
+"""
+
+
+def peak_rss(path):
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(rl.__file__))))
+    p = subprocess.run([sys.executable, "-c", PEAK, path], capture_output=True, text=True, timeout=600,
+                       check=True, env=env)
+    n, base, mb = p.stdout.split()
+    return float(mb), float(base)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--records", type=int, default=16384)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--busy", default="0,1", help="comma list of competing busy processes")
+    ap.add_argument("--out")
+    ap.add_argument("--torch-batches", type=int, default=16,
+                    help="batches of the torch DataLoader epoch that are timed")
+    ap.add_argument("--workdir", help="where the files go (default: the temp dir; read from the page cache)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-big-", dir=args.workdir) as d:
+        x, schema, paths = write_files(d, args.records)
+        peers = make_peers(x, schema, paths, args.torch_batches)
+        result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+                  "records": args.records, "record_bytes": SIZE, "repeats": args.repeats,
+                  "threads": rl.get_num_threads() if hasattr(rl, "get_num_threads") else None,
+                  "copy_GB_s": copy_bandwidth(), "runs": {}}
+        print(f"{args.records} records of {SIZE} B ({args.records * SIZE / 1e9:.2f} GB of payload); "
+              f"files in {d}; one-thread copy bandwidth (np.copyto 256 MiB): {result['copy_GB_s']:.1f} GB/s")
+        for busy in [int(b) for b in args.busy.split(",")]:
+            with Competitors(busy):
+                r = measure(peers, args.records, args.repeats)
+            result["runs"][busy] = r
+            print(f"\n{busy} competing busy process(es): GB/s of payload, best / median of {args.repeats}")
+            for name, v in r.items():
+                print(f"  {name:14s} {v['best']:6.2f} / {v['median']:6.2f}")
+            v2 = r["rio v2"]
+            for peer in ("memcpy", "torch", "rio v1", "rio v2 staged", "tfrecord", "mmap fused"):
+                print(f"  rio v2 / {peer:11s} best {v2['best'] / r[peer]['best']:.2f}  "
+                      f"median {v2['median'] / r[peer]['median']:.2f}")
+        mb, base = peak_rss(paths["rio v2"])
+        buf = BUFFER * SIZE / 2**20
+        result["peak_rss_MB"] = {"chain": mb, "import_only": base, "shuffle_buffer": buf}
+        print(f"\npeak RSS, default v2 chain in a fresh process: {mb:.0f} MB (import readerlib alone "
+              f"{base:.0f} MB; shuffle buffer {buf:.0f} MB; bound buffer + 64 MB = {buf + 64:.0f} MB "
+              f"above the import: {'within' if mb - base <= buf + 64 else 'OVER'})")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
