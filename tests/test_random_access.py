@@ -190,7 +190,8 @@ def test_global_shuffle_reads_each_chunk_once_per_epoch(rio):
     assert g.chunk_loads == n_chunks
     g.reset()
     drain_canon(g)
-    assert g.chunk_loads == 2 * n_chunks
+    # each chunk at most once more (chunks still cached from epoch 0 may be hits)
+    assert n_chunks - 5 <= g.chunk_loads - n_chunks <= n_chunks
 
 
 def test_global_shuffle_mixes_chunks_from_anywhere_in_a_window():
@@ -416,3 +417,17 @@ def test_global_shuffle_exactly_once_across_dataloader_workers(rio, tmp_path):
     e0, e1 = json.loads(p.stdout.strip().splitlines()[-1])
     assert sorted(e0) == list(range(300)) and sorted(e1) == list(range(300))
     assert e0 != e1
+
+
+def test_the_docs_example_runs(tmp_path):
+    import re
+    doc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "random_access.md")
+    code = "\n".join(re.findall(r"```python\n(.*?)```", open(doc).read(), re.S))
+    assert "global_shuffle" in code
+    script = tmp_path / "doc.py"
+    script.write_text(code)
+    where = os.path.dirname(os.path.dirname(os.path.abspath(rl.__file__)))
+    env = dict(os.environ, PYTHONPATH=where + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                       env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]

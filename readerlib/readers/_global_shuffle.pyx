@@ -25,7 +25,7 @@ Design:
     construction gives up against a uniform permutation is that records of
     one window stay within that window's stretch of the epoch.
 
-    Each Feistel evaluation is 6 rounds of a 64-bit hash (rl_hash3); cycle
+    Each Feistel evaluation is 4 rounds of a 64-bit hash (rl_hash3); cycle
     walking takes < 4 evaluations on average (the domain is < 4x the range).
 
     WindowShuffleReader (``shuffle(n, mode="window")``, Grain's WindowShuffle)
@@ -48,7 +48,7 @@ from readerlib.readers._base import _check_positive_int, _check_reader
 
 __all__ = ["GlobalShuffleReader", "WindowShuffleReader"]
 
-DEF ROUNDS = 6
+DEF ROUNDS = 4                  # Luby-Rackoff: 4 rounds of a pseudo-random function give a strong PRP
 cdef uint64_t _UNITS = 0x756e697473        # key domains ("units", "window")
 cdef uint64_t _WINDOW = 0x77696e646f77
 

@@ -45,6 +45,9 @@ cdef struct _slot:
     rl_block **blocks      # one reference per distinct block of recs
     int64_t nblocks
     int64_t bcap
+    bint strided           # record j = base + j * stride in one block: no table to touch
+    const char *base
+    int64_t stride
 
 
 cdef void _slot_release(_slot *s) noexcept nogil:
@@ -55,6 +58,32 @@ cdef void _slot_release(_slot *s) noexcept nogil:
     s.nblocks = 0
     s.n = 0
     s.chunk = -1
+    s.strided = False
+
+
+cdef inline void _slot_get(const _slot *s, int64_t j, rl_record *out) noexcept nogil:
+    if s.strided:
+        out.block = s.blocks[0]
+        out.data = s.base + j * s.stride
+        out.size = s.stride
+    else:
+        out[0] = s.recs[j]
+
+
+cdef void _slot_stride(_slot *s) noexcept nogil:
+    # Fixed-size records packed in one block (RecordIO and ArrayReader chunks of
+    # a fixed schema): a hit then reads only the record, not a 24-byte table
+    # entry too -- random access over a window of chunks is cache-miss bound.
+    cdef int64_t j
+    s.strided = False
+    if s.n == 0 or s.nblocks != 1:
+        return
+    s.base = s.recs[0].data
+    s.stride = s.recs[0].size
+    for j in range(1, s.n):
+        if s.recs[j].size != s.stride or s.recs[j].data != s.base + j * s.stride:
+            return
+    s.strided = True
 
 
 cdef class ChunkCache(FileReader):
@@ -140,7 +169,7 @@ cdef class ChunkCache(FileReader):
         cdef int64_t c
         cdef int k, victim
         if s.chunk >= 0 and self.starts[s.chunk] <= index < self.starts[s.chunk] + s.n:
-            out[0] = s.recs[index - self.starts[s.chunk]]
+            _slot_get(s, index - self.starts[s.chunk], out)
             return 1
         if index < 0 or index >= self.num_records:
             with gil:
@@ -162,7 +191,7 @@ cdef class ChunkCache(FileReader):
             self.last = victim
         s = &self.slots[self.last]
         s.tick = self.tick
-        out[0] = s.recs[index - self.starts[c]]
+        _slot_get(s, index - self.starts[c], out)
         return 1
 
     cdef int _load(self, int k, int64_t c) except -1:
@@ -209,6 +238,7 @@ cdef class ChunkCache(FileReader):
                     got += 1
             if got != n:
                 raise ValueError(f"{self._name}: chunk {c} gave {got} records, its index says {n}")
+            _slot_stride(s)
         except BaseException:
             _slot_release(s)
             raise
