@@ -43,8 +43,10 @@ from libc.stdlib cimport malloc, calloc, realloc, free
 from readerlib._typedefs cimport int64_t, uint64_t
 from readerlib.readers._base cimport (
     ReaderBase, DecoratedReader, rl_record, rl_block, rl_block_incref, rl_block_decref,
-    rl_hash3, ITEM_INSTANCE)
+    rl_hash3, rl_core_import, ITEM_INSTANCE)
 from readerlib.readers._base import _check_positive_int, _check_reader
+
+rl_core_import()
 
 __all__ = ["GlobalShuffleReader", "WindowShuffleReader"]
 

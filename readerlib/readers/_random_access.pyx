@@ -28,10 +28,12 @@ from libc.stdlib cimport malloc, calloc, realloc, free
 
 from readerlib._typedefs cimport int64_t
 from readerlib.readers._base cimport (
-    ReaderBase, FileReader, _ChunkedSource, ArrayReader, rl_block, rl_record,
+    ReaderBase, FileReader, rl_block, rl_record, rl_core_import,
     rl_block_incref, rl_block_decref, rl_block_new_static, ITEM_INSTANCE)
+from readerlib.readers._sources cimport _ChunkedSource, ArrayReader
 
 cnp.import_array()
+rl_core_import()
 
 __all__ = ["open_random_access", "ChunkCache"]
 

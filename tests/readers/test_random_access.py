@@ -421,7 +421,8 @@ def test_global_shuffle_exactly_once_across_dataloader_workers(rio, tmp_path):
 
 def test_the_docs_example_runs(tmp_path):
     import re
-    doc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "random_access.md")
+    doc = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs",
+                       "random_access.md")
     code = "\n".join(re.findall(r"```python\n(.*?)```", open(doc).read(), re.S))
     assert "global_shuffle" in code
     script = tmp_path / "doc.py"
