@@ -89,6 +89,39 @@ def time_epoch(src_factory, kind):
     return n / dt
 
 
+def window_sweep(n, repeats, where):
+    """global_shuffle(window_chunks=w).batch(256) epoch throughput, memory and RecordIO."""
+    data = np.arange(4 * n, dtype=np.float32).reshape(n, 4)
+    fd, path = tempfile.mkstemp(suffix=".rio", dir=where)
+    os.close(fd)
+    try:
+        with rl.RecordIOWriter(path, rl.Schema([rl.Field("x", "float32", (4,))])) as w:
+            w.write_batch({"x": data})
+        mem, rio = (lambda: rl.ArrayReader(data)), (lambda: rl.RecordIOReader(path))
+        print(f"| window_chunks (N={n:,}) | memory Mrec/s | recordio Mrec/s |")
+        print("|---|---|---|")
+        for wc in (1, 2, 8, 32):
+            rates = []
+            for f in (mem, rio):
+                def chain(f=f, wc=wc):
+                    return f().global_shuffle(seed=0, window_chunks=wc).batch(BATCH)
+                rates.append(max(_epoch_rate(chain) for _ in range(repeats)))
+            print(f"| {wc} | {rates[0] / 1e6:.1f} | {rates[1] / 1e6:.1f} |", flush=True)
+        seq = max(_epoch_rate(lambda: rio().batch(BATCH)) for _ in range(repeats))
+        print(f"| sequential RecordIO | | {seq / 1e6:.1f} |")
+    finally:
+        os.unlink(path)
+
+
+def _epoch_rate(make):
+    c = make()
+    t0 = time.perf_counter()
+    n = sum(b[0].data.shape[0] for b in c)
+    dt = time.perf_counter() - t0
+    c.close()
+    return n / dt
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
@@ -96,7 +129,11 @@ def main(argv=None):
     ap.add_argument("--old-repeats", type=int, default=1)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--throughput-size", type=int, default=1_000_000)
+    ap.add_argument("--window-sweep", action="store_true",
+                    help="only: global_shuffle throughput by window_chunks (1, 2, 8, 32), N=--throughput-size")
     args = ap.parse_args(argv)
+    if args.window_sweep:
+        return window_sweep(args.throughput_size, args.repeats, args.dir)
     workdir = tempfile.mkdtemp(prefix="bench_resume_", dir=args.dir)
     schema = rl.Schema([rl.Field("x", "float32", (4,))])
     print(f"# bench_resume: batch {BATCH}, buffer/window {BUFFER}, records float32[4] (16 B); "

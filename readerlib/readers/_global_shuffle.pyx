@@ -25,7 +25,7 @@ Design:
     construction gives up against a uniform permutation is that records of
     one window stay within that window's stretch of the epoch.
 
-    Each Feistel evaluation is 4 rounds of a 64-bit hash (rl_hash3); cycle
+    Each Feistel evaluation is 4 rounds of a 64-bit mix keyed per round; cycle
     walking takes < 4 evaluations on average (the domain is < 4x the range).
 
     WindowShuffleReader (``shuffle(n, mode="window")``, Grain's WindowShuffle)
@@ -57,6 +57,7 @@ cdef uint64_t _WINDOW = 0x77696e646f77
 
 cdef struct _feistel:
     uint64_t key
+    uint64_t rk[ROUNDS]                    # round keys, from key
     uint64_t n
     int half
     uint64_t mask
@@ -67,17 +68,30 @@ cdef inline void _feistel_init(_feistel *f, uint64_t key, uint64_t n) noexcept n
     while bits < 64 and (<uint64_t>1 << bits) < n:
         bits += 1
     bits += bits & 1                       # an even width: two equal halves
+    cdef int r
     f.key = key
+    for r in range(ROUNDS):
+        f.rk[r] = rl_hash3(key, <uint64_t>r, 0x726f756e64)
     f.n = n
     f.half = bits >> 1
     f.mask = (<uint64_t>1 << f.half) - 1
+
+
+cdef inline uint64_t _mix(uint64_t x) noexcept nogil:
+    # the round function: a 64-bit finaliser (multiply / xor-shift, as
+    # splitmix64's) of the half block xor a per-round key -- 2 multiplies
+    x ^= x >> 31
+    x *= <uint64_t>0xbf58476d1ce4e5b9
+    x ^= x >> 29
+    x *= <uint64_t>0x94d049bb133111eb
+    return x ^ (x >> 32)
 
 
 cdef inline uint64_t _feistel_round_trip(const _feistel *f, uint64_t x) noexcept nogil:
     cdef uint64_t L = x >> f.half, R = x & f.mask, t
     cdef int r
     for r in range(ROUNDS):
-        t = L ^ (rl_hash3(f.key, <uint64_t>r, R) & f.mask)
+        t = L ^ (_mix(R ^ f.rk[r]) & f.mask)
         L = R
         R = t
     return (L << f.half) | R
