@@ -1402,3 +1402,24 @@ cdef class RecordIOReader(FileReader):
     def __repr__(self):
         return (f"RecordIOReader({self.path!r}, {self.num_records} records in {self.num_chunks} chunks"
                 f"{'' if self.has_index else ', no index'})")
+
+    cdef int64_t c_skip(self, int64_t n) except -1 nogil:
+        # Whole chunks of the order are stepped over by their index counts, not
+        # read (set_state is O(chunks) integer steps); the current chunk and the
+        # one the target falls in are read as usual.  on_error="skip" reads them
+        # all: a chunk it would skip holds no records to count.
+        cdef int64_t done = 0, k
+        cdef rl_record rec
+        if self.skip_errors or n <= 0:
+            return ReaderBase.c_skip(self, n)
+        while done < n and self.cur_i < self.cur_n:
+            self.c_next(&rec)
+            done += 1
+        while self.iorder < self.norder:
+            k = self.chunk_nrec[self.order[self.iorder]]
+            if k > n - done:
+                break
+            done += k
+            self.iorder += 1
+        return done + ReaderBase.c_skip(self, n - done)
+

@@ -1056,6 +1056,31 @@ cdef class TFRecordReader(FileReader):
                               "index": self.index_path if self.index_path is not None else False,
                               "prefixed": bool(self.prefix)}
 
+    cdef int64_t c_skip(self, int64_t n) except -1 nogil:
+        # Whole chunks the table knows are stepped over by their counts, not read
+        # (set_state is O(chunks)); the current chunk and the target's are read.
+        cdef int64_t done = 0, k
+        cdef rl_record rec
+        if n <= 0:
+            return 0
+        while done < n and self.cur_i < self.cur_n:
+            self.c_next(&rec)
+            done += 1
+        while True:
+            if self.selected:
+                if self.iorder >= self.norder:
+                    break
+                k = self.order[self.iorder]
+            else:
+                k = self.iorder
+                if k >= self.nck:
+                    break
+            if self.ck_n[k] > n - done:
+                break
+            done += self.ck_n[k]
+            self.iorder += 1
+        return done + ReaderBase.c_skip(self, n - done)
+
     def __repr__(self):
         comp = f", compression={self.compression!r}" if self.compression else ""
         n = f"{self.total_records} records in {self.nck} chunks" if self.complete else "not indexed yet"

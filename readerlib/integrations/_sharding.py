@@ -85,6 +85,8 @@ def unseeded_shuffles(chain):
         elif isinstance(r, MultiFileReader) and getattr(r.plan, "shuffle_files", False) \
                 and getattr(r.plan, "seed_drawn", False):
             found.append("open_files(..., shuffle_files=True)")
+        elif getattr(r, "seed_drawn", False) and hasattr(r, "_shuffle_description"):
+            found.append(r._shuffle_description())      # global_shuffle, shuffle(mode="window")
     return found
 
 

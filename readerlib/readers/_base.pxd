@@ -128,6 +128,19 @@ cdef class ReaderBase:
     # started (snapshot of the chain's epoch state, position 0), or takes up a
     # set_state() position.  Every reading entry point calls it.
     cdef int _begin_read(self) except -1
+    # Positioning and random access (readers/_random_access.pyx, docs/random_access.md).
+    # Drop the next n items of the epoch, as n c_next calls would; returns how
+    # many there were (fewer at the end).  Default: c_next n times.  Readers that
+    # can move without reading override it, so set_state is O(1) over them.
+    cdef int64_t c_skip(self, int64_t n) except -1 nogil
+    # Records addressable by c_read_at (the whole source, whatever its selection
+    # or position); -1: this reader has no random access.
+    cdef int64_t c_num_records(self) except -2
+    # *out = record `index` (0 <= index < c_num_records()), borrowed like c_next's
+    # until the next c_read_at, c_reset or c_close; the sequential position is
+    # unaffected.  Default: raises TypeError naming the reader type.
+    cdef int c_read_at(self, int64_t index, rl_record *out) except -1 nogil
+    cdef ReaderBase _random_access  # what c_read_at delegates to (a chunk cache), made on first use
 
 
 cdef class FileReader(ReaderBase):

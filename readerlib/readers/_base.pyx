@@ -426,6 +426,87 @@ cdef class ReaderBase:
     cdef int c_close(self) except -1:
         return 0
 
+    # -- positioning and random access (docs/random_access.md) ----------------
+    cdef int64_t c_skip(self, int64_t n) except -1 nogil:
+        cdef rl_record rec
+        cdef int64_t i = 0
+        while i < n:
+            if self.c_next(&rec) != 1:
+                break
+            i += 1
+        return i
+
+    cdef int64_t c_num_records(self) except -2:
+        return self._random_access_size()
+
+    cdef int c_read_at(self, int64_t index, rl_record *out) except -1 nogil:
+        if self._random_access is None:
+            with gil:
+                self._random_access = self._open_random_access()
+        return self._random_access.c_read_at(index, out)
+
+    def _random_access_size(self):
+        """Records c_read_at addresses, or -1 (no random access).  File readers
+        with a chunk table (select_chunks + chunk_table: RecordIO, TFRecord) have it."""
+        if isinstance(self, FileReader) and hasattr(self, "select_chunks") and hasattr(self, "chunk_table"):
+            return len(self)
+        return -1
+
+    def _open_random_access(self):
+        """The reader c_read_at delegates to (a chunk cache, readers/_random_access.pyx)."""
+        if self._random_access_size() >= 0:
+            from readerlib.readers._random_access import open_random_access
+            return open_random_access(self)
+        raise TypeError(f"{type(self).__name__} has no random access (reader[i], read_many, "
+                        f"global_shuffle): it needs an indexed source (RecordIOReader, "
+                        f"TFRecordReader, ArrayReader) or a global_shuffle() of one")
+
+    def __getitem__(self, index):
+        """Instance `index` of a source with random access (negative indices count
+        from the end), independent of the sequential position.
+
+        Raises
+        ------
+        IndexError
+            `index` outside ``[-len, len)``, naming both.
+        TypeError
+            The reader has no random access (a decorator other than global_shuffle,
+            a stream).
+        """
+        return self.read_many([index])[0]
+
+    def read_many(self, indices):
+        """The instances at `indices` (ints), as a list in that order.
+
+        A list, like PyTorch's ``Dataset.__getitems__`` and Grain's random-access
+        datasets: batch it yourself, or use ``global_shuffle().batch()`` for a
+        compiled batch.  Each instance is a tuple of arrays (copies).
+        """
+        cdef rl_record rec
+        cdef int64_t n, i
+        with self._lock:
+            self._check_open()
+            n = self.c_num_records()
+            if n < 0:
+                self._open_random_access()          # raises, naming the reader
+                raise TypeError(f"{type(self).__name__} has no random access")
+            out = []
+            for index in indices:
+                try:
+                    i = index.__index__()
+                except AttributeError:
+                    raise TypeError(f"{type(self).__name__} indices must be integers, got "
+                                    f"{type(index).__name__}") from None
+                if i < 0:
+                    i += n
+                if i < 0 or i >= n:
+                    raise IndexError(f"{type(self).__name__} index {index} out of range for "
+                                     f"{n} records")
+                with nogil:
+                    self.c_read_at(i, &rec)
+                out.append(_decode_instance(self, &rec))
+            return out
+
     def _check_open(self):
         if self._closed:
             raise ValueError(f"I/O operation on closed reader ({type(self).__name__})")
@@ -575,17 +656,10 @@ cdef class ReaderBase:
         self.c_reset()
         for r, d in zip(readers, saved):
             r._set_epoch_state({key: v for key, v in d.items() if key != "type"})
-        cdef rl_record rec
         cdef int64_t i, n_skip = position
-        cdef int got = 1
         with nogil:
-            i = 0
-            while i < n_skip:
-                got = self.c_next(&rec)
-                if got != 1:
-                    break
-                i += 1
-        if got != 1:
+            i = self.c_skip(n_skip)       # O(1) where the chain can position without reading
+        if i != n_skip:
             raise ValueError(f"state position {position} is past the end of the epoch ({i} items)")
         self._mark_started(False)
         self._epoch_snapshot = [dict(d) for d in saved]
@@ -599,18 +673,12 @@ cdef class ReaderBase:
     def _skip(self, n):
         """Read and drop `n` items in compiled code (no Python objects); returns
         how many there were (fewer at the end of the epoch).  Counts as read."""
-        cdef rl_record rec
         cdef int64_t i = 0, want = n
-        cdef int got = 1
         with self._lock:
             self._check_open()
             self._begin_read()
             with nogil:
-                while i < want:
-                    got = self.c_next(&rec)
-                    if got != 1:
-                        break
-                    i += 1
+                i = self.c_skip(want)
             self._position += i
         return int(i)
 
@@ -658,6 +726,9 @@ cdef class ReaderBase:
                 self._close_pending = False
                 self._closed = True
                 self.c_close()
+                if self._random_access is not None:
+                    ra, self._random_access = self._random_access, None
+                    ra.close()
         finally:
             self._lock.release()
 
@@ -707,10 +778,25 @@ cdef class ReaderBase:
         return item
 
     # -- fluent decoration -------------------------------------------------
-    def shuffle(self, buffer_size, seed=None):
-        """`ShuffleReader(self, buffer_size, seed)`."""
+    def shuffle(self, buffer_size, seed=None, mode="buffer"):
+        """`ShuffleReader(self, buffer_size, seed)` (mode="buffer", tf.data's), or
+        `WindowShuffleReader` (mode="window": each run of `buffer_size` items permuted,
+        restored by reading one window); for a true global shuffle see `global_shuffle`."""
+        if mode == "window":
+            from readerlib.readers._global_shuffle import WindowShuffleReader
+            return WindowShuffleReader(self, buffer_size, seed)
+        if mode == "global":
+            raise ValueError("a global shuffle has no buffer: use reader.global_shuffle(seed)")
+        if mode != "buffer":
+            raise ValueError(f"shuffle mode must be 'buffer' or 'window', got {mode!r}")
         from readerlib.readers._shuffle import ShuffleReader
         return ShuffleReader(self, buffer_size, seed)
+
+    def global_shuffle(self, seed=None, window_chunks=8):
+        """`GlobalShuffleReader(self, seed, window_chunks)`: every record of a source
+        with random access, once per epoch, in a permutation of the whole dataset."""
+        from readerlib.readers._global_shuffle import GlobalShuffleReader
+        return GlobalShuffleReader(self, seed, window_chunks)
 
     def batch(self, batch_size, drop_last=False):
         """`BatchReader(self, batch_size, drop_last)`."""

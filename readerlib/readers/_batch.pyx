@@ -384,6 +384,20 @@ cdef class BatchReader(DecoratedReader):
         self.reader.close()
         return 0
 
+    cdef int64_t c_skip(self, int64_t n) except -1 nogil:
+        # whole batches: skip their instances upstream (a batch an exception
+        # interrupted is finished the ordinary way)
+        cdef int64_t got, B = self.batch_size
+        if self.nrecs > 0 or self.pend != NULL or n <= 0:
+            return ReaderBase.c_skip(self, n)
+        if self.hold != NULL:
+            rl_block_decref(self.hold)
+            self.hold = NULL
+        got = self.reader.c_skip(n * B)
+        if got % B and not self.drop_last:
+            return got // B + 1
+        return got // B
+
     def __repr__(self):
         return f"BatchReader({self.reader!r}, batch_size={self.batch_size}, drop_last={self.drop_last})"
 

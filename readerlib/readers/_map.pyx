@@ -611,6 +611,16 @@ cdef class MapReader(DecoratedReader):
         self.reader.close()
         return 0
 
+    cdef int64_t c_skip(self, int64_t n) except -1 nogil:
+        # one output per input: skipping outputs skips inputs, without calling fn
+        # (so set_state over a map is as cheap as over its source)
+        cdef int64_t got
+        if self.num_threads != 1 or n <= 0:
+            return ReaderBase.c_skip(self, n)
+        got = self.reader.c_skip(n)
+        self.in_pos += got
+        return got
+
     def _length(self):
         from readerlib.readers._slice import length_of
         return length_of(self.reader)

@@ -81,16 +81,32 @@ cdef class ShardReader(DecoratedReader):
         self.pos = 0
 
     cdef int c_next(self, rl_record *out) except -1 nogil:
+        # other shards' items are skipped (c_skip: free over a global shuffle or an
+        # indexed source, read and dropped otherwise), then ours is read
+        # one at a time: an exception from upstream leaves `pos` exact (as reading did)
         cdef int r
-        cdef int64_t k
-        while True:
-            r = self.reader.c_next(out)
-            if r <= 0:
-                return r
-            k = self.pos
+        while self.pos % self.num_shards != self.index:
+            if self.reader.c_skip(1) != 1:
+                return 0
             self.pos += 1
-            if k % self.num_shards == self.index:
-                return 1
+        r = self.reader.c_next(out)
+        if r <= 0:
+            return r
+        self.pos += 1
+        return 1
+
+    cdef int64_t c_skip(self, int64_t n) except -1 nogil:
+        # n of our items: upstream up to just after our n-th
+        cdef int64_t first, want, got, k = self.num_shards
+        if n <= 0:
+            return 0
+        first = self.pos + (self.index - self.pos % k + k) % k
+        want = first + (n - 1) * k + 1 - self.pos
+        got = self.reader.c_skip(want)
+        self.pos += got
+        if self.pos <= first:
+            return 0
+        return (self.pos - 1 - first) // k + 1
 
     cdef int c_reset(self) except -1:
         self.pos = 0

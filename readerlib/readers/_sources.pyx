@@ -93,6 +93,40 @@ cdef class _ChunkedSource(FileReader):
     cdef int c_close(self) except -1:
         return self.c_reset()
 
+    cdef int64_t c_skip(self, int64_t n) except -1 nogil:
+        # Chunks start at multiples of chunk_records (what instance i is made of
+        # may depend on its chunk: RandomDataGenerator): jump to the chunk that
+        # holds the target, load it, and move inside it.
+        cdef int64_t left = self.ncur - self.icur, base, target, start, k
+        cdef rl_record rec
+        if n <= left:
+            self.icur += n
+            return n
+        base = self.next_index              # the first instance after the current chunk
+        target = base + (n - left)
+        if target > self.num_instances:
+            target = self.num_instances
+        start = target - target % self.chunk_records
+        if start < base:
+            start = base
+        if self.cur != NULL:
+            rl_block_decref(self.cur)
+            self.cur = NULL
+        self.ncur = 0
+        self.icur = 0
+        self.next_index = start
+        if target > start:
+            self.c_next(&rec)                 # loads the chunk at `start`
+            k = target - start - 1
+            if k > self.ncur - self.icur:
+                k = self.ncur - self.icur
+            self.icur += k
+            return left + (start - base) + 1 + k
+        return left + (start - base)
+
+    def _random_access_size(self):
+        return self.num_instances
+
     def __len__(self):
         return self.num_instances
 

@@ -1,0 +1,201 @@
+"""Resume cost: set_state + the first batch, at 10% / 50% / 90% of an epoch.
+
+For each source (an in-memory ArrayReader, a RecordIO file) of N small
+records (one float32[4] field, 16 bytes) and each chain, the chain is read to
+the position (batches of 256), its state taken, and a freshly built chain
+restored from it and asked for its first batch; the time of that restore +
+first batch is reported (best and median of repeats).
+
+Chains ("old" reproduces the replay set_state did before c_skip: a reader
+without c_skip on top makes set_state call c_next once per item, exactly the
+old code path):
+    unshuffled      src.batch(256)                          new: O(chunks) skip
+    unshuffled/old  src.batch(256).multi_pass(1)            replay
+    global          src.global_shuffle(seed).batch(256)     new: O(1)
+    window          src.shuffle(10k, mode="window").batch   new: <= one window read
+    buffer/old      src.shuffle(10k).batch(256)             replay (buffer shuffle)
+
+Also: read throughput of one epoch (records/s) for sequential, global
+shuffle and buffer shuffle over the same source, in the same run.
+
+Usage:
+    python benchmarks/bench_resume.py [--sizes 1000000 10000000] [--repeats 3]
+        [--old-max 10000000] [--dir /tmp]
+The RecordIO file of the largest size is deleted at the end.
+"""
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+import readerlib as rl
+
+BATCH = 256
+BUFFER = 10_000
+
+
+def make_chain(src_factory, kind):
+    s = src_factory()
+    if kind == "unshuffled":
+        return s.batch(BATCH)
+    if kind == "unshuffled/old":
+        return s.batch(BATCH).multi_pass(1)
+    if kind == "global":
+        return s.global_shuffle(seed=0).batch(BATCH)
+    if kind == "window":
+        return s.shuffle(BUFFER, seed=0, mode="window").batch(BATCH)
+    if kind == "buffer/old":
+        return s.shuffle(BUFFER, seed=0).batch(BATCH)
+    raise ValueError(kind)
+
+
+def state_at(src_factory, kind, position):
+    """The state of a chain `position` batches into its epoch (reached with _skip,
+    i.e. as cheaply as the chain allows; the state is the same as after reading)."""
+    c = make_chain(src_factory, kind)
+    iter(c)
+    c._skip(position)
+    st = c.get_state()
+    c.close()
+    return st
+
+
+def time_restore(src_factory, kind, state, repeats):
+    out = []
+    for _ in range(repeats):
+        c = make_chain(src_factory, kind)           # built outside the timing
+        t0 = time.perf_counter()
+        c.set_state(state)
+        b = c.read_next()
+        dt = time.perf_counter() - t0
+        assert b is not None
+        c.close()
+        out.append(dt)
+    return out
+
+
+def time_epoch(src_factory, kind):
+    c = make_chain(src_factory, kind)
+    t0 = time.perf_counter()
+    n = 0
+    for b in c:
+        n += b[0].data.shape[0]
+    dt = time.perf_counter() - t0
+    c.close()
+    return n / dt
+
+
+def window_sweep(n, repeats, where):
+    """global_shuffle(window_chunks=w).batch(256) epoch throughput, memory and RecordIO."""
+    data = np.arange(4 * n, dtype=np.float32).reshape(n, 4)
+    fd, path = tempfile.mkstemp(suffix=".rio", dir=where)
+    os.close(fd)
+    try:
+        with rl.RecordIOWriter(path, rl.Schema([rl.Field("x", "float32", (4,))])) as w:
+            w.write_batch({"x": data})
+        mem, rio = (lambda: rl.ArrayReader(data)), (lambda: rl.RecordIOReader(path))
+        print(f"| window_chunks (N={n:,}) | memory Mrec/s | recordio Mrec/s |")
+        print("|---|---|---|")
+        for wc in (1, 2, 8, 32):
+            rates = []
+            for f in (mem, rio):
+                def chain(f=f, wc=wc):
+                    return f().global_shuffle(seed=0, window_chunks=wc).batch(BATCH)
+                rates.append(max(_epoch_rate(chain) for _ in range(repeats)))
+            print(f"| {wc} | {rates[0] / 1e6:.1f} | {rates[1] / 1e6:.1f} |", flush=True)
+        seq = max(_epoch_rate(lambda: rio().batch(BATCH)) for _ in range(repeats))
+        print(f"| sequential RecordIO | | {seq / 1e6:.1f} |")
+    finally:
+        os.unlink(path)
+
+
+def _epoch_rate(make):
+    c = make()
+    t0 = time.perf_counter()
+    n = sum(b[0].data.shape[0] for b in c)
+    dt = time.perf_counter() - t0
+    c.close()
+    return n / dt
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--old-repeats", type=int, default=1)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--throughput-size", type=int, default=1_000_000)
+    ap.add_argument("--window-sweep", action="store_true",
+                    help="only: global_shuffle throughput by window_chunks (1, 2, 8, 32), N=--throughput-size")
+    args = ap.parse_args(argv)
+    if args.window_sweep:
+        return window_sweep(args.throughput_size, args.repeats, args.dir)
+    workdir = tempfile.mkdtemp(prefix="bench_resume_", dir=args.dir)
+    schema = rl.Schema([rl.Field("x", "float32", (4,))])
+    print(f"# bench_resume: batch {BATCH}, buffer/window {BUFFER}, records float32[4] (16 B); "
+          f"cpus {os.cpu_count()}; machine shared")
+    print("| source | N | chain | 10% best / median ms | 50% | 90% | max/min (best) |")
+    print("|---|---|---|---|---|---|---|")
+    made = []
+    try:
+        for n in args.sizes:
+            data = np.arange(4 * n, dtype=np.float32).reshape(n, 4)
+            path = os.path.join(workdir, f"r{n}.rio")
+            with rl.RecordIOWriter(path, schema) as w:
+                for k in range(0, n, 1 << 20):
+                    w.write_batch({"x": data[k:k + (1 << 20)]})
+            made.append(path)
+            sources = {"memory": lambda d=data: rl.ArrayReader(d),
+                       "recordio": lambda p=path: rl.RecordIOReader(p)}
+            nb = -(-n // BATCH)
+            for sname, factory in sources.items():
+                for kind in ("unshuffled", "global", "window", "unshuffled/old", "buffer/old"):
+                    old = kind.endswith("/old")
+                    reps = args.old_repeats if old else args.repeats
+                    cells, bests = [], []
+                    for frac in (0.1, 0.5, 0.9):
+                        pos = int(nb * frac)
+                        st = state_at(factory, kind, pos)
+                        ts = time_restore(factory, kind, st, reps)
+                        bests.append(min(ts))
+                        cells.append(f"{1e3 * min(ts):.2f} / {1e3 * statistics.median(ts):.2f}")
+                    ratio = max(bests) / min(bests)
+                    print(f"| {sname} | {n:,} | {kind} | " + " | ".join(cells) + f" | {ratio:.2f} |",
+                          flush=True)
+        # throughput, same run
+        n = args.throughput_size
+        path = os.path.join(workdir, f"r{n}.rio")
+        if not os.path.exists(path):
+            data = np.arange(4 * n, dtype=np.float32).reshape(n, 4)
+            with rl.RecordIOWriter(path, schema) as w:
+                w.write_batch({"x": data})
+            made.append(path)
+        data = np.arange(4 * n, dtype=np.float32).reshape(n, 4)
+        print()
+        print(f"| source (N={n:,}) | sequential Mrec/s | global_shuffle | buffer shuffle(10k) | window(10k) |")
+        print("|---|---|---|---|---|")
+        for sname, factory in {"memory": lambda: rl.ArrayReader(data),
+                               "recordio": lambda: rl.RecordIOReader(path)}.items():
+            rates = {}
+            for kind in ("unshuffled", "global", "buffer/old", "window"):
+                rates[kind] = max(time_epoch(factory, kind) for _ in range(args.repeats))
+            print(f"| {sname} | {rates['unshuffled'] / 1e6:.1f} | {rates['global'] / 1e6:.1f} | "
+                  f"{rates['buffer/old'] / 1e6:.1f} | {rates['window'] / 1e6:.1f} |", flush=True)
+    finally:
+        for p in made:
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
+        try:
+            os.rmdir(workdir)
+        except OSError:
+            pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

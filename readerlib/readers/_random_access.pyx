@@ -1,0 +1,359 @@
+# cython: freethreading_compatible=False
+"""Random access to indexed sources: ``reader[i]``, ``read_many``, global_shuffle.
+
+Design:
+    A source with an index (RecordIO's footer, TFRecord's chunk table,
+    ArrayReader's arrays) is read at record `i` by loading the chunk that
+    holds `i` and handing out a pointer into it, as sequential reading does:
+    no Python object per record, and every check sequential reading makes
+    (chunk CRC, schema, TFRecord data CRC) is made by the same code, because a
+    chunk is loaded by a *second reader of the same file* (`clone`) whose
+    sequential path reads exactly that chunk (``select_chunks([c])``, then
+    `c_next` for each of its records).  The clone has its own descriptor and
+    position, so random access never disturbs the source's own iteration,
+    and nothing here depends on how a format lays out or verifies a chunk.
+
+    `ChunkCache` keeps the records of the last `slots` chunks (least recently
+    used goes first), each as (block, pointer, size) plus one reference per
+    distinct block.  A hit is a comparison and a copy of three words; a miss
+    costs one chunk load (pread + checks), the same work sequential reading
+    does per chunk.  Memory: `slots` chunks.
+
+    ArrayReader over one fixed field (its zero-copy case) needs no chunks:
+    record i is a pointer into the array (`_ArrayRecords`).
+"""
+import numpy as np
+cimport numpy as cnp
+from libc.stdlib cimport malloc, calloc, realloc, free
+
+from readerlib._typedefs cimport int64_t
+from readerlib.readers._base cimport (
+    ReaderBase, FileReader, rl_block, rl_record, rl_core_import,
+    rl_block_incref, rl_block_decref, rl_block_new_static, ITEM_INSTANCE)
+from readerlib.readers._sources cimport _ChunkedSource, ArrayReader
+
+cnp.import_array()
+rl_core_import()
+
+__all__ = ["open_random_access", "ChunkCache"]
+
+
+cdef struct _slot:
+    int64_t chunk          # -1: empty
+    int64_t tick           # last use (LRU)
+    int64_t n              # records
+    rl_record *recs
+    int64_t rcap
+    rl_block **blocks      # one reference per distinct block of recs
+    int64_t nblocks
+    int64_t bcap
+    bint strided           # record j = base + j * stride in one block: no table to touch
+    const char *base
+    int64_t stride
+
+
+cdef void _slot_release(_slot *s) noexcept nogil:
+    cdef int64_t i
+    for i in range(s.nblocks):
+        rl_block_decref(s.blocks[i])
+        s.blocks[i] = NULL
+    s.nblocks = 0
+    s.n = 0
+    s.chunk = -1
+    s.strided = False
+
+
+cdef inline void _slot_get(const _slot *s, int64_t j, rl_record *out) noexcept nogil:
+    if s.strided:
+        out.block = s.blocks[0]
+        out.data = s.base + j * s.stride
+        out.size = s.stride
+    else:
+        out[0] = s.recs[j]
+
+
+cdef void _slot_stride(_slot *s) noexcept nogil:
+    # Fixed-size records packed in one block (RecordIO and ArrayReader chunks of
+    # a fixed schema): a hit then reads only the record, not a 24-byte table
+    # entry too -- random access over a window of chunks is cache-miss bound.
+    cdef int64_t j
+    s.strided = False
+    if s.n == 0 or s.nblocks != 1:
+        return
+    s.base = s.recs[0].data
+    s.stride = s.recs[0].size
+    for j in range(1, s.n):
+        if s.recs[j].size != s.stride or s.recs[j].data != s.base + j * s.stride:
+            return
+    s.strided = True
+
+
+cdef class ChunkCache(FileReader):
+    """Records of a source by index, through a cache of its last chunks.
+
+    Internal: what a source's `c_read_at` delegates to (see the module's
+    Design).  `chunk_loads` counts chunk loads (a test and benchmark hook).
+    """
+    cdef ReaderBase clone
+    cdef bint chunked_source       # clone is a _ChunkedSource (no select_chunks)
+    cdef int64_t *starts           # chunk c holds records [starts[c], starts[c + 1])
+    cdef readonly int64_t num_chunks
+    cdef readonly int64_t num_records
+    cdef _slot *slots
+    cdef readonly int nslots
+    cdef int last                  # slot of the last hit
+    cdef int64_t tick
+    cdef readonly int64_t chunk_loads
+    cdef object _name
+
+    def __init__(self, ReaderBase clone not None, starts, int nslots=2, name=""):
+        cdef int64_t i
+        st = np.ascontiguousarray(starts, dtype=np.int64)
+        if st.ndim != 1 or st.shape[0] < 1 or st[0] != 0 or np.any(np.diff(st) < 0):
+            raise ValueError(f"ChunkCache: bad chunk starts for {name}")
+        if nslots < 1:
+            raise ValueError(f"ChunkCache: nslots must be >= 1, got {nslots}")
+        self._set_schema(clone.schema, ITEM_INSTANCE)
+        self.layout.bare = clone.layout.bare
+        self.clone = clone
+        self.chunked_source = isinstance(clone, _ChunkedSource)
+        self.num_chunks = st.shape[0] - 1
+        self.num_records = int(st[st.shape[0] - 1])
+        self.starts = <int64_t *>malloc(st.shape[0] * sizeof(int64_t))
+        self.slots = <_slot *>calloc(nslots, sizeof(_slot))
+        if self.starts == NULL or self.slots == NULL:
+            raise MemoryError()
+        for i in range(st.shape[0]):
+            self.starts[i] = st[i]
+        self.nslots = nslots
+        for i in range(nslots):
+            self.slots[i].chunk = -1
+        self.last = 0
+        self._name = name
+
+    def __dealloc__(self):
+        cdef int i
+        if self.slots != NULL:
+            for i in range(self.nslots):
+                _slot_release(&self.slots[i])
+                free(self.slots[i].recs)
+                free(self.slots[i].blocks)
+            free(self.slots)
+            self.slots = NULL
+        free(self.starts)
+        self.starts = NULL
+
+    def chunk_starts(self):
+        """The chunk boundaries as an int64 array (num_chunks + 1 entries)."""
+        out = np.empty(self.num_chunks + 1, np.int64)
+        cdef int64_t i
+        for i in range(self.num_chunks + 1):
+            out[i] = self.starts[i]
+        return out
+
+    cdef int64_t c_num_records(self) except -2:
+        return self.num_records
+
+    cdef inline int64_t _chunk_of(self, int64_t index) noexcept nogil:
+        cdef int64_t lo = 0, hi = self.num_chunks - 1, mid
+        while lo < hi:                     # the last chunk whose start is <= index
+            mid = (lo + hi + 1) >> 1
+            if self.starts[mid] <= index:
+                lo = mid
+            else:
+                hi = mid - 1
+        while lo + 1 < self.num_chunks and self.starts[lo + 1] <= index:
+            lo += 1                        # empty chunks share a start: take the one holding it
+        return lo
+
+    cdef int c_read_at(self, int64_t index, rl_record *out) except -1 nogil:
+        cdef _slot *s = &self.slots[self.last]
+        cdef int64_t c
+        cdef int k, victim
+        if s.chunk >= 0 and self.starts[s.chunk] <= index < self.starts[s.chunk] + s.n:
+            _slot_get(s, index - self.starts[s.chunk], out)
+            return 1
+        if index < 0 or index >= self.num_records:
+            with gil:
+                raise IndexError(f"{self._name}: index {index} out of range for "
+                                 f"{self.num_records} records")
+        c = self._chunk_of(index)
+        self.tick += 1
+        victim = 0
+        for k in range(self.nslots):
+            if self.slots[k].chunk == c:
+                victim = -1
+                self.last = k
+                break
+            if self.slots[k].tick < self.slots[victim].tick:
+                victim = k
+        if victim >= 0:
+            with gil:
+                self._load(victim, c)
+            self.last = victim
+        s = &self.slots[self.last]
+        s.tick = self.tick
+        _slot_get(s, index - self.starts[c], out)
+        return 1
+
+    cdef int _load(self, int k, int64_t c) except -1:
+        """Chunk c into slot k, read by the clone's sequential path (every check)."""
+        cdef _slot *s = &self.slots[k]
+        cdef int64_t n = self.starts[c + 1] - self.starts[c], i, got = 0
+        cdef rl_record rec
+        cdef rl_block *lastb = NULL
+        cdef rl_record *r2
+        cdef rl_block **b2
+        cdef _ChunkedSource cs
+        cdef int r = 1
+        _slot_release(s)
+        if n > s.rcap:
+            r2 = <rl_record *>realloc(s.recs, n * sizeof(rl_record))
+            if r2 == NULL:
+                raise MemoryError(f"{self._name}: chunk {c} of {n} records")
+            s.recs = r2
+            s.rcap = n
+            b2 = <rl_block **>realloc(s.blocks, n * sizeof(rl_block *))
+            if b2 == NULL:
+                raise MemoryError(f"{self._name}: chunk {c} of {n} records")
+            s.blocks = b2
+            s.bcap = n
+        if self.chunked_source:
+            cs = <_ChunkedSource>self.clone
+            cs.c_reset()
+            cs.next_index = self.starts[c]
+        else:
+            (<object>self.clone).select_chunks([c])
+        self.chunk_loads += 1
+        try:
+            with nogil:
+                while got < n:
+                    r = self.clone.c_next(&rec)
+                    if r != 1:
+                        break
+                    if rec.block != lastb:
+                        rl_block_incref(rec.block)
+                        s.blocks[s.nblocks] = rec.block
+                        s.nblocks += 1
+                        lastb = rec.block
+                    s.recs[got] = rec
+                    got += 1
+            if got != n:
+                raise ValueError(f"{self._name}: chunk {c} gave {got} records, its index says {n}")
+            _slot_stride(s)
+        except BaseException:
+            _slot_release(s)
+            raise
+        finally:
+            self.clone.c_reset()          # the clone lets go of its own references
+        s.n = n
+        s.chunk = c
+        return 0
+
+    cdef int c_next(self, rl_record *out) except -1 nogil:
+        with gil:
+            raise TypeError("ChunkCache is read by index (c_read_at), not sequentially")
+
+    cdef int c_close(self) except -1:
+        cdef int i
+        for i in range(self.nslots):
+            _slot_release(&self.slots[i])
+        self.clone.close()
+        return 0
+
+    def __repr__(self):
+        return (f"ChunkCache({self._name}, {self.num_records} records in {self.num_chunks} chunks, "
+                f"{self.nslots} slots)")
+
+
+cdef class _ArrayRecords(FileReader):
+    """Record i of a one-field fixed ArrayReader: a pointer into its array."""
+    cdef ArrayReader source           # keeps the array alive
+    cdef rl_block *block              # a static block over the whole array
+    cdef const char *base
+    cdef int64_t size, n
+    cdef readonly int64_t chunk_loads
+
+    def __init__(self, ArrayReader source not None):
+        self.source = source
+        self._set_schema(source.schema, ITEM_INSTANCE)
+        self.base = source.C.ptr[0]
+        self.size = source.layout.fixed_size
+        self.n = source.num_instances
+        self.block = rl_block_new_static(<char *>self.base, self.size * self.n)
+        if self.block == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        if self.block != NULL:
+            rl_block_decref(self.block)
+            self.block = NULL
+
+    cdef int64_t c_num_records(self) except -2:
+        return self.n
+
+    cdef int c_read_at(self, int64_t index, rl_record *out) except -1 nogil:
+        if index < 0 or index >= self.n:
+            with gil:
+                raise IndexError(f"ArrayReader: index {index} out of range for {self.n} records")
+        out.block = self.block
+        out.data = self.base + index * self.size
+        out.size = self.size
+        return 1
+
+    def chunk_starts(self):
+        cr = 4096
+        return np.append(np.arange(0, self.n, cr, dtype=np.int64), np.int64(self.n))
+
+    cdef int c_next(self, rl_record *out) except -1 nogil:
+        with gil:
+            raise TypeError("_ArrayRecords is read by index (c_read_at), not sequentially")
+
+
+def open_random_access(ReaderBase source not None, int slots=2):
+    """A reader whose `c_read_at(i)` gives record i of `source` (see the module's Design).
+
+    Each call makes a new one (its own chunk cache and, for files, its own
+    descriptor), so a chain's global shuffle and a user's ``reader[i]`` never
+    evict each other's records.
+
+    Raises
+    ------
+    TypeError
+        `source` has no index to address records by.
+    """
+    from readerlib.formats._recordio import RecordIOReader
+    from readerlib.formats._tfrecord import TFRecordReader, _reopen_tfrecord
+    cdef _ChunkedSource cs
+    name = repr(source)
+    if isinstance(source, ArrayReader) and (<ArrayReader>source).zero_copy:
+        return _ArrayRecords(source)
+    if isinstance(source, _ChunkedSource):
+        cs = source
+        args, kwargs = source._reduce_args()
+        clone = source._rebuild_with()(*args, **kwargs)
+        (<_ChunkedSource>clone).chunk_records = cs.chunk_records
+        n, cr = int(cs.num_instances), max(1, int(cs.chunk_records))
+        starts = np.append(np.arange(0, n, cr, dtype=np.int64), np.int64(n))
+        return ChunkCache(clone, starts, slots, name)
+    if isinstance(source, RecordIOReader):
+        # raise on every error (a skipped chunk cannot be addressed); low_memory off:
+        # cached records are read again after a consumer copied them
+        clone = RecordIOReader(source.path, on_error="raise", low_memory=False)
+    elif isinstance(source, TFRecordReader):
+        source._ensure_index()
+        args, kwargs = source._reduce_args()
+        clone = _reopen_tfrecord(*args, **kwargs)
+    else:
+        raise TypeError(f"{type(source).__name__} has no random access")
+    if clone._describe() != source._describe():
+        clone.close()
+        raise ValueError(f"{name}: the file changed since it was opened (its identity "
+                         f"{clone._describe()} differs): reopen it for random access")
+    _, nrec = clone.chunk_table()
+    starts = np.concatenate([[0], np.cumsum(np.asarray(nrec, dtype=np.int64))]).astype(np.int64)
+    if int(starts[-1]) != len(source):
+        clone.close()
+        raise ValueError(f"{name}: the chunk table holds {int(starts[-1])} records, the reader "
+                         f"{len(source)}")
+    return ChunkCache(clone, starts, slots, name)
