@@ -106,7 +106,11 @@ cdef class Normalize(RecordTransform):
     cdef int transform(self, const char **src, const int64_t *src_rows,
                        char **dst, const int64_t *dst_rows) noexcept nogil:
         cdef int f
-        cdef int64_t n, k, j, d, step
+        cdef int64_t g, ngroups, j, j0, step
+        cdef const char *x
+        cdef char *y
+        cdef const float *m
+        cdef const float *s
         cdef int16_t xin[BLOCK]
         cdef float yout[BLOCK]
         for f in range(self.in_layout.nfields):
@@ -114,19 +118,25 @@ cdef class Normalize(RecordTransform):
                 memcpy(dst[f], src[f], src_rows[f] * self.in_layout.row_bytes[f])
         if self.max_rows >= 0 and src_rows[self.index] > self.max_rows:
             return ERR_TOO_LONG
-        n = src_rows[self.index] * self.values_per_row
-        d = 0                           # feature of value k (values are row-major, D last)
-        k = 0
-        while k < n:
-            step = n - k if n - k < BLOCK else BLOCK
-            memcpy(xin, src[self.index] + 2 * k, 2 * step)
-            for j in range(step):
-                yout[j] = (<float>xin[j] - self.m[d]) * self.s[d]
-                d += 1
-                if d == self.dim:
-                    d = 0
-            memcpy(dst[self.index] + 4 * k, yout, 4 * step)
-            k += step
+        # Values are row-major with the D features last: groups of D values,
+        # each converted through stack buffers (the input and output rows are
+        # not aligned) in a loop the compiler vectorises.
+        x = src[self.index]
+        y = dst[self.index]
+        ngroups = src_rows[self.index] * (self.values_per_row // self.dim)
+        for g in range(ngroups):
+            j0 = 0
+            while j0 < self.dim:
+                step = self.dim - j0 if self.dim - j0 < BLOCK else BLOCK
+                memcpy(xin, x, 2 * step)
+                m = self.m + j0
+                s = self.s + j0
+                for j in range(step):
+                    yout[j] = (<float>xin[j] - m[j]) * s[j]
+                memcpy(y, yout, 4 * step)
+                x += 2 * step
+                y += 4 * step
+                j0 += step
         return 0
 
 
