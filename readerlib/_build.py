@@ -4,7 +4,7 @@ import os
 __all__ = ["get_include"]
 
 
-def get_include():
+def get_include() -> str:
     """The directory of readerlib's C headers (``rl_core.h`` ...).
 
     A Cython module that cimports readerlib's ``.pxd`` files (for example

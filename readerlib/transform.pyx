@@ -47,6 +47,7 @@ from readerlib.readers._base cimport (
     layout_from_schema, layout_parse, ITEM_INSTANCE)
 from readerlib.readers._base import _check_positive_int, _check_reader
 from readerlib.tensor import Schema
+from readerlib._signature import ClassSignature
 
 __all__ = ["RecordTransform", "TransformReader"]
 
@@ -95,6 +96,7 @@ cdef class RecordTransform:
 
     then ``reader.map(Copy())``.
     """
+    __signature__ = ClassSignature()        # inspect.signature(cls): see readerlib/_signature.py
 
     def __init__(self, output_schema=None):
         self.output_schema = None if output_schema is None else Schema.coerce(output_schema)
