@@ -12,6 +12,8 @@
 #
 # Build the user's module with `include_dirs=[readerlib.get_include()]` (the
 # C headers this file's cimports name); readerlib ships its `.pxd` files.
+# A module that also calls rl_core.h functions (rl_block_new ...) calls
+# `rl_core_import()` (cimported from here) once at module level first.
 #
 # One call per instance.  `src[f]` points at input field f's rows and
 # `src_rows[f]` counts them (1 for a fixed field); `dst[f]` is room for output
@@ -34,7 +36,7 @@
 # The record is dropped and reading on continues with the next one, as with
 # a Python map.
 from readerlib._typedefs cimport int64_t
-from readerlib.readers._base cimport rl_layout, RL_MAX_FIELDS
+from readerlib.readers._base cimport rl_layout, RL_MAX_FIELDS, rl_core_import
 
 
 cdef class RecordTransform:

@@ -44,12 +44,14 @@ from readerlib._parallel cimport parallel_for, threads_for
 from readerlib.readers._base cimport (
     ReaderBase, DecoratedReader, rl_block, rl_record, rl_layout, RL_MAX_FIELDS,
     rl_block_incref, rl_block_decref, rl_block_new, rl_record_consumed, rl_store_i64,
-    layout_from_schema, layout_parse, ITEM_INSTANCE)
+    layout_from_schema, layout_parse, ITEM_INSTANCE, rl_core_import)
 from readerlib.readers._base import _check_positive_int, _check_reader
 from readerlib.tensor import Schema
 from readerlib._signature import ClassSignature
 
 __all__ = ["RecordTransform", "TransformReader"]
+
+rl_core_import()
 
 cdef enum:
     CHUNK_RECORDS = 4096
@@ -155,7 +157,7 @@ cdef class RecordTransform:
         order) and return the output tuple: the compiled path, for tests and
         for checking a transform against a Python reference."""
         import numpy as np
-        from readerlib.readers._base import ArrayReader
+        from readerlib import ArrayReader
         if not self.bound:
             raise ValueError(f"{type(self).__name__} is not bound to a schema: call bind(schema) first")
         if len(instance) != len(self.input_schema):

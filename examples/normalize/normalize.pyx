@@ -18,7 +18,9 @@ from libc.string cimport memcpy
 
 import numpy as np
 
-from readerlib.transform cimport RecordTransform
+from readerlib.transform cimport RecordTransform, rl_core_import
+
+rl_core_import()          # this module shares readerlib's C core (see readerlib/transform.pxd)
 
 cdef enum:
     BLOCK = 256           # values converted per step (stack buffers: rows are not aligned)

@@ -11,7 +11,9 @@ from libc.string cimport memcpy
 
 import numpy as np
 
-from readerlib.transform cimport RecordTransform
+from readerlib.transform cimport RecordTransform, rl_core_import
+
+rl_core_import()
 
 cdef enum:
     ERR_EMPTY = -5         # output_rows: an instance without rows
