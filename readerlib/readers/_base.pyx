@@ -27,6 +27,8 @@ import threading
 import warnings
 
 import numpy as np
+
+from readerlib._signature import ClassSignature as _ClassSignature
 cimport numpy as cnp
 from cpython.ref cimport PyObject
 from libc.stdlib cimport malloc, free, calloc, realloc
@@ -403,6 +405,8 @@ cdef class ReaderBase:
     tf.data Dataset), and otherwise continues the current one (a fresh
     reader, or one positioned by `set_state`).  `reset()` restarts the chain.
     """
+    # inspect.signature(cls) of every subclass, from its own docstring (readerlib/_signature.py)
+    __signature__ = _ClassSignature()
 
     def __cinit__(self, *args, **kwargs):
         self._closed = False
