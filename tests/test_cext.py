@@ -284,3 +284,15 @@ def test_the_shipped_pxd_and_headers():
     assert os.path.isfile(os.path.join(rl.get_include(), "rl_core.h"))
     pkg = os.path.dirname(rl.__file__)
     assert os.path.isfile(os.path.join(pkg, "transform.pxd"))
+
+
+def test_a_chain_with_a_compiled_map_pickles(normalize):
+    # spawn DataLoader workers and Ray tasks get the chain pickled
+    import pickle
+    cols = make_data(50, seed=10)
+    chain = rl.ArrayReader(cols, schema=SCHEMA).map(normalize.Normalize("feats", MEAN, STD, max_rows=100)).batch(8)
+    other = pickle.loads(pickle.dumps(chain))
+    assert isinstance(other.reader, TransformReader)
+    assert other.reader.transform.max_rows == 100
+    got = [canon(i) for b in drain(other) for i in unbatch(b)]
+    assert got == [canon(i) for b in drain(chain) for i in unbatch(b)]
