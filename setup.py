@@ -43,6 +43,10 @@ directives = {
     "initializedcheck": CHECKS,
     "cdivision": True,
     "embedsignature": True,
+    # real signatures for inspect.signature (Cython 3's default, stated: the stubs and
+    # tests/test_typing.py rely on it); measured not to slow the per-batch path
+    # (benchmarks/bench_binding.py, benchmarks/results/cext_map.md)
+    "binding": True,
 }
 
 compile_args = ["-O3"] if sys.platform != "win32" else ["/O2"]

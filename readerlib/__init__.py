@@ -7,6 +7,7 @@ Build a chain in Python, iterate batches::
     for feats, label in r:
         ...
 """
+from ._build import get_include
 from ._parallel import get_num_threads, set_num_threads
 from .errors import DataLossError, RecordIOError, RecordIOWarning, TFRecordError, TFRecordWarning
 from .formats._recordio import RecordIOReader, RecordIOWriter
@@ -55,7 +56,7 @@ __all__ = [
     "open_files", "open_file", "register_file_reader", "unregister_file_reader", "file_reader_for",
     "shard_from_env",
     "DataLossError", "RecordIOError", "RecordIOWarning", "TFRecordError", "TFRecordWarning",
-    "crc32c", "set_num_threads", "get_num_threads",
+    "crc32c", "set_num_threads", "get_num_threads", "get_include",
     "batch_reindex", "batch_reindex_grad", "ctc_greedy_decoder",
     "InvalidArgumentError", "FailedPreconditionError",
     "rnnt_greedy_decode", "Hypothesis", "RNNTModel", "LSTMPredictor", "StatelessPredictor", "Joint",

@@ -11,6 +11,8 @@ Design:
 import os
 import warnings
 
+from readerlib._signature import ClassSignature as _ClassSignature
+
 __all__ = ["FileWriter"]
 
 
@@ -77,6 +79,8 @@ cdef class FileWriter:
     never reports success for a file that does not read back.  An unclosed
     writer still finishes its file when collected; if that fails, a warning
     (`_gc_warning`, a RecordIOWarning / TFRecordWarning) names the path."""
+    # inspect.signature(cls) of every subclass, from its own docstring (readerlib/_signature.py)
+    __signature__ = _ClassSignature()
 
     def __cinit__(self, *args, **kwargs):
         self._closed = True

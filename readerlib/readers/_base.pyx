@@ -27,6 +27,8 @@ import threading
 import warnings
 
 import numpy as np
+
+from readerlib._signature import ClassSignature as _ClassSignature
 cimport numpy as cnp
 from cpython.ref cimport PyObject
 from libc.stdlib cimport malloc, free, calloc, realloc
@@ -403,6 +405,8 @@ cdef class ReaderBase:
     tf.data Dataset), and otherwise continues the current one (a fresh
     reader, or one positioned by `set_state`).  `reset()` restarts the chain.
     """
+    # inspect.signature(cls) of every subclass, from its own docstring (readerlib/_signature.py)
+    __signature__ = _ClassSignature()
 
     def __cinit__(self, *args, **kwargs):
         self._closed = False
@@ -820,12 +824,19 @@ cdef class ReaderBase:
         return PrefetchReader(self, capacity, device=device, timeout=timeout)
 
     # -- transformations (readers/_map.pyx, _slice.pyx, _padded.pyx; docs/transformations.md)
-    def map(self, fn, num_threads=1, deterministic=True, output_schema=None):
+    def map(self, fn, num_threads=None, deterministic=True, output_schema=None):
         """`MapReader(self, fn, ...)`: `fn(instance) -> instance` on every instance,
-        on `num_threads` threads, in input order; the chain stays compiled."""
+        on `num_threads` threads (None: 1), in input order; the chain stays compiled.
+        A `readerlib.transform.RecordTransform` instance runs as a TransformReader
+        instead: without the GIL, on up to `num_threads` of readerlib's threads
+        (None: readerlib.get_num_threads())."""
+        from readerlib.transform import RecordTransform, TransformReader
+        if isinstance(fn, RecordTransform):
+            return TransformReader(self, fn, num_threads=num_threads, deterministic=deterministic,
+                                   output_schema=output_schema)
         from readerlib.readers._map import MapReader
-        return MapReader(self, fn, num_threads=num_threads, deterministic=deterministic,
-                         output_schema=output_schema)
+        return MapReader(self, fn, num_threads=1 if num_threads is None else num_threads,
+                         deterministic=deterministic, output_schema=output_schema)
 
     def map_batches(self, fn, output_schema=None):
         """`MapBatchesReader(self, fn, output_schema)`: `fn(batch) -> batch` on every batch."""
