@@ -8,7 +8,7 @@ Build a chain in Python, iterate batches::
         ...
 """
 from ._parallel import get_num_threads, set_num_threads
-from .errors import DataLossError, RecordIOError, RecordIOWarning, TFRecordError, TFRecordWarning
+from .errors import DataLossError, RecordSchemaError, RecordIOError, RecordIOWarning, TFRecordError, TFRecordWarning
 from .formats._recordio import RecordIOReader, RecordIOWriter
 from .formats._tfrecord import TFRecordReader, TFRecordWriter, masked_crc32c
 from .formats._tfrecord import build_index as build_tfrecord_index
@@ -54,7 +54,7 @@ __all__ = [
     "build_tfrecord_index", "MultiFileReader",
     "open_files", "open_file", "register_file_reader", "unregister_file_reader", "file_reader_for",
     "shard_from_env",
-    "DataLossError", "RecordIOError", "RecordIOWarning", "TFRecordError", "TFRecordWarning",
+    "DataLossError", "RecordSchemaError", "RecordIOError", "RecordIOWarning", "TFRecordError", "TFRecordWarning",
     "crc32c", "set_num_threads", "get_num_threads",
     "batch_reindex", "batch_reindex_grad", "ctc_greedy_decoder",
     "InvalidArgumentError", "FailedPreconditionError",

@@ -55,7 +55,7 @@ from readerlib.readers._base cimport (
     rl_crc32c, rl_crc32c_mask, rl_core_import, rl_load_u32, rl_load_u64,
     rl_store_u32, rl_store_u64, rl_store_i64, ITEM_INSTANCE)
 from readerlib.tensor import Field, Schema
-from readerlib.errors import TFRecordError, TFRecordWarning
+from readerlib.errors import RecordSchemaError, TFRecordError, TFRecordWarning
 from readerlib.readers._base import _file_identity
 from readerlib.formats._writer cimport FileWriter
 from readerlib.formats._writer import _PieceFile
@@ -835,8 +835,8 @@ cdef class TFRecordReader(FileReader):
                 need = f"a multiple of {self.row_bytes} bytes (rows of {f.dtype}{list(f.shape)})"
             else:
                 need = f"{self.fixed_size} bytes ({f.dtype}{list(f.shape)})"
-            raise ValueError(f"{self.path}: record at {off}{where} has {self.err_val} bytes; "
-                             f"field {f.name!r} needs {need}")
+            raise RecordSchemaError(f"{self.path}: record at {off}{where} has {self.err_val} bytes; "
+                                    f"field {f.name!r} needs {need}", self.path, off, None, f.name)
         msgs = {
             E_TRUNC: f"truncated record at {off}",
             E_LEN_CRC: f"corrupted record at {off} (length checksum mismatch)",

@@ -34,6 +34,7 @@ from libc.string cimport memcpy, memset
 
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
 from readerlib.tensor import Field, LoDTensor, Schema
+from readerlib.errors import RecordSchemaError
 
 cnp.import_array()
 rl_core_import()
@@ -292,12 +293,52 @@ cdef tuple _wrap_batch(ReaderBase r, rl_record *rec):
 _OFFSETS_FIELD = Field("offsets", "int64")
 
 
+def _misfit(schema, data, bare=False):
+    """(why, field name) an encoded instance `data` (bytes) does not fit `schema`."""
+    n = len(data)
+    if bare:
+        f = schema[0]
+        return (f"{n} bytes, not a whole number of field {f.name!r}'s rows "
+                f"({f.row_bytes} bytes of {f.dtype}{list(f.shape)})"), f.name
+    pos = 0
+    for f in schema:
+        if f.lod_level == 0:
+            need = f.row_bytes
+            what = f"field {f.name!r} needs {need} bytes ({f.dtype}{list(f.shape)})"
+        else:
+            if n - pos < 8:
+                return f"{n} bytes: field {f.name!r}'s row count (8 bytes at byte {pos}) is cut off", f.name
+            rows = int.from_bytes(data[pos:pos + 8], "little", signed=True)
+            if rows < 0:
+                return f"field {f.name!r} has a negative row count ({rows}) at byte {pos}", f.name
+            pos += 8
+            need = rows * f.row_bytes
+            what = f"field {f.name!r} needs {rows} rows of {f.row_bytes} bytes"
+        if n - pos < need:
+            return f"{n} bytes: {what} at byte {pos}, {n - pos} are left", f.name
+        pos += need
+    return f"{n} bytes: {n - pos} bytes left over after the last field ({schema[-1].name!r})", None
+
+
+def _record_schema_error(who, schema, data, bare=False, index=None, path=None, offset=None):
+    """The RecordSchemaError for an encoded instance `data` that does not fit
+    `schema` (every reader raises this one, naming what it knows: `who` -- the
+    file or the reader --, the byte offset, the index in the batch, the field)."""
+    why, field = _misfit(schema, data, bare)
+    what = "record" if index is None else f"instance {index} of the batch"
+    if offset is not None:
+        what += f" at byte offset {offset}"
+    return RecordSchemaError(f"{who}: {what} does not fit schema {schema}: {why}",
+                             path, offset, index, field)
+
+
 cdef tuple _decode_instance(ReaderBase r, rl_record *rec):
     cdef const char *ptrs[RL_MAX_FIELDS]
     cdef int64_t rows[RL_MAX_FIELDS]
     cdef int f
     if layout_parse(&r.layout, rec.data, rec.size, ptrs, rows) != 0:
-        raise ValueError(f"malformed record of {rec.size} bytes for schema {r.schema}")
+        raise _record_schema_error(type(r).__name__, r.schema,
+                                   (<const char *>rec.data)[:rec.size], r.layout.bare)
     out = []
     for f in range(r.layout.nfields):
         field = r.schema.fields[f]

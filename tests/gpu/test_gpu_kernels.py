@@ -326,9 +326,18 @@ def test_ctc_long_and_wide_batches(cp):
 
 
 def test_ctc_length_above_max_time(cp):
+    """The GPU launcher raises what the CPU path raises for it (readerlib.errors)."""
+    from readerlib.errors import FailedPreconditionError, InvalidArgumentError
     inputs, _ = tf_case()
-    with pytest.raises(ValueError, match=r"sequence_length\(1\) <= 6"):
-        gpu_ctc(cp, inputs, np.array([6, 7], np.int32), True, 3)
+    lengths = np.array([6, 7], np.int32)
+    with pytest.raises(FailedPreconditionError, match=r"sequence_length\(1\) <= 6") as gpu_err:
+        gpu_ctc(cp, inputs, lengths, True, 3)
+    if HAVE_CPU:
+        with pytest.raises(FailedPreconditionError) as cpu_err:
+            _public.ctc_greedy_decoder(inputs, lengths, blank_index=3)
+        assert type(cpu_err.value) is type(gpu_err.value) and str(cpu_err.value) == str(gpu_err.value)
+    with pytest.raises(InvalidArgumentError, match="inputs is not a 3-Tensor"):
+        gpu_ctc(cp, inputs[0], lengths, True, 3)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
