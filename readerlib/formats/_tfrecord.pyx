@@ -91,14 +91,15 @@ cdef extern from "rl_mmap.h":
 __all__ = ["TFRecordReader", "TFRecordWriter", "build_index", "masked_crc32c",
            "CHUNK_BYTES", "CHUNK_RECORDS"]
 
-DEF _CHUNK_BYTES = 1048576
-DEF _CHUNK_RECORDS = 65536
+cdef enum:
+    _CHUNK_BYTES = 1048576
+    _CHUNK_RECORDS = 65536
+    _INDEX_HEAD = 80            # magic + 9 u64
+    _FINGERPRINT = 4096         # bytes at each end of the file the index's CRCs cover
+    _ZIN = 262144               # compressed input read per pread
 CHUNK_BYTES = _CHUNK_BYTES
 CHUNK_RECORDS = _CHUNK_RECORDS
 INDEX_MAGIC = b"RLTFIX02"       # 02: open-time stat, head/tail CRCs, checked structure
-DEF _INDEX_HEAD = 80            # magic + 9 u64
-DEF _FINGERPRINT = 4096         # bytes at each end of the file the index's CRCs cover
-DEF _ZIN = 262144               # compressed input read per pread
 INDEX_SUFFIX = ".idx"
 _ZTYPES = {None: 0, "": 0, "NONE": 0, "ZLIB": 1, "GZIP": 2}
 _ZNAMES = {0: None, 1: "ZLIB", 2: "GZIP"}

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-import kernel_reference as ref
+from readerlib.kernels import reference as ref
 from readerlib.kernels import _gpu
 
 NO_INDEX = 0x7FFFFFFF

@@ -2,14 +2,14 @@
 
 Each test body builds NumPy inputs, runs the CPU reference -- readerlib.kernels'
 public functions when they are built, otherwise the NumPy reference of
-tests/support/kernel_reference.py -- and the CUDA launcher on the same inputs moved to the
+readerlib/kernels/reference.py -- and the CUDA launcher on the same inputs moved to the
 device, and compares: bitwise for reindexed data, backward sums, decoded indices,
 values and shapes; within float rounding for neg_sum_logits.
 """
 import numpy as np
 import pytest
 
-import kernel_reference as ref
+from readerlib.kernels import reference as ref
 from helpers import random_array
 from readerlib.kernels import _gpu
 from readerlib.tensor import LoDTensor

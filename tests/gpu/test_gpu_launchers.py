@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import fake_cupy as fc
-import kernel_reference as ref
+from readerlib.kernels import reference as ref
 from helpers import random_array
 from readerlib import gpu as rl_gpu
 from readerlib.kernels import _cuda_loader, _gpu
