@@ -29,6 +29,10 @@ import warnings
 import numpy as np
 cimport numpy as cnp
 from cpython.ref cimport PyObject
+from cpython.object cimport PyTypeObject
+
+cdef extern from "Python.h":
+    void PyType_Modified(PyTypeObject *t)
 from libc.stdlib cimport malloc, free, calloc, realloc
 from libc.string cimport memcpy, memset
 
@@ -435,6 +439,12 @@ def _rebuild_chain(spec, state, started):
 
 
 # ------------------------------------------------------------------ the base
+cdef long _Py_TPFLAGS_HEAPTYPE = 1 << 9
+# compiled bases a Python class cannot complete, and the methods that produce items
+_ABSTRACT_READERS = frozenset({"ReaderBase", "FileReader", "DecoratedReader", "_ChunkedSource"})
+_ITEM_METHODS = ("read_next", "reset", "__iter__", "__next__", "_skip")
+
+
 cdef class ReaderBase:
     """Base of every reader: `read_next()` returns the next item or None.
 
@@ -443,6 +453,13 @@ cdef class ReaderBase:
     a new epoch when anything has been read since the last reset (like a
     tf.data Dataset), and otherwise continues the current one (a fresh
     reader, or one positioned by `set_state`).  `reset()` restarts the chain.
+
+    Python subclasses: a subclass of a concrete reader that adds methods works
+    in a chain; one that would have to produce items itself (a direct subclass
+    of ReaderBase, FileReader or DecoratedReader, or one that overrides
+    read_next / reset / iteration) is refused when the class is created, since
+    the compiled readers downstream never call Python methods for items.  Use
+    `PythonReader` (a source over any Python iterator) or `.map()` instead.
     """
 
     def __cinit__(self, *args, **kwargs):
@@ -842,6 +859,32 @@ cdef class ReaderBase:
 
     def __bool__(self):
         return True         # a reader is a reader, whatever len() says
+
+
+def _reader_init_subclass(cls, **kwargs):
+    """ReaderBase.__init_subclass__: refuse a Python class that could not work in a chain."""
+    # Called for classes defined in Python only (compiled subclasses are static
+    # types, which type.__new__ never makes).
+    super(ReaderBase, cls).__init_subclass__(**kwargs)
+    compiled = next(b for b in cls.__mro__ if not (b.__flags__ & _Py_TPFLAGS_HEAPTYPE))
+    if compiled.__name__ in _ABSTRACT_READERS:
+        why = f"it subclasses {compiled.__name__}, whose items come from compiled c_next"
+    else:
+        python_classes = cls.__mro__[:cls.__mro__.index(compiled)]
+        overridden = sorted({name for k in python_classes for name in _ITEM_METHODS if name in vars(k)})
+        if not overridden:
+            return
+        why = (f"it overrides {', '.join(overridden)}, which the compiled readers of a chain "
+               f"never call (they take items from {compiled.__name__}'s c_next)")
+    raise TypeError(f"{cls.__name__} cannot be a readerlib reader: {why}.  Wrap Python code "
+                    f"that yields instances in readerlib.PythonReader(make_iterator, schema), "
+                    f"or transform items with .map(fn) / .filter(fn)")
+
+
+# Cython refuses __init_subclass__ in a cdef class body: set it in the type's
+# dict (as type.__new__ would) and tell the type cache.
+(<object>(<PyTypeObject *>ReaderBase).tp_dict)["__init_subclass__"] = classmethod(_reader_init_subclass)
+PyType_Modified(<PyTypeObject *>ReaderBase)
 
 
 cdef class _EpochIterator:
