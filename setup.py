@@ -10,7 +10,6 @@ needs no edit here.  Environment switches:
 """
 import glob
 import os
-import sys
 
 import numpy as np
 from Cython.Build import cythonize
@@ -49,12 +48,10 @@ directives = {
     "binding": True,
 }
 
-compile_args = ["-O3"] if sys.platform != "win32" else ["/O2"]
-link_args = []
+# POSIX only (pthreads, pread/pwritev, mmap): no other platform's flags.
+compile_args = ["-O3", "-pthread"]
+link_args = ["-pthread"]
 macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
-if sys.platform != "win32":
-    compile_args.append("-pthread")
-    link_args.append("-pthread")
 if not THREADS:
     macros.append(("READERLIB_NO_THREADS", "1"))
 
@@ -69,7 +66,7 @@ for pyx in sorted(glob.glob("readerlib/**/*.pyx", recursive=True)):
         define_macros=macros,
         extra_compile_args=compile_args,
         extra_link_args=link_args,
-        libraries=["z"] if sys.platform != "win32" else [],
+        libraries=["z"],
     ))
 
 setup(

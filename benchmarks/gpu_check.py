@@ -140,7 +140,7 @@ def run_gpu_tests(timeout):
 def import_stack():
     import cupy as cp
     from readerlib.kernels import _gpu
-    import kernel_reference as ref
+    from readerlib.kernels import reference as ref
     try:
         import readerlib.kernels as public
         have_cpu = all(callable(getattr(public, f, None))

@@ -6,58 +6,74 @@ Build a chain in Python, iterate batches::
     r = rl.RecordIOReader("train.rio").shuffle(10_000, seed=0).batch(256)
     for feats, label in r:
         ...
+
+The public API is ``__all__``: the data model, the sources and writers,
+``open_files`` / ``register_file_reader``, the errors, the thread count and the
+kernel functions.  Decorators (shuffle, batch, prefetch, map, ...) are reached
+through a reader's fluent methods (``.shuffle()``, ``.batch()``, ...); their
+classes live in ``readerlib.readers``' modules.  RNN-T models live in
+``readerlib.rnnt``, the graph layer in ``readerlib.graph``, every exception and
+warning in ``readerlib.errors``.
 """
 from ._build import get_include
 from ._parallel import get_num_threads, set_num_threads
-from .errors import DataLossError, RecordIOError, RecordIOWarning, TFRecordError, TFRecordWarning
+from .errors import (DataLossError, FailedPreconditionError, InvalidArgumentError, RecordIOError,
+                     RecordSchemaError, TFRecordError)
 from .formats._recordio import RecordIOReader, RecordIOWriter
-from .formats._tfrecord import TFRecordReader, TFRecordWriter, masked_crc32c
-from .formats._tfrecord import build_index as build_tfrecord_index
-from ._core import crc32c
-from .readers._multifile import MultiFileReader
-from .readers.files import (
-    file_reader_for,
-    open_file,
-    open_files,
-    register_file_reader,
-    shard_from_env,
-    unregister_file_reader,
-)
-from .readers._prefetch import PrefetchReader
-from .readers._map import FilterReader, MapBatchesReader, MapReader
-from .readers._slice import RepeatReader, SkipReader, TakeReader
-from .readers._padded import BucketByLengthReader, PaddedBatchReader
-from .readers._base import DecoratedReader, FileReader, ReaderBase, ReaderHolder
-from .readers._shuffle import ShuffleReader
-from .readers._batch import BatchReader
-from .readers._passes import MultiPassReader, ShardReader
+from .formats._tfrecord import TFRecordReader, TFRecordWriter
+from .readers._base import ReaderBase
 from .readers._sources import ArrayReader, PythonReader, RandomDataGenerator
-from .kernels import (
-    FailedPreconditionError,
-    InvalidArgumentError,
-    batch_reindex,
-    batch_reindex_grad,
-    ctc_greedy_decoder,
-)
-from .rnnt import Hypothesis, Joint, LSTMPredictor, RNNTModel, StatelessPredictor, rnnt_greedy_decode
+from .readers.files import open_files, register_file_reader
+from .kernels import batch_reindex, batch_reindex_grad, ctc_greedy_decoder
+from .rnnt import rnnt_greedy_decode
 from .tensor import Field, LoDTensor, Schema, SparseTensor
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # data model
     "Field", "Schema", "LoDTensor", "SparseTensor",
-    "ReaderBase", "FileReader", "DecoratedReader", "ReaderHolder",
-    "ArrayReader", "RandomDataGenerator", "PythonReader",
-    "ShuffleReader", "BatchReader", "MultiPassReader", "PrefetchReader", "ShardReader",
-    "MapReader", "MapBatchesReader", "FilterReader", "TakeReader", "SkipReader", "RepeatReader",
-    "PaddedBatchReader", "BucketByLengthReader",
-    "RecordIOReader", "RecordIOWriter", "TFRecordReader", "TFRecordWriter", "masked_crc32c",
-    "build_tfrecord_index", "MultiFileReader",
-    "open_files", "open_file", "register_file_reader", "unregister_file_reader", "file_reader_for",
-    "shard_from_env",
-    "DataLossError", "RecordIOError", "RecordIOWarning", "TFRecordError", "TFRecordWarning",
-    "crc32c", "set_num_threads", "get_num_threads", "get_include",
-    "batch_reindex", "batch_reindex_grad", "ctc_greedy_decoder",
+    # readers: the base (isinstance, fluent methods), sources, files
+    "ReaderBase", "ArrayReader", "RandomDataGenerator", "PythonReader",
+    "RecordIOReader", "RecordIOWriter", "TFRecordReader", "TFRecordWriter",
+    "open_files", "register_file_reader",
+    # errors (all of them, and the warnings: readerlib.errors)
+    "DataLossError", "RecordSchemaError", "RecordIOError", "TFRecordError",
     "InvalidArgumentError", "FailedPreconditionError",
-    "rnnt_greedy_decode", "Hypothesis", "RNNTModel", "LSTMPredictor", "StatelessPredictor", "Joint",
+    # threads and kernels
+    "set_num_threads", "get_num_threads",
+    # building Cython against readerlib (the C headers; see docs/cext.md)
+    "get_include",
+    "batch_reindex", "batch_reindex_grad", "ctc_greedy_decoder", "rnnt_greedy_decode",
 ]
+
+# Names that were flat in this namespace before the public API was cut to the
+# list above.  Still importable from here (lazily, from their homes) so that
+# old code keeps working; not part of the API: new code uses the fluent methods
+# or the module named here.
+_COMPAT = {
+    "FileReader": "readers._base", "DecoratedReader": "readers._base",
+    "ReaderHolder": "readers._base",
+    "ShuffleReader": "readers._shuffle", "BatchReader": "readers._batch",
+    "MultiPassReader": "readers._passes", "ShardReader": "readers._passes",
+    "PrefetchReader": "readers._prefetch",
+    "MapReader": "readers._map", "MapBatchesReader": "readers._map", "FilterReader": "readers._map",
+    "TakeReader": "readers._slice", "SkipReader": "readers._slice", "RepeatReader": "readers._slice",
+    "PaddedBatchReader": "readers._padded", "BucketByLengthReader": "readers._padded",
+    "MultiFileReader": "readers._multifile",
+    "open_file": "readers.files", "unregister_file_reader": "readers.files",
+    "file_reader_for": "readers.files", "shard_from_env": "readers.files",
+    "masked_crc32c": "formats._tfrecord", "crc32c": "_core",
+    "RecordIOWarning": "errors", "TFRecordWarning": "errors",
+}
+
+
+def __getattr__(name):
+    if name == "build_tfrecord_index":
+        from .formats._tfrecord import build_index
+        return build_index
+    home = _COMPAT.get(name)
+    if home is None:
+        raise AttributeError(f"module 'readerlib' has no attribute {name!r}")
+    import importlib
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)

@@ -1,6 +1,8 @@
-"""Exceptions and warnings that name the file and byte offset of a problem."""
+"""Every exception and warning readerlib raises (one module, one taxonomy:
+TensorFlow's), naming the file, byte offset, index or field of a problem."""
 
-__all__ = ["DataLossError", "RecordIOError", "RecordIOWarning", "TFRecordError", "TFRecordWarning"]
+__all__ = ["DataLossError", "RecordSchemaError", "RecordIOError", "RecordIOSchemaError", "RecordIOWarning",
+           "TFRecordError", "TFRecordWarning"]
 
 
 # TensorFlow's error taxonomy (tf.errors): OpError and its subclasses, raised by
@@ -91,8 +93,43 @@ __all__ += ["OpError", "CancelledError", "UnknownError", "InvalidArgumentError",
             "InternalError", "UnavailableError"]
 
 
+class RecordSchemaError(DataLossError, ValueError):
+    """A record does not fit the schema it is read with: its size, or a sequence
+    field's row count, is not one the schema's fields allow.
+
+    The one exception for this fault on every path: a RecordIO (there a
+    RecordIOSchemaError, also a RecordIOError) or TFRecord file's record, an instance a BatchReader, PaddedBatchReader or
+    BucketByLengthReader batches, an instance read_next() decodes.  A
+    DataLossError (the data is not what it claims) and a ValueError (what
+    TFRecord and the batches raised before).
+
+    Attributes
+    ----------
+    path : str or None
+        The file, when the record came straight from one.
+    offset : int or None
+        Byte offset of the record (or of its chunk, for RecordIO) in the file.
+    index : int or None
+        The record's index (in its chunk, or in the batch being built).
+    field : str or None
+        The field that does not fit, when one can be named.
+    """
+
+    def __init__(self, message, path=None, offset=None, index=None, field=None):
+        super().__init__(message, path, offset)
+        self.index = index
+        self.field = field
+
+
 class RecordIOError(DataLossError):
     """A RecordIO file failed a check (magic, checksum, size, truncation)."""
+
+
+class RecordIOSchemaError(RecordIOError, RecordSchemaError):
+    """A RecordIO record that does not fit the schema in its file's header: a
+    RecordSchemaError (the one type for this fault) and, since the file
+    contradicts itself (usually a corrupted byte found before the chunk's
+    checksum is), a RecordIOError as every other RecordIO check raises."""
 
 
 class TFRecordError(DataLossError):

@@ -1,7 +1,10 @@
-"""Optional CuPy support: one place that imports it and says what to install."""
+"""Optional CuPy support: one place that imports it and says what to install,
+and the one answer to "is this a CuPy array" / "which array module is it"."""
+import numpy as np
+
+__all__ = ["cupy_available", "require_cupy", "is_cupy_array", "array_module"]
 
 _cupy = None
-_error = None
 
 
 def cupy_available():
@@ -15,13 +18,12 @@ def cupy_available():
 
 def require_cupy():
     """Return the cupy module, or raise ImportError saying what to install."""
-    global _cupy, _error
+    global _cupy
     if _cupy is not None:
         return _cupy
     try:
         import cupy
     except Exception as e:  # ImportError, or a CUDA runtime load failure
-        _error = e
         raise ImportError(
             "this operation needs CuPy and a CUDA GPU: pip install 'readerlib[gpu]' "
             f"(cupy-cuda13x) on a machine with an NVIDIA driver ({type(e).__name__}: {e})") from e
@@ -30,4 +32,12 @@ def require_cupy():
 
 
 def is_cupy_array(a):
+    """True for a CuPy array (checked by type, without importing CuPy)."""
     return type(a).__module__.startswith("cupy")
+
+
+def array_module(a):
+    """numpy, or cupy for a CuPy array (imported only when one is seen)."""
+    if is_cupy_array(a):
+        return require_cupy()
+    return np

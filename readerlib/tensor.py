@@ -29,12 +29,7 @@ SUPPORTED_DTYPES = tuple(np.dtype(t) for t in (
     "uint64", "float16", "float32", "float64"))
 
 
-def _array_module(a):
-    """numpy, or cupy for a CuPy array (imported only when one is seen)."""
-    if type(a).__module__.startswith("cupy"):
-        import cupy
-        return cupy
-    return np
+from .gpu import array_module as _array_module  # noqa: E402
 
 
 class Field:

@@ -36,7 +36,7 @@ from readerlib.readers._sources cimport ArrayReader
 from readerlib.formats._writer cimport FileWriter
 from readerlib.formats._writer import _PieceFile
 from readerlib.tensor import Schema
-from readerlib.errors import RecordIOError, RecordIOWarning
+from readerlib.errors import RecordIOError, RecordIOSchemaError, RecordIOWarning
 
 cnp.import_array()
 rl_core_import()
@@ -1332,6 +1332,9 @@ cdef class RecordIOReader(FileReader):
         if code in (CK_SHRUNK, CK_IO):
             self._fail(msg, self.err_off)        # not the chunk's fault: never skipped
         if not self.skip_errors:
+            if code == CK_RECORD:        # the one exception for a record that does not fit its schema
+                raise RecordIOSchemaError(f"{self.path}: {msg} at byte offset {self.err_off}: schema {self.schema}",
+                                        self.path, self.err_off, self.err_record)
             self._fail(msg, self.err_off)
         self.skipped_chunks += 1
         warnings.warn(f"{self.path}: skipped chunk: {msg} at byte offset {self.err_off}",

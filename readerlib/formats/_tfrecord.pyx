@@ -55,7 +55,7 @@ from readerlib.readers._base cimport (
     rl_crc32c, rl_crc32c_mask, rl_core_import, rl_load_u32, rl_load_u64,
     rl_store_u32, rl_store_u64, rl_store_i64, ITEM_INSTANCE)
 from readerlib.tensor import Field, Schema
-from readerlib.errors import TFRecordError, TFRecordWarning
+from readerlib.errors import RecordSchemaError, TFRecordError, TFRecordWarning
 from readerlib.readers._base import _file_identity
 from readerlib.formats._writer cimport FileWriter
 from readerlib.formats._writer import _PieceFile
@@ -91,14 +91,15 @@ cdef extern from "rl_mmap.h":
 __all__ = ["TFRecordReader", "TFRecordWriter", "build_index", "masked_crc32c",
            "CHUNK_BYTES", "CHUNK_RECORDS"]
 
-DEF _CHUNK_BYTES = 1048576
-DEF _CHUNK_RECORDS = 65536
+cdef enum:
+    _CHUNK_BYTES = 1048576
+    _CHUNK_RECORDS = 65536
+    _INDEX_HEAD = 80            # magic + 9 u64
+    _FINGERPRINT = 4096         # bytes at each end of the file the index's CRCs cover
+    _ZIN = 262144               # compressed input read per pread
 CHUNK_BYTES = _CHUNK_BYTES
 CHUNK_RECORDS = _CHUNK_RECORDS
 INDEX_MAGIC = b"RLTFIX02"       # 02: open-time stat, head/tail CRCs, checked structure
-DEF _INDEX_HEAD = 80            # magic + 9 u64
-DEF _FINGERPRINT = 4096         # bytes at each end of the file the index's CRCs cover
-DEF _ZIN = 262144               # compressed input read per pread
 INDEX_SUFFIX = ".idx"
 _ZTYPES = {None: 0, "": 0, "NONE": 0, "ZLIB": 1, "GZIP": 2}
 _ZNAMES = {0: None, 1: "ZLIB", 2: "GZIP"}
@@ -835,8 +836,8 @@ cdef class TFRecordReader(FileReader):
                 need = f"a multiple of {self.row_bytes} bytes (rows of {f.dtype}{list(f.shape)})"
             else:
                 need = f"{self.fixed_size} bytes ({f.dtype}{list(f.shape)})"
-            raise ValueError(f"{self.path}: record at {off}{where} has {self.err_val} bytes; "
-                             f"field {f.name!r} needs {need}")
+            raise RecordSchemaError(f"{self.path}: record at {off}{where} has {self.err_val} bytes; "
+                                    f"field {f.name!r} needs {need}", self.path, off, None, f.name)
         msgs = {
             E_TRUNC: f"truncated record at {off}",
             E_LEN_CRC: f"corrupted record at {off} (length checksum mismatch)",

@@ -23,6 +23,7 @@ import threading
 import numpy as np
 
 from .. import errors as _errors
+from ..gpu import is_cupy_array
 from ..tensor import LoDTensor
 from . import dtypes as _dt
 from .ops import Graph, InaccessibleTensorError, Operation, Tensor, device_type_of, get_default_graph
@@ -122,10 +123,10 @@ def _to_host(v):
     t = type(v)
     if t is np.ndarray:
         return v[()] if v.ndim == 0 else v
-    if t.__module__.startswith("cupy"):
+    if is_cupy_array(v):
         v = v.get()
         return v[()] if v.ndim == 0 else v
-    if t is LoDTensor and type(v.data).__module__.startswith("cupy"):
+    if t is LoDTensor and is_cupy_array(v.data):
         return v.to("cpu") if hasattr(v, "to") else v
     return v
 
@@ -380,7 +381,7 @@ class Session:
                     f"argument `feed_dict` with key {key}.")
             dtype = t._dtype
             if isinstance(val, LoDTensor) or dtype is _dt.resource or \
-                    type(val).__module__.startswith("cupy"):
+                    is_cupy_array(val):
                 shape = val.data.shape if isinstance(val, LoDTensor) else getattr(val, "shape", None)
             else:
                 if type(val) is not np.ndarray or val.dtype != dtype:

@@ -178,11 +178,7 @@ def _check_bounds(idx, limit):
         raise IndexError(_reindex.MSG_NEGATIVE if int(idx[first]) < 0 else _reindex.MSG_TOO_LARGE)
 
 
-def _xp(a):
-    if is_cupy_array(a):
-        from ..gpu import require_cupy
-        return require_cupy()
-    return np
+from ..gpu import array_module as _xp  # noqa: E402
 
 
 def _check_out(out, shape, dtype, src):

@@ -22,6 +22,7 @@ import threading
 
 import numpy as np
 
+from ..errors import FailedPreconditionError, InvalidArgumentError
 from ..gpu import require_cupy
 from ..tensor import SparseTensor
 from ._cuda_loader import get_kernel
@@ -481,7 +482,7 @@ def _ctc_decode(cp, logits, num_classes, batch, max_time, seq_len, offsets,
     done.synchronize()                               # the one sync: learn the output size
     if int(host[3]):
         b = batch - int(host[3])
-        raise ValueError(f"sequence_length({b}) <= {max_time}")
+        raise FailedPreconditionError(f"sequence_length({b}) <= {max_time}")
     total = int(host[1])
     return [SparseTensor(indices[:total], values[:total], dense_shape)], neg_sum
 
@@ -508,24 +509,25 @@ def ctc_greedy_decoder(inputs, sequence_length, merge_repeated=True, blank_index
 
     Raises
     ------
-    ValueError
+    InvalidArgumentError, FailedPreconditionError (ValueErrors)
+        What the CPU path raises for the same fault (readerlib.errors), e.g.
         TensorFlow's ``sequence_length(b) <= max_time`` when a length exceeds
         ``max_time`` (found on the device, reported at the one sync).
     """
     cp = require_cupy()
     inputs = _device(cp, inputs)
     if inputs.ndim != 3:
-        raise ValueError("inputs is not a 3-Tensor")
+        raise InvalidArgumentError("inputs is not a 3-Tensor")
     max_time, batch, num_classes = (int(d) for d in inputs.shape)
     blank_index = _blank(num_classes, blank_index)
     seq_len = _device(cp, sequence_length, np.int32)
     if max_time == 0:
-        raise ValueError("max_time is 0")
+        raise InvalidArgumentError("max_time is 0")
     if seq_len.ndim != 1:
-        raise ValueError("sequence_length is not a vector")
+        raise InvalidArgumentError("sequence_length is not a vector")
     if seq_len.shape[0] != batch:
-        raise ValueError(f"len(sequence_length) != batch_size.  len(sequence_length):  "
-                         f"{seq_len.shape[0]} batch_size: {batch}")
+        raise FailedPreconditionError(f"len(sequence_length) != batch_size.  len(sequence_length):  "
+                                      f"{seq_len.shape[0]} batch_size: {batch}")
     return _ctc_decode(cp, inputs, num_classes, batch, max_time, seq_len, None,
                        merge_repeated, blank_index)
 

@@ -1,8 +1,20 @@
 """Plain NumPy references for every kernel (tests and benchmarks compare against these).
 
-They favour being obviously right over being fast, except
+The one NumPy reference module: the CPU tests, the GPU tests (on a GPU and on
+the CUDA emulator) and benchmarks/gpu_check.py all compare against it.  They
+favour being obviously right over being fast, except
 :func:`ctc_greedy_decoder_vectorized`, the vectorised NumPy peer of the
 benchmarks (itself tested against the loop reference).
+
+The contract the CPU and CUDA kernels share:
+
+* reindex indices are checked in order; the first bad one decides the message
+  (Caffe's loop: ``CHECK_GE(idx, 0)`` then ``CHECK_LT(idx, num)``);
+* the backward sums each output row's contributions in ascending ``n``, starting
+  from +0, in float32 for float16 (rounded once), wrapping for integers;
+* the CTC argmax is TF's RowMax: ``p = x[0]``, then ``x[c]`` replaces it only when
+  ``x[c] > p`` -- first maximum wins, NaN at c > 0 never wins, NaN at 0 wins;
+  float16/bfloat16 logits are widened exactly to float32 and decoded there.
 """
 from __future__ import annotations
 
@@ -17,16 +29,26 @@ __all__ = [
     "ctc_greedy_decoder_reference",
     "ctc_greedy_decoder_vectorized",
     "tf_row_argmax",
+    # the GPU tests' spelling (arrays in, arrays out; LoD as (data, offsets))
+    "check_indices", "batch_reindex", "batch_reindex_grad", "batch_reindex_lod", "row_max",
+    "ctc_greedy_decoder", "ctc_greedy_decoder_lod",
 ]
+
+NEGATIVE_INDEX_MESSAGE = "Index specified for reindex layer was negative."
+INDEX_TOO_LARGE_MESSAGE = "Index specified for reindex layer was greater than batch size."
+
+
+def check_indices(idx, limit):
+    """Caffe's checks in Caffe's order: the first bad index decides the message."""
+    idx = np.asarray(idx)
+    bad = np.flatnonzero((idx < 0) | (idx >= limit))
+    if bad.size:
+        raise IndexError(NEGATIVE_INDEX_MESSAGE if idx[bad[0]] < 0 else INDEX_TOO_LARGE_MESSAGE)
 
 
 def _check_idx(idx, n):
-    idx = np.asarray(idx)
-    if idx.size and idx.min() < 0:
-        raise IndexError("Index specified for reindex layer was negative.")
-    if idx.size and idx.max() >= n:
-        raise IndexError("Index specified for reindex layer was greater than batch size.")
-    return idx.astype(np.int64)
+    check_indices(idx, n)
+    return np.asarray(idx).astype(np.int64)
 
 
 def batch_reindex_reference(x, idx):
@@ -162,3 +184,55 @@ def ctc_greedy_decoder_loop(inputs, sequence_length, merge_repeated=True, blank_
             a = a[keep]
         out.append(a[a != blank])
     return out
+
+
+# ---- the GPU tests' spelling ---------------------------------------------------------
+
+batch_reindex = batch_reindex_reference
+batch_reindex_grad = batch_reindex_grad_reference
+
+
+def batch_reindex_lod(data, offsets, idx):
+    """``batch_reindex`` of a one-level LoD batch given as ``(data, offsets)``."""
+    data, offsets, idx = np.asarray(data), np.asarray(offsets, np.int64), np.asarray(idx)
+    check_indices(idx, offsets.shape[0] - 1)
+    parts = [data[offsets[i]:offsets[i + 1]] for i in idx]
+    new_offsets = np.zeros(idx.shape[0] + 1, dtype=np.int64)
+    np.cumsum([p.shape[0] for p in parts], out=new_offsets[1:])
+    return (np.concatenate(parts, axis=0) if parts else data[:0]), new_offsets
+
+
+def row_max(row):
+    """TensorFlow's RowMax on one row: (max value, first argmax)."""
+    arg, best = tf_row_argmax(np.asarray(row))
+    return best, arg
+
+
+def _widened(logits):
+    """float16/bfloat16 logits widened exactly to float32 (float64 stays)."""
+    logits = np.asarray(logits)
+    return logits.astype(np.float64 if logits.dtype == np.float64 else np.float32)
+
+
+def _blank(num_classes, blank_index):
+    return num_classes - 1 if blank_index is None else int(blank_index) % num_classes
+
+
+def ctc_greedy_decoder(inputs, sequence_length, merge_repeated=True, blank_index=None):
+    """Any float dtype -> ``((indices, values, dense_shape), neg_sum_logits [batch, 1])``."""
+    x = _widened(inputs)
+    lengths = np.maximum(np.asarray(sequence_length).astype(np.int64), 0)
+    i, v, s, neg = ctc_greedy_decoder_reference(x, lengths, merge_repeated, _blank(x.shape[2], blank_index))
+    return (i, v, s), neg
+
+
+def ctc_greedy_decoder_lod(data, offsets, merge_repeated=True, blank_index=None):
+    """``ctc_greedy_decoder`` of a one-level LoD batch ``(data [frames, classes], offsets)``."""
+    x = _widened(data)
+    offsets = np.asarray(offsets, np.int64)
+    lengths = np.diff(offsets)
+    batch, t_max = lengths.shape[0], int(lengths.max(initial=0))
+    padded = np.zeros((max(t_max, 1), batch, x.shape[1]), x.dtype)
+    for b in range(batch):
+        padded[:lengths[b], b] = x[offsets[b]:offsets[b + 1]]
+    return ctc_greedy_decoder(padded, lengths, merge_repeated, blank_index)

@@ -31,11 +31,16 @@ import numpy as np
 from readerlib._signature import ClassSignature as _ClassSignature
 cimport numpy as cnp
 from cpython.ref cimport PyObject
+from cpython.object cimport PyTypeObject
+
+cdef extern from "Python.h":
+    void PyType_Modified(PyTypeObject *t)
 from libc.stdlib cimport malloc, free, calloc, realloc
 from libc.string cimport memcpy, memset
 
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
 from readerlib.tensor import Field, LoDTensor, Schema
+from readerlib.errors import RecordSchemaError
 
 cnp.import_array()
 rl_core_import()
@@ -294,12 +299,52 @@ cdef tuple _wrap_batch(ReaderBase r, rl_record *rec):
 _OFFSETS_FIELD = Field("offsets", "int64")
 
 
+def _misfit(schema, data, bare=False):
+    """(why, field name) an encoded instance `data` (bytes) does not fit `schema`."""
+    n = len(data)
+    if bare:
+        f = schema[0]
+        return (f"{n} bytes, not a whole number of field {f.name!r}'s rows "
+                f"({f.row_bytes} bytes of {f.dtype}{list(f.shape)})"), f.name
+    pos = 0
+    for f in schema:
+        if f.lod_level == 0:
+            need = f.row_bytes
+            what = f"field {f.name!r} needs {need} bytes ({f.dtype}{list(f.shape)})"
+        else:
+            if n - pos < 8:
+                return f"{n} bytes: field {f.name!r}'s row count (8 bytes at byte {pos}) is cut off", f.name
+            rows = int.from_bytes(data[pos:pos + 8], "little", signed=True)
+            if rows < 0:
+                return f"field {f.name!r} has a negative row count ({rows}) at byte {pos}", f.name
+            pos += 8
+            need = rows * f.row_bytes
+            what = f"field {f.name!r} needs {rows} rows of {f.row_bytes} bytes"
+        if n - pos < need:
+            return f"{n} bytes: {what} at byte {pos}, {n - pos} are left", f.name
+        pos += need
+    return f"{n} bytes: {n - pos} bytes left over after the last field ({schema[-1].name!r})", None
+
+
+def _record_schema_error(who, schema, data, bare=False, index=None, path=None, offset=None):
+    """The RecordSchemaError for an encoded instance `data` that does not fit
+    `schema` (every reader raises this one, naming what it knows: `who` -- the
+    file or the reader --, the byte offset, the index in the batch, the field)."""
+    why, field = _misfit(schema, data, bare)
+    what = "record" if index is None else f"instance {index} of the batch"
+    if offset is not None:
+        what += f" at byte offset {offset}"
+    return RecordSchemaError(f"{who}: {what} does not fit schema {schema}: {why}",
+                             path, offset, index, field)
+
+
 cdef tuple _decode_instance(ReaderBase r, rl_record *rec):
     cdef const char *ptrs[RL_MAX_FIELDS]
     cdef int64_t rows[RL_MAX_FIELDS]
     cdef int f
     if layout_parse(&r.layout, rec.data, rec.size, ptrs, rows) != 0:
-        raise ValueError(f"malformed record of {rec.size} bytes for schema {r.schema}")
+        raise _record_schema_error(type(r).__name__, r.schema,
+                                   (<const char *>rec.data)[:rec.size], r.layout.bare)
     out = []
     for f in range(r.layout.nfields):
         field = r.schema.fields[f]
@@ -396,6 +441,12 @@ def _rebuild_chain(spec, state, started):
 
 
 # ------------------------------------------------------------------ the base
+cdef long _Py_TPFLAGS_HEAPTYPE = 1 << 9
+# compiled bases a Python class cannot complete, and the methods that produce items
+_ABSTRACT_READERS = frozenset({"ReaderBase", "FileReader", "DecoratedReader", "_ChunkedSource"})
+_ITEM_METHODS = ("read_next", "reset", "__iter__", "__next__", "_skip")
+
+
 cdef class ReaderBase:
     """Base of every reader: `read_next()` returns the next item or None.
 
@@ -404,6 +455,13 @@ cdef class ReaderBase:
     a new epoch when anything has been read since the last reset (like a
     tf.data Dataset), and otherwise continues the current one (a fresh
     reader, or one positioned by `set_state`).  `reset()` restarts the chain.
+
+    Python subclasses: a subclass of a concrete reader that adds methods works
+    in a chain; one that would have to produce items itself (a direct subclass
+    of ReaderBase, FileReader or DecoratedReader, or one that overrides
+    read_next / reset / iteration) is refused when the class is created, since
+    the compiled readers downstream never call Python methods for items.  Use
+    `PythonReader` (a source over any Python iterator) or `.map()` instead.
     """
     # inspect.signature(cls) of every subclass, from its own docstring (readerlib/_signature.py)
     __signature__ = _ClassSignature()
@@ -898,6 +956,32 @@ cdef class ReaderBase:
 
     def __bool__(self):
         return True         # a reader is a reader, whatever len() says
+
+
+def _reader_init_subclass(cls, **kwargs):
+    """ReaderBase.__init_subclass__: refuse a Python class that could not work in a chain."""
+    # Called for classes defined in Python only (compiled subclasses are static
+    # types, which type.__new__ never makes).
+    super(ReaderBase, cls).__init_subclass__(**kwargs)
+    compiled = next(b for b in cls.__mro__ if not (b.__flags__ & _Py_TPFLAGS_HEAPTYPE))
+    if compiled.__name__ in _ABSTRACT_READERS:
+        why = f"it subclasses {compiled.__name__}, whose items come from compiled c_next"
+    else:
+        python_classes = cls.__mro__[:cls.__mro__.index(compiled)]
+        overridden = sorted({name for k in python_classes for name in _ITEM_METHODS if name in vars(k)})
+        if not overridden:
+            return
+        why = (f"it overrides {', '.join(overridden)}, which the compiled readers of a chain "
+               f"never call (they take items from {compiled.__name__}'s c_next)")
+    raise TypeError(f"{cls.__name__} cannot be a readerlib reader: {why}.  Wrap Python code "
+                    f"that yields instances in readerlib.PythonReader(make_iterator, schema), "
+                    f"or transform items with .map(fn) / .filter(fn)")
+
+
+# Cython refuses __init_subclass__ in a cdef class body: set it in the type's
+# dict (as type.__new__ would) and tell the type cache.
+(<object>(<PyTypeObject *>ReaderBase).tp_dict)["__init_subclass__"] = classmethod(_reader_init_subclass)
+PyType_Modified(<PyTypeObject *>ReaderBase)
 
 
 cdef class _EpochIterator:

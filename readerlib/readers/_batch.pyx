@@ -12,7 +12,7 @@ from readerlib.readers._base cimport (
     rl_record_consumed, rl_copy_big, rl_copy_fence, rl_rng_seed, rl_rng_below, rl_store_i64,
     layout_parse, columns_encoded_size, columns_encode, encode_instance,
     ITEM_INSTANCE, ITEM_BATCH, RL_MAX_FIELDS)
-from readerlib.readers._base import _check_positive_int, _check_reader
+from readerlib.readers._base import _check_positive_int, _check_reader, _record_schema_error
 from readerlib.tensor import LoDTensor
 
 rl_core_import()
@@ -171,9 +171,8 @@ cdef class BatchReader(DecoratedReader):
             if layout_parse(&self.layout, rec.data, rec.size, self.parsed_ptrs + n * nf,
                             self.parsed_rows + n * nf) != 0:
                 with gil:
-                    raise ValueError(
-                        f"BatchReader: instance {n} of the batch is malformed "
-                        f"({rec.size} bytes) for schema {self.schema}")
+                    raise _record_schema_error("BatchReader", self.schema,
+                                               rec.data[:rec.size], self.layout.bare, index=n)
             rl_block_incref(rec.block)
             self.recs[n] = rec
             n += 1
@@ -217,9 +216,8 @@ cdef class BatchReader(DecoratedReader):
                 break
             if rec.size != L.fixed_size:
                 with gil:
-                    raise ValueError(
-                        f"BatchReader: instance {n} of the batch has {rec.size} bytes, "
-                        f"the schema needs {L.fixed_size}")
+                    raise _record_schema_error("BatchReader", self.schema,
+                                               rec.data[:rec.size], L.bare, index=n)
             if nf == 1:
                 rl_copy_big(base + doff[0] + n * rb, rec.data, rb)
             else:
@@ -260,8 +258,8 @@ cdef class BatchReader(DecoratedReader):
                 break
             if rec.size != rb:
                 with gil:
-                    raise ValueError(f"BatchReader: instance {n} of the batch has {rec.size} bytes, "
-                                     f"the schema needs {rb}")
+                    raise _record_schema_error("BatchReader", self.schema,
+                                               rec.data[:rec.size], self.layout.bare, index=n)
             rl_block_incref(rec.block)
             self.recs[n] = rec
             n += 1

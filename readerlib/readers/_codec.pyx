@@ -21,7 +21,7 @@ from readerlib._typedefs cimport int64_t
 from readerlib.readers._base cimport (
     rl_block, rl_record, rl_layout, rl_block_incref, rl_block_decref, rl_block_new,
     rl_load_i64, rl_store_i64, layout_from_schema, layout_parse, RL_MAX_FIELDS, trusted_lod, rl_core_import)
-from readerlib.readers._base import _cast_to_field
+from readerlib.readers._base import _cast_to_field, _record_schema_error
 from readerlib.tensor import Field, LoDTensor, Schema
 
 cnp.import_array()
@@ -92,7 +92,7 @@ cdef class InstanceCodec:
         cdef int f, k, nd
         cdef int64_t nbytes
         if layout_parse(&self.L, data, size, ptrs, rows) != 0:
-            raise ValueError(f"malformed record of {size} bytes for schema {self.schema}")
+            raise _record_schema_error("InstanceCodec", self.schema, data[:size], self.L.bare)
         out = PyTuple_New(self.L.nfields)
         for f in range(self.L.nfields):
             nd = self.vndim[f]

@@ -40,10 +40,14 @@ import threading
 import time
 
 from libc.stdlib cimport malloc, calloc, free
-from posix.time cimport timespec, clock_gettime, CLOCK_REALTIME, CLOCK_MONOTONIC
 from cpython.exc cimport PyErr_CheckSignals
 
 from readerlib._typedefs cimport int64_t
+from readerlib._sync cimport (
+    pthread_mutex_t, pthread_cond_t, pthread_mutex_init, pthread_mutex_destroy, pthread_mutex_lock,
+    pthread_mutex_unlock, pthread_cond_destroy, pthread_cond_broadcast, pthread_cond_wait,
+    cond_init_monotonic, cond_wait_until, now_ns as _now_ns,
+    __atomic_add_fetch, __atomic_sub_fetch, __ATOMIC_RELAXED, __ATOMIC_ACQ_REL)
 from readerlib.readers._base cimport (
     ReaderBase, FileReader, DecoratedReader, rl_block, rl_record, rl_block_incref, rl_block_decref,
     ITEM_INSTANCE, rl_core_import)
@@ -54,31 +58,11 @@ rl_core_import()
 
 __all__ = ["MultiFileReader"]
 
-cdef extern from "<pthread.h>" nogil:
-    ctypedef struct pthread_mutex_t:
-        pass
-    ctypedef struct pthread_cond_t:
-        pass
-    int pthread_mutex_init(pthread_mutex_t *m, const void *attr)
-    int pthread_mutex_destroy(pthread_mutex_t *m)
-    int pthread_mutex_lock(pthread_mutex_t *m)
-    int pthread_mutex_unlock(pthread_mutex_t *m)
-    int pthread_cond_init(pthread_cond_t *c, const void *attr)
-    int pthread_cond_destroy(pthread_cond_t *c)
-    int pthread_cond_broadcast(pthread_cond_t *c)
-    int pthread_cond_wait(pthread_cond_t *c, pthread_mutex_t *m)
-    int pthread_cond_timedwait(pthread_cond_t *c, pthread_mutex_t *m, const timespec *t)
-
-DEF PACKET_RECORDS = 1024
-DEF PACKET_BYTES = 4194304
-DEF QUEUE_PACKETS = 256
-DEF QUEUE_BYTES = 33554432        # record bytes a thread may queue ahead (32 MiB)
-
-
-cdef inline int64_t _now_ns() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
+cdef enum:
+    PACKET_RECORDS = 1024
+    PACKET_BYTES = 4194304
+    QUEUE_PACKETS = 256
+    QUEUE_BYTES = 33554432        # record bytes a thread may queue ahead (32 MiB)
 
 
 cdef struct _packet:
@@ -137,13 +121,6 @@ cdef struct _shared:
     _packet **partial             # per worker: the packet being filled
 
 
-cdef extern from *:
-    int64_t __atomic_add_fetch(int64_t *p, int64_t v, int order) nogil
-    int64_t __atomic_sub_fetch(int64_t *p, int64_t v, int order) nogil
-    int __ATOMIC_RELAXED
-    int __ATOMIC_ACQ_REL
-
-
 cdef _shared *_sh_new(int n) except NULL:
     cdef int t
     cdef _shared *sh = <_shared *>calloc(1, sizeof(_shared))
@@ -158,7 +135,7 @@ cdef _shared *_sh_new(int n) except NULL:
         raise MemoryError()
     for t in range(n):
         pthread_mutex_init(&sh.queues[t].mu, NULL)
-        pthread_cond_init(&sh.queues[t].cv, NULL)
+        cond_init_monotonic(&sh.queues[t].cv)
     sh.nq = n
     sh.refcnt = 1
     return sh
@@ -390,19 +367,13 @@ cdef class MultiFileReader(FileReader):
     cdef int _pop(self, int t, _packet **out) except -1 nogil:
         """0: *out is the next packet of thread t; 1: close() from another thread."""
         cdef _queue *q = &self.sh.queues[t]
-        cdef timespec ts
         cdef double waited = 0.0
         pthread_mutex_lock(&q.mu)
         while q.count == 0:
             if self.interrupted:
                 pthread_mutex_unlock(&q.mu)
                 return 1
-            clock_gettime(CLOCK_REALTIME, &ts)
-            ts.tv_nsec += 100000000
-            if ts.tv_nsec >= 1000000000:
-                ts.tv_nsec -= 1000000000
-                ts.tv_sec += 1
-            pthread_cond_timedwait(&q.cv, &q.mu, &ts)
+            cond_wait_until(&q.cv, &q.mu, _now_ns() + 100000000)
             if q.count:
                 break
             pthread_mutex_unlock(&q.mu)

@@ -31,7 +31,7 @@ from readerlib.readers._base cimport (
     ReaderBase, DecoratedReader, rl_block, rl_record, rl_layout, rl_block_incref, rl_block_decref,
     rl_block_new, rl_record_consumed, rl_store_i64, layout_parse, ITEM_INSTANCE, ITEM_BATCH,
     RL_MAX_FIELDS, rl_core_import)
-from readerlib.readers._base import _check_positive_int, _check_reader
+from readerlib.readers._base import _check_positive_int, _check_reader, _record_schema_error
 from readerlib.readers._codec cimport PADDED_FIELD
 from readerlib.tensor import Field, Schema
 
@@ -189,8 +189,8 @@ cdef class _SequenceBatcher(DecoratedReader):
         cdef int64_t rows[RL_MAX_FIELDS]
         if layout_parse(&self.in_layout, rec.data, rec.size, ptrs, rows) != 0:
             with gil:
-                raise ValueError(f"{type(self).__name__}: malformed record of {rec.size} bytes for "
-                                 f"schema {self.reader.schema}")
+                raise _record_schema_error(type(self).__name__, self.reader.schema,
+                                           rec.data[:rec.size], self.in_layout.bare)
         return rows[f]
 
     cdef int _release_hold(self) except -1 nogil:
@@ -224,8 +224,8 @@ cdef class _SequenceBatcher(DecoratedReader):
             rows = self.parsed_rows + i * nf
             if layout_parse(L, recs[i].data, recs[i].size, ptrs, rows) != 0:
                 with gil:
-                    raise ValueError(f"{type(self).__name__}: instance {i} of the batch is malformed "
-                                     f"({recs[i].size} bytes) for schema {self.reader.schema}")
+                    raise _record_schema_error(type(self).__name__, self.reader.schema,
+                                               recs[i].data[:recs[i].size], L.bare, index=i)
             for f in range(nf):
                 if L.lod[f]:
                     total[f] += rows[f]

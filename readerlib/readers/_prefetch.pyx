@@ -59,10 +59,13 @@ import numpy as np
 
 from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memset
-from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
-from posix.types cimport clockid_t
 
 from readerlib._typedefs cimport int64_t
+from readerlib._sync cimport (
+    pthread_mutex_t, pthread_cond_t, pthread_mutex_init, pthread_mutex_destroy, pthread_mutex_lock,
+    pthread_mutex_unlock, pthread_cond_destroy, pthread_cond_broadcast, pthread_cond_signal,
+    pthread_cond_wait, cond_init_monotonic, cond_wait_until, now_ns as _now_ns,
+    __atomic_add_fetch, __atomic_sub_fetch, __ATOMIC_RELAXED, __ATOMIC_ACQ_REL)
 from readerlib.readers._base cimport (
     ReaderBase, DecoratedReader, rl_block, rl_record, rl_block_incref, rl_block_decref,
     ITEM_BATCH, ITEM_INSTANCE, rl_core_import)
@@ -72,28 +75,6 @@ from readerlib.tensor import LoDTensor
 rl_core_import()
 
 __all__ = ["PrefetchReader"]
-
-
-cdef extern from "<pthread.h>" nogil:
-    ctypedef struct pthread_mutex_t:
-        pass
-    ctypedef struct pthread_cond_t:
-        pass
-    ctypedef struct pthread_condattr_t:
-        pass
-    int pthread_mutex_init(pthread_mutex_t *m, const void *attr)
-    int pthread_mutex_destroy(pthread_mutex_t *m)
-    int pthread_mutex_lock(pthread_mutex_t *m)
-    int pthread_mutex_unlock(pthread_mutex_t *m)
-    int pthread_condattr_init(pthread_condattr_t *a)
-    int pthread_condattr_setclock(pthread_condattr_t *a, clockid_t clock)
-    int pthread_condattr_destroy(pthread_condattr_t *a)
-    int pthread_cond_init(pthread_cond_t *c, const pthread_condattr_t *a)
-    int pthread_cond_destroy(pthread_cond_t *c)
-    int pthread_cond_wait(pthread_cond_t *c, pthread_mutex_t *m)
-    int pthread_cond_timedwait(pthread_cond_t *c, pthread_mutex_t *m, const timespec *t)
-    int pthread_cond_signal(pthread_cond_t *c)
-    int pthread_cond_broadcast(pthread_cond_t *c)
 
 
 cdef extern from "Python.h":
@@ -155,13 +136,9 @@ cdef pf_state *_pf_new(int64_t cap) except NULL:
 
 
 cdef void _pf_init_sync(pf_state *st) noexcept nogil:
-    cdef pthread_condattr_t attr
     pthread_mutex_init(&st.mu, NULL)
-    pthread_condattr_init(&attr)
-    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC)   # deadlines immune to wall-clock jumps
-    pthread_cond_init(&st.not_empty, &attr)
-    pthread_cond_init(&st.not_full, &attr)
-    pthread_condattr_destroy(&attr)
+    cond_init_monotonic(&st.not_empty)       # deadlines immune to wall-clock jumps
+    cond_init_monotonic(&st.not_full)
 
 
 cdef void _pf_drain(pf_state *st) noexcept nogil:
@@ -187,13 +164,6 @@ cdef void _pf_decref(pf_state *st) noexcept nogil:
         free(st)
 
 
-cdef extern from *:
-    int64_t __atomic_add_fetch(int64_t *p, int64_t v, int order) nogil
-    int64_t __atomic_sub_fetch(int64_t *p, int64_t v, int order) nogil
-    int __ATOMIC_RELAXED
-    int __ATOMIC_ACQ_REL
-
-
 cdef void _pf_request_stop(pf_state *st) noexcept nogil:
     pthread_mutex_lock(&st.mu)
     st.stop = 1
@@ -202,18 +172,11 @@ cdef void _pf_request_stop(pf_state *st) noexcept nogil:
     pthread_mutex_unlock(&st.mu)
 
 
-cdef inline int64_t _now_ns() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
-
-
 cdef int _pf_pop(pf_state *st, rl_record *out, int64_t deadline_ns, bint blocking) noexcept nogil:
     """Pop the oldest item into `out` (the ring's reference moves to the caller).
 
     Waits at most one slice, and never past `deadline_ns` (-1: none).
     """
-    cdef timespec ts
     cdef int64_t now, until
     cdef int code
     pthread_mutex_lock(&st.mu)
@@ -222,10 +185,8 @@ cdef int _pf_pop(pf_state *st, rl_record *out, int64_t deadline_ns, bint blockin
         until = now + SLICE_NS
         if deadline_ns >= 0 and deadline_ns < until:
             until = deadline_ns
-        ts.tv_sec = until // 1000000000
-        ts.tv_nsec = until % 1000000000
         while st.count == 0 and not st.done and not st.forked:
-            if pthread_cond_timedwait(&st.not_empty, &st.mu, &ts) != 0 and _now_ns() >= until:
+            if cond_wait_until(&st.not_empty, &st.mu, until) != 0 and _now_ns() >= until:
                 break
     if st.forked:
         code = POP_FORKED

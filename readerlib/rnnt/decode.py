@@ -100,11 +100,7 @@ class Hypothesis:
         return int(self.y_sequence.shape[0])
 
 
-def _array_module(a):
-    if type(a).__module__.startswith("cupy"):
-        import cupy
-        return cupy
-    return np
+from ..gpu import array_module as _array_module, is_cupy_array  # noqa: E402
 
 
 def _grow(xp, a, cap):
@@ -280,7 +276,7 @@ def _prepare_inputs(model, encoder_output, encoder_lengths):
             raise ValueError(f"encoder_lengths must be in [0, {T}] (the padded length), got "
                              f"min {lh.min()}, max {lh.max()}")
         lengths_h = lh.astype(np.int64)
-    if type(encoder_output).__module__.startswith("cupy") != (xp is not np):
+    if is_cupy_array(encoder_output) != (xp is not np):
         raise TypeError("encoder_output and the model must live on the same device "
                         "(use model.to(cupy) or model.to(numpy))")
     encp = joint.project_encoder(xp.asarray(encoder_output, dtype=model.dtype))

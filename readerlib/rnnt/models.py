@@ -24,11 +24,7 @@ import numpy as np
 __all__ = ["LSTMPredictor", "StatelessPredictor", "Joint", "RNNTModel"]
 
 
-def _xp_of(a):
-    if type(a).__module__.startswith("cupy"):
-        import cupy
-        return cupy
-    return np
+from ..gpu import array_module as _xp_of  # noqa: E402
 
 
 def _float_dtype(dtype):
