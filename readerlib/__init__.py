@@ -7,6 +7,7 @@ Build a chain in Python, iterate batches::
     for feats, label in r:
         ...
 """
+from ._keyed import Batch, Instance
 from ._parallel import get_num_threads, set_num_threads
 from .errors import DataLossError, RecordIOError, RecordIOWarning, TFRecordError, TFRecordWarning
 from .formats._recordio import RecordIOReader, RecordIOWriter
@@ -51,7 +52,7 @@ from .tensor import Field, LoDTensor, Schema, SparseTensor
 __version__ = "0.1.0"
 
 __all__ = [
-    "Field", "Schema", "LoDTensor", "SparseTensor",
+    "Field", "Schema", "LoDTensor", "SparseTensor", "Batch", "Instance",
     "ReaderBase", "FileReader", "DecoratedReader", "ReaderHolder",
     "ArrayReader", "RandomDataGenerator", "PythonReader",
     "ShuffleReader", "BatchReader", "MultiPassReader", "PrefetchReader", "ShardReader",

@@ -26,6 +26,7 @@ from libc.string cimport memcpy, memset
 
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
 from readerlib._parallel cimport parallel_for, threads_for
+from readerlib._keyed cimport keyed_of
 from readerlib.tensor import Field, LoDTensor, Schema
 
 cnp.import_array()
@@ -335,7 +336,7 @@ cdef inline int64_t _align64(int64_t x) noexcept nogil:
     return (x + 63) & ~(<int64_t>63)
 
 
-cdef tuple _wrap_batch(ReaderBase r, rl_record *rec):
+cdef object _wrap_batch(ReaderBase r, rl_record *rec):
     cdef BlockRef owner = block_ref(rec.block)
     cdef const char *base = rec.data
     cdef int64_t n = rl_load_i64(base)
@@ -358,13 +359,13 @@ cdef tuple _wrap_batch(ReaderBase r, rl_record *rec):
             data = _view(owner, base + doff, n, field)
             lod = []
         out.append(trusted_lod(data, lod))
-    return tuple(out)
+    return keyed_of(r.schema, True, out)       # a Batch: a tuple keyed by field name (readerlib/_keyed.pyx)
 
 
 _OFFSETS_FIELD = Field("offsets", "int64")
 
 
-cdef tuple _decode_instance(ReaderBase r, rl_record *rec):
+cdef object _decode_instance(ReaderBase r, rl_record *rec):
     cdef const char *ptrs[RL_MAX_FIELDS]
     cdef int64_t rows[RL_MAX_FIELDS]
     cdef int f
@@ -383,7 +384,7 @@ cdef tuple _decode_instance(ReaderBase r, rl_record *rec):
         if nbytes:
             memcpy(cnp.PyArray_DATA(a), ptrs[f], nbytes)
         out.append(a)
-    return tuple(out)
+    return keyed_of(r.schema, False, out)      # an Instance (readerlib/_keyed.pyx)
 
 
 

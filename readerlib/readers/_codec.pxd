@@ -31,14 +31,17 @@ cdef class InstanceCodec:
     cdef int fast[RL_MAX_FIELDS]                    # shape fits the fast check
     cdef int vndim[RL_MAX_FIELDS]                   # dims of one value (sequence: with the time axis)
     cdef Py_ssize_t vdims[RL_MAX_FIELDS][CODEC_MAX_NDIM]
-    # record bytes -> tuple of fresh arrays; -1 (ValueError set) if malformed
-    cdef tuple decode(self, const char *data, int64_t size)
+    # record bytes -> an Instance (readerlib/_keyed.pyx: a tuple keyed by field
+    # name) of fresh arrays; ValueError if malformed
+    cdef object decode(self, const char *data, int64_t size)
     # copy a fixed-size record into `spare`, a tuple decode() made, when nothing
     # but the caller's one reference holds it or its arrays (then no one can see
     # the reuse); False (nothing written) otherwise
     cdef bint refill(self, tuple spare, const char *data, int64_t size) except -1
-    # a tuple / list / dict / single value -> tuple of C-contiguous arrays of the
-    # schema's dtypes and shapes (the instance itself when it is one already);
+    # a tuple / list / dict / Instance / single value -> a plain tuple of
+    # C-contiguous arrays of the schema's dtypes and shapes (the instance
+    # itself when it is one already; an Instance of this schema's names is read
+    # by position, one of other names by name, like a dict);
     # TypeError/ValueError naming `what` and the field
     cdef tuple normalize(self, object instance, str what)
     # encoded size of normalised arrays, and the encoding itself
@@ -50,7 +53,8 @@ cdef class BatchCodec:
     cdef readonly object schema
     cdef list fields
     cdef readonly tuple padded            # per field: True for a dense padded sequence field
-    cdef tuple wrap(self, const rl_record *rec)
+    # a batch block -> a Batch (readerlib/_keyed.pyx) of LoDTensors viewing it
+    cdef object wrap(self, const rl_record *rec)
     # a tuple / dict of LoDTensor (or arrays for fixed fields) -> a new batch block
     cdef rl_block *encode(self, object batch, str what) except NULL
     cdef list normalize(self, object batch, str what)

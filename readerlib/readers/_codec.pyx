@@ -22,6 +22,8 @@ from readerlib.readers._base cimport (
     rl_block, rl_record, rl_layout, rl_block_incref, rl_block_decref, rl_block_new,
     rl_load_i64, rl_store_i64, layout_from_schema, layout_parse, RL_MAX_FIELDS, trusted_lod)
 from readerlib.readers._base import _cast_to_field
+from readerlib._keyed cimport keyed_type, keyed_new, keyed_from_seq
+from readerlib._keyed import _Keyed
 from readerlib.tensor import Field, LoDTensor, Schema
 
 cnp.import_array()
@@ -84,7 +86,7 @@ cdef class InstanceCodec:
                     self.vdims[f][k] = d
                     k += 1
 
-    cdef tuple decode(self, const char *data, int64_t size):
+    cdef object decode(self, const char *data, int64_t size):
         cdef const char *ptrs[RL_MAX_FIELDS]
         cdef int64_t rows[RL_MAX_FIELDS]
         cdef cnp.npy_intp dims[CODEC_MAX_NDIM]
@@ -92,7 +94,7 @@ cdef class InstanceCodec:
         cdef int64_t nbytes
         if layout_parse(&self.L, data, size, ptrs, rows) != 0:
             raise ValueError(f"malformed record of {size} bytes for schema {self.schema}")
-        out = PyTuple_New(self.L.nfields)
+        out = keyed_new(keyed_type(self.schema, False), self.L.nfields)   # an Instance
         for f in range(self.L.nfields):
             nd = self.vndim[f]
             nbytes = rows[f] * self.L.row_bytes[f]
@@ -109,7 +111,7 @@ cdef class InstanceCodec:
                 memcpy(cnp.PyArray_DATA(<cnp.ndarray>a), ptrs[f], nbytes)
             Py_INCREF(a)
             PyTuple_SET_ITEM(out, f, a)
-        return <tuple>out
+        return out
 
     cdef bint refill(self, tuple spare, const char *data, int64_t size) except -1:
         cdef int f, k
@@ -144,15 +146,15 @@ cdef class InstanceCodec:
         cdef cnp.ndarray a
         cdef cnp.npy_intp *shp
         cdef bint ok
-        if type(instance) is tuple:
+        if type(instance) is tuple or type(instance) is keyed_type(self.schema, False):
             if len(<tuple>instance) != n:
                 raise ValueError(f"{what}: instance has {len(instance)} values, the schema has {n} "
                                  f"fields {list(self.schema.names)}")
-            values = instance
-        elif isinstance(instance, dict):
+            values = instance          # by position (an Instance of these very names too)
+        elif isinstance(instance, (dict, _Keyed)):
             if len(instance) != n or any(fd.name not in instance for fd in self.fields):
                 missing = [fd.name for fd in self.fields if fd.name not in instance]
-                extra = [key for key in instance if key not in self.schema.names]
+                extra = [key for key in instance.keys() if key not in self.schema.names]
                 raise ValueError(f"{what}: instance keys do not match the schema "
                                  f"(missing {missing}, unknown {extra})")
             values = [instance[fd.name] for fd in self.fields]
@@ -167,8 +169,9 @@ cdef class InstanceCodec:
             raise TypeError(f"{what}: an instance is a tuple or dict of {n} values, "
                             f"got {type(instance).__name__}")
         out = None
+        cdef bint is_tuple = isinstance(values, tuple)
         for f in range(n):
-            v = values[f]
+            v = (<tuple>values)[f] if is_tuple else values[f]   # not an Instance's __getitem__
             ok = False
             if self.fast[f] and cnp.PyArray_CheckExact(v):
                 a = <cnp.ndarray>v
@@ -236,7 +239,7 @@ cdef class BatchCodec:
             if p and not fd.lod_level:
                 raise ValueError(f"field {fd.name!r}: only a sequence field can be padded")
 
-    cdef tuple wrap(self, const rl_record *rec):
+    cdef object wrap(self, const rl_record *rec):
         cdef BlockRef owner = block_ref(rec.block)
         cdef const char *base = rec.data
         cdef int64_t n = rl_load_i64(base)
@@ -269,15 +272,17 @@ cdef class BatchCodec:
             else:
                 lod = []
             out[f] = trusted_lod(data, lod)
-        return tuple(out)
+        return keyed_from_seq(keyed_type(self.schema, True), out)     # a Batch
 
     cdef list normalize(self, object batch, str what):
         """[(data, offsets or None, n)] per field, checked against the schema."""
         nf = len(self.fields)
-        if isinstance(batch, dict):
+        if isinstance(batch, dict) or (isinstance(batch, _Keyed) and
+                                       type(batch) is not keyed_type(self.schema, True)):
+            # by name (a Batch of other names too; one of these names is a tuple)
             if len(batch) != nf or any(fd.name not in batch for fd in self.fields):
                 missing = [fd.name for fd in self.fields if fd.name not in batch]
-                extra = [key for key in batch if key not in self.schema.names]
+                extra = [key for key in batch.keys() if key not in self.schema.names]
                 raise ValueError(f"{what}: batch keys do not match the schema "
                                  f"(missing {missing}, unknown {extra})")
             values = [batch[fd.name] for fd in self.fields]

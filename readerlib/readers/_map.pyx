@@ -57,6 +57,8 @@ from readerlib.readers._base cimport (
 from readerlib.readers._base import _check_positive_int, _check_reader
 from readerlib.readers._codec cimport InstanceCodec, BatchCodec
 from readerlib.tensor import Field, LoDTensor, Schema
+from readerlib._keyed cimport keyed_of
+from readerlib._keyed import _Keyed
 
 cnp.import_array()
 
@@ -102,12 +104,12 @@ def infer_instance_schema(output, in_schema, what):
     """The schema of one function output (tuple / dict / single array).
 
     Containers are tuples and dicts; anything else is one field's value.
-    Names: a dict's keys; a tuple's values take the input's field names
+    Names: a dict's (or a keyed Instance's / Batch's) keys; a tuple's values take the input's field names
     position by position, values past those f<i>.  A field named like an input sequence field stays
     a sequence when its value has a time axis; every other field is fixed, with
     the shape of this first output (declare output_schema= for new sequences).
     """
-    if isinstance(output, dict):
+    if isinstance(output, (dict, _Keyed)):
         items = list(output.items())
     elif isinstance(output, tuple):
         items = [(_field_name(i, in_schema, len(output)), v) for i, v in enumerate(output)]
@@ -135,7 +137,7 @@ def infer_instance_schema(output, in_schema, what):
 
 def infer_batch_schema(output, in_schema, in_padded, what):
     """(schema, padded flags) of one map_batches output (tuple / dict of LoDTensor or arrays)."""
-    if isinstance(output, dict):
+    if isinstance(output, (dict, _Keyed)):
         items = list(output.items())
     elif isinstance(output, (tuple, list)):
         items = [(_field_name(i, in_schema, len(output)), v) for i, v in enumerate(output)]
@@ -715,9 +717,11 @@ cdef class MapBatchesReader(DecoratedReader):
     cdef bint _unchanged(self, object res, object batch):
         """fn returned its input tensors themselves (in a tuple)."""
         cdef Py_ssize_t k
-        if not self.same_schema or batch is None or type(res) is not tuple or \
+        if not self.same_schema or batch is None or not isinstance(res, tuple) or \
                 len(<tuple>res) != len(<tuple>batch):
             return False
+        if isinstance(res, _Keyed) and type(res) is not type(batch):
+            return False                     # keyed by other names: matched by name
         for k in range(len(<tuple>res)):
             if (<tuple>res)[k] is not (<tuple>batch)[k]:
                 return False
@@ -770,7 +774,7 @@ cdef class MapBatchesReader(DecoratedReader):
                     except (TypeError, ValueError) as e:
                         _note(e, f"at batch {self.in_pos - 1} of this epoch's input to MapBatchesReader")
                         raise
-                    batch = tuple(_lod(d, [] if o is None else [o]) for d, o in parts)
+                    batch = keyed_of(self.schema, True, [_lod(d, [] if o is None else [o]) for d, o in parts])
                 self._position += 1
                 return batch
         finally:
