@@ -72,6 +72,7 @@ cdef class InstanceCodec:
         self.L.bare = bare
         self.fields = list(self.schema.fields)
         self.dtypes = [fd.dtype for fd in self.fields]
+        self.keyed = keyed_type(self.schema, False)
         for f, fd in enumerate(self.fields):
             self.typenum[f] = fd.dtype.num
             nd = len(fd.shape) + (1 if fd.lod_level else 0)
@@ -94,7 +95,7 @@ cdef class InstanceCodec:
         cdef int64_t nbytes
         if layout_parse(&self.L, data, size, ptrs, rows) != 0:
             raise ValueError(f"malformed record of {size} bytes for schema {self.schema}")
-        out = keyed_new(keyed_type(self.schema, False), self.L.nfields)   # an Instance
+        out = keyed_new(self.keyed, self.L.nfields)       # an Instance
         for f in range(self.L.nfields):
             nd = self.vndim[f]
             nbytes = rows[f] * self.L.row_bytes[f]
@@ -140,13 +141,13 @@ cdef class InstanceCodec:
                 memcpy(cnp.PyArray_DATA(a), data + self.L.fixed_offset[f], self.L.row_bytes[f])
         return True
 
-    cdef tuple normalize(self, object instance, str what):
+    cdef object normalize(self, object instance, str what):
         cdef int n = self.L.nfields
         cdef int f, k, nd
         cdef cnp.ndarray a
         cdef cnp.npy_intp *shp
         cdef bint ok
-        if type(instance) is tuple or type(instance) is keyed_type(self.schema, False):
+        if type(instance) is tuple or type(instance) is self.keyed:
             if len(<tuple>instance) != n:
                 raise ValueError(f"{what}: instance has {len(instance)} values, the schema has {n} "
                                  f"fields {list(self.schema.names)}")
@@ -189,24 +190,24 @@ cdef class InstanceCodec:
                     out = list(values)
                 out[f] = _as_field_array_slow(v, self.fields[f], what)
         if out is None:                 # every value fits as it is
-            return values if type(values) is tuple else tuple(values)
+            return values if is_tuple else tuple(values)     # a tuple or an Instance, as it came
         return tuple(out)
 
-    cdef int64_t encoded_size(self, tuple arrays) except -1:
+    cdef int64_t encoded_size(self, object arrays) except -1:
         cdef int f
         cdef int64_t s = 0
         for f in range(self.L.nfields):
             if self.L.lod[f]:
                 s += 8
-            s += cnp.PyArray_NBYTES(<cnp.ndarray>arrays[f])
+            s += cnp.PyArray_NBYTES(<cnp.ndarray>(<tuple>arrays)[f])
         return s
 
-    cdef int64_t encode_into(self, tuple arrays, char *out) except -1:
+    cdef int64_t encode_into(self, object arrays, char *out) except -1:
         cdef int f
         cdef int64_t pos = 0, nb
         cdef cnp.ndarray a
         for f in range(self.L.nfields):
-            a = <cnp.ndarray>arrays[f]
+            a = <cnp.ndarray>(<tuple>arrays)[f]
             nb = cnp.PyArray_NBYTES(a)
             if self.L.lod[f]:
                 rl_store_i64(out + pos, cnp.PyArray_DIMS(a)[0])
@@ -238,6 +239,7 @@ cdef class BatchCodec:
         for fd, p in zip(self.fields, self.padded):
             if p and not fd.lod_level:
                 raise ValueError(f"field {fd.name!r}: only a sequence field can be padded")
+        self.keyed = keyed_type(self.schema, True)
 
     cdef object wrap(self, const rl_record *rec):
         cdef BlockRef owner = block_ref(rec.block)
@@ -272,13 +274,13 @@ cdef class BatchCodec:
             else:
                 lod = []
             out[f] = trusted_lod(data, lod)
-        return keyed_from_seq(keyed_type(self.schema, True), out)     # a Batch
+        return keyed_from_seq(self.keyed, out)     # a Batch
 
     cdef list normalize(self, object batch, str what):
         """[(data, offsets or None, n)] per field, checked against the schema."""
         nf = len(self.fields)
         if isinstance(batch, dict) or (isinstance(batch, _Keyed) and
-                                       type(batch) is not keyed_type(self.schema, True)):
+                                       type(batch) is not self.keyed):
             # by name (a Batch of other names too; one of these names is a tuple)
             if len(batch) != nf or any(fd.name not in batch for fd in self.fields):
                 missing = [fd.name for fd in self.fields if fd.name not in batch]
