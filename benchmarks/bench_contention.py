@@ -37,16 +37,15 @@ KINDS = {"small": ("64 B records", 2_000_000), "large": ("64 KiB records", 4096)
 WORKER = r"""
 import json, os, sys, time, statistics
 import readerlib as rl
-from readerlib.readers import _base
 paths, repeats = json.loads(sys.argv[1]), int(sys.argv[2])
-default = _base.get_num_threads()
+default = rl.get_num_threads()
 out = {"default_threads": default, "module": rl.__file__}
 for kind, path in paths.items():
     times = {"default": [], "1 thread": []}
     for rep in range(repeats + 1):          # the first pass warms caches and is dropped
         for mode, n in (("default", default), ("1 thread", 1)) if rep % 2 == 0 else \
                 (("1 thread", 1), ("default", default)):
-            _base.set_num_threads(n)
+            rl.set_num_threads(n)
             chain = rl.RecordIOReader(path).shuffle(10_000, seed=rep).batch(256)
             k = 0
             t = time.perf_counter()
@@ -57,7 +56,7 @@ for kind, path in paths.items():
             if rep:
                 times[mode].append((k, dt))
     out[kind] = times
-_base.set_num_threads(default)
+rl.set_num_threads(default)
 try:
     from readerlib import _parallel
     out["pool"] = {"workers": _parallel._pool_workers(), "losing_splits": _parallel._losing_splits()}
@@ -151,8 +150,7 @@ def sweep(args, out):
     sys.path.insert(0, ROOT)
     import numpy as np
     import readerlib as rl
-    from readerlib import _parallel
-    from readerlib.readers import _base
+    from readerlib import _core, _parallel
     old_min = _parallel._set_min_bytes_per_thread(1)   # always split: measure the split itself
     sizes = [32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 4 << 20]
     rows = []
@@ -184,7 +182,7 @@ def sweep(args, out):
                         rl.set_num_threads(t)
                         it = iter(range(1 << 62))
                         res[("crc", t)] = best_us(
-                            lambda: _base._crc32c_parallel_py(slices[next(it) % len(slices)]), size)
+                            lambda: _core._crc32c_parallel_py(slices[next(it) % len(slices)]), size)
                         res[("gather", t)] = best_us(
                             lambda: rl.batch_reindex(x, idxs[next(it) % 16], out=y, num_threads=t), 2 * size)
                     rows.append((n_comp, size, res))

@@ -32,7 +32,7 @@ Three lighter modes:
                                                 # memcheck and racecheck (~2 min)
     python benchmarks/gpu_check.py --emulate    # the equality table with no GPU: the
                                                 # real CUDA code on the CPU emulator
-                                                # (tests/cuda_emu); no timings
+                                                # (tests/support/cuda_emu); no timings
 
 Exit status: 1 if the build, a GPU test, an equality check, a benchmark or a
 sanitizer pass failed; 0 otherwise (missed performance targets are reported,
@@ -57,7 +57,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
 
 # The issue's shapes: reindex (N output rows, M input rows, inner), CTC (T, B, V).
 REINDEX_SHAPES = ((4096, 8192, 2048), (1 << 20, 1 << 20, 64), (256, 512, 150528))
@@ -586,12 +586,12 @@ def write_outputs(out):
 
 
 def emulate(args):
-    """--emulate: the equality table, with CuPy replaced by tests/fake_cupy.py whose
-    kernel launches run the real .cu code compiled for the CPU (tests/cuda_emu.py)."""
+    """--emulate: the equality table, with CuPy replaced by tests/support/fake_cupy.py whose
+    kernel launches run the real .cu code compiled for the CPU (tests/support/cuda_emu.py)."""
     import pytest
     import fake_cupy
-    log("emulate: no GPU used -- CUDA kernels compiled with g++ and run by tests/cuda_emu")
-    RESULTS["device"] = "CPU emulator (tests/cuda_emu), not a GPU"
+    log("emulate: no GPU used -- CUDA kernels compiled with g++ and run by tests/support/cuda_emu")
+    RESULTS["device"] = "CPU emulator (tests/support/cuda_emu), not a GPU"
     with pytest.MonkeyPatch.context() as mp:
         cp = fake_cupy.install(mp, run_cuda=True)
         _, gpu, ref, public, _ = import_stack()

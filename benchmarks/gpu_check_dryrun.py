@@ -5,7 +5,7 @@
 
 Checks the script's own logic (sections, tables, peers, cross-checks, output
 files) before device time is spent on it.  Kernels run on the CPU emulator
-(tests/cuda_emu) and "torch" is the CPU build if installed: every number it prints
+(tests/support/cuda_emu) and "torch" is the CPU build if installed: every number it prints
 is meaningless; the equality rows are real checks of the CUDA code.
 """
 import os
@@ -16,7 +16,7 @@ import time
 import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "benchmarks")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "support"), os.path.join(ROOT, "benchmarks")]
 
 import numpy as np  # noqa: E402
 
@@ -29,7 +29,7 @@ from readerlib.kernels import _cuda_loader, _gpu  # noqa: E402
 def install_fake_cupy():
     import pytest
     # fc.install: the stand-in module (NumPy behind every other cupy.* name), the
-    # real kernels on the CPU emulator (tests/cuda_emu), readerlib pointed at it;
+    # real kernels on the CPU emulator (tests/support/cuda_emu), readerlib pointed at it;
     # never undone (one process).
     cp = fc.install(pytest.MonkeyPatch(), run_cuda=True)
     cp.__version__ = "stand-in"

@@ -13,7 +13,8 @@ from .errors import DataLossError, RecordIOError, RecordIOWarning, TFRecordError
 from .formats._recordio import RecordIOReader, RecordIOWriter
 from .formats._tfrecord import TFRecordReader, TFRecordWriter, masked_crc32c
 from .formats._tfrecord import build_index as build_tfrecord_index
-from .readers._multifile import MultiFileReader, ShardReader
+from ._core import crc32c
+from .readers._multifile import MultiFileReader
 from .readers.files import (
     file_reader_for,
     open_file,
@@ -26,19 +27,11 @@ from .readers._prefetch import PrefetchReader
 from .readers._map import FilterReader, MapBatchesReader, MapReader
 from .readers._slice import RepeatReader, SkipReader, TakeReader
 from .readers._padded import BucketByLengthReader, PaddedBatchReader
-from .readers._base import (
-    ArrayReader,
-    BatchReader,
-    DecoratedReader,
-    FileReader,
-    MultiPassReader,
-    PythonReader,
-    RandomDataGenerator,
-    ReaderBase,
-    ReaderHolder,
-    ShuffleReader,
-    crc32c,
-)
+from .readers._base import DecoratedReader, FileReader, ReaderBase, ReaderHolder
+from .readers._shuffle import ShuffleReader
+from .readers._batch import BatchReader
+from .readers._passes import MultiPassReader, ShardReader
+from .readers._sources import ArrayReader, PythonReader, RandomDataGenerator
 from .kernels import (
     FailedPreconditionError,
     InvalidArgumentError,

@@ -1,6 +1,11 @@
 import os
+import sys
 
 import pytest
+
+# The tests' shared helpers (helpers.py, fake_cupy.py, the CUDA emulator, ...)
+# live in tests/support; test files import them by bare name.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
 import readerlib
 from readerlib.gpu import cupy_available
@@ -26,7 +31,7 @@ def has_gpu():
 
 def cuda_emulation():
     """Whether gpu tests marked cuda_emu run on the CPU emulator when there is no GPU:
-    it needs g++ and cpp (tests/cuda_emu.py); READERLIB_TEST_CUDA_EMU=0 turns it off."""
+    it needs g++ and cpp (tests/support/cuda_emu.py); READERLIB_TEST_CUDA_EMU=0 turns it off."""
     if os.environ.get("READERLIB_TEST_CUDA_EMU", "1") == "0":
         return False
     import cuda_emu
@@ -38,7 +43,7 @@ def pytest_report_header(config):
         return "gpu tests: CuPy on a CUDA GPU"
     if cuda_emulation():
         return ("gpu tests: no GPU -- tests marked cuda_emu run the CUDA kernels on the CPU "
-                "emulator (tests/cuda_emu); the other gpu tests are skipped")
+                "emulator (tests/support/cuda_emu); the other gpu tests are skipped")
     return "gpu tests: skipped (no GPU, no emulator)"
 
 
@@ -60,7 +65,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def xp_gpu(request, monkeypatch):
     """The cupy module (GPU tests only), or without a GPU the NumPy stand-in for it
-    whose kernel launches execute the real CUDA code on the CPU (tests/fake_cupy.py)."""
+    whose kernel launches execute the real CUDA code on the CPU (tests/support/fake_cupy.py)."""
     if has_gpu():
         import cupy
         return cupy

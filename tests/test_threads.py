@@ -403,10 +403,10 @@ def test_default_thread_count_policy(tmp_path):
 def test_environment_sets_the_default_at_import(env, want):
     code = """
 import readerlib as rl
-from readerlib.readers import _base
+from readerlib import _core, _parallel
 from readerlib import kernels
 n = rl.get_num_threads()
-assert n == _base.get_num_threads() == kernels._threads(None), (n, kernels._threads(None))
+assert n == _parallel.get_num_threads() == kernels._threads(None), (n, kernels._threads(None))
 print(n)
 """
     full = dict(os.environ)
@@ -428,12 +428,12 @@ def test_bad_environment_is_refused_at_import():
 
 def test_set_num_threads_is_one_setting_for_readers_and_kernels():
     from readerlib import kernels
-    from readerlib.readers import _base
+    from readerlib import _core, _parallel
     old = rl.get_num_threads()
     try:
         rl.set_num_threads(3)
-        assert rl.get_num_threads() == _base.get_num_threads() == kernels._threads(None) == 3
-        _base.set_num_threads(1)                      # the old spelling sets the same value
+        assert rl.get_num_threads() == _parallel.get_num_threads() == kernels._threads(None) == 3
+        _parallel.set_num_threads(1)                  # the compiled module's spelling sets the same value
         assert rl.get_num_threads() == 1 and kernels._threads(None) == 1
         assert kernels._threads(None, work_bytes=1 << 30) == 1
     finally:
@@ -489,7 +489,7 @@ def test_kernels_bitwise_equal_for_1_2_3_threads():
 
 
 def test_readers_bitwise_equal_for_1_and_2_threads(tmp_path):
-    from readerlib.readers import _base
+    from readerlib import _core, _parallel
     rng = np.random.default_rng(2)
     path = tmp_path / "big.rio"
     x = rng.integers(0, 256, size=(64, 200_000), dtype=np.uint8)     # batches of 4 MB: copies split
@@ -504,7 +504,7 @@ def test_readers_bitwise_equal_for_1_and_2_threads(tmp_path):
         fixed = [b[0].data.copy() for b in rl.RecordIOReader(path).shuffle(16, seed=4).batch(20)]
         seq = [(b[0].data.copy(), [l.copy() for l in b[0].lod])
                for b in rl.PythonReader(lambda: iter((s,) for s in seqs), seq_schema).batch(50)]
-        crcs = [_base._crc32c_parallel_py(x.tobytes()[:n]) for n in (0, 1, 262144, 1 << 20, 3 << 20)]
+        crcs = [_core._crc32c_parallel_py(x.tobytes()[:n]) for n in (0, 1, 262144, 1 << 20, 3 << 20)]
         return fixed, seq, crcs
 
     one, two = _with_threads(1, run), _with_threads(2, run)

@@ -26,17 +26,20 @@ from libc.errno cimport errno
 
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t, uint8_t
 from readerlib.readers._base cimport (
-    ReaderBase, FileReader, FileWriter, ArrayReader, layout_from_schema, rl_block, rl_record, rl_layout, rl_columns,
-    rl_block_incref, rl_block_decref, rl_block_new, rl_crc32c, rl_crc32c_init,
+    ReaderBase, FileReader, layout_from_schema, rl_block, rl_record, rl_layout, rl_columns,
+    rl_block_incref, rl_block_decref, rl_block_new, rl_crc32c, rl_core_import,
     rl_load_u32, rl_load_u64, rl_store_u32, rl_store_u64,
     layout_parse, crc32c_parallel, columns_encoded_size, columns_encode, encode_instance,
     ITEM_INSTANCE, RL_MAX_FIELDS)
-from readerlib.readers._base import _check_positive_int, _file_identity, _PieceFile
+from readerlib.readers._base import _check_positive_int, _file_identity
+from readerlib.readers._sources cimport ArrayReader
+from readerlib.formats._writer cimport FileWriter
+from readerlib.formats._writer import _PieceFile
 from readerlib.tensor import Schema
 from readerlib.errors import RecordIOError, RecordIOWarning
 
 cnp.import_array()
-rl_crc32c_init()
+rl_core_import()
 
 cdef extern from "zlib.h":
     ctypedef unsigned long uLongf

@@ -51,15 +51,17 @@ import warnings
 
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
 from readerlib.readers._base cimport (
-    ReaderBase, FileReader, FileWriter, rl_block, rl_record, rl_block_decref, rl_block_new,
-    rl_crc32c, rl_crc32c_mask, rl_crc32c_init, rl_load_u32, rl_load_u64,
+    ReaderBase, FileReader, rl_block, rl_record, rl_block_decref, rl_block_new,
+    rl_crc32c, rl_crc32c_mask, rl_core_import, rl_load_u32, rl_load_u64,
     rl_store_u32, rl_store_u64, rl_store_i64, ITEM_INSTANCE)
 from readerlib.tensor import Field, Schema
 from readerlib.errors import TFRecordError, TFRecordWarning
-from readerlib.readers._base import _file_identity, _PieceFile
+from readerlib.readers._base import _file_identity
+from readerlib.formats._writer cimport FileWriter
+from readerlib.formats._writer import _PieceFile
 
 cnp.import_array()
-rl_crc32c_init()
+rl_core_import()
 
 cdef extern from "zlib.h" nogil:
     ctypedef struct z_stream:

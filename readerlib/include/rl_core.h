@@ -11,6 +11,16 @@
  *     with a slicing-by-8 software fallback chosen at run time.  CRC-32C
  *     detects every burst error up to 32 bits, so any single corrupted byte.
  *   - xoshiro256** seeded by splitmix64, Lemire's unbiased bounded draw.
+ *
+ * State exists once per process.  The CRC tables and the block pool live in
+ * one rl_core_state owned by the extension readerlib._core (it defines
+ * RL_CORE_OWNER before including this header); every other module holds only
+ * a pointer to it, set by rl_core_import() at module init (a capsule, NumPy's
+ * PyArray_API way: extensions are loaded RTLD_LOCAL, so a plain `extern`
+ * would not be shared).  The code stays `static inline` here -- block
+ * incref/decref, the pool's fast path and the hardware CRC loop are inlined
+ * into each caller -- but it reads and writes the one state through that
+ * pointer (the names below, rl_pool, rl_crc32c_table, ..., are macros over it).
  */
 #ifndef READERLIB_RL_CORE_H
 #define READERLIB_RL_CORE_H
@@ -20,8 +30,49 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ------------------------------------------------------------------ blocks */
+
+/* ------------------------------------------------------------------ state */
+#define RL_POOL_SLOTS 4
+#define RL_POOL_MIN_BYTES (1 << 20)
+#define RL_POOL_MAX_BYTES ((int64_t)64 << 20)
+
 typedef struct rl_block rl_block;
+typedef struct {
+    uint32_t crc_table[8][256];    /* slicing-by-8 */
+    uint32_t crc_long[4][256];     /* shift operators for the 3-stream hw loop */
+    uint32_t crc_short[4][256];
+    uint32_t crc_pow2[40][32];     /* crc_pow2[k]: append 2^k zero bytes */
+    int crc_hw;                    /* 1: SSE4.2 crc32 instruction */
+    rl_block *pool[RL_POOL_SLOTS];
+    int pool_n;
+    int64_t pool_bytes;
+    int pool_lock_word;
+} rl_core_state;
+
+#define RL_CORE_CAPSULE "readerlib._core._C_CORE"
+static rl_core_state *rl_core = NULL;
+
+#define rl_crc32c_table (rl_core->crc_table)
+#define rl_crc32c_long (rl_core->crc_long)
+#define rl_crc32c_short (rl_core->crc_short)
+#define rl_crc32c_pow2 (rl_core->crc_pow2)
+#define rl_crc32c_hw (rl_core->crc_hw)
+#define rl_pool (rl_core->pool)
+#define rl_pool_n (rl_core->pool_n)
+#define rl_pool_bytes (rl_core->pool_bytes)
+#define rl_pool_lock_word (rl_core->pool_lock_word)
+
+#ifndef RL_CORE_OWNER
+/* Call once, under the GIL, at module init (before anything below): 0 or -1
+ * with a Python exception set. */
+static int rl_core_import(void) {
+    if (rl_core) return 0;
+    rl_core = (rl_core_state *)PyCapsule_Import(RL_CORE_CAPSULE, 0);
+    return rl_core ? 0 : -1;
+}
+#endif
+
+/* ------------------------------------------------------------------ blocks */
 struct rl_block {
     int64_t refcnt;
     void (*release)(rl_block *self);   /* called once when refcnt hits 0 */
@@ -51,13 +102,6 @@ static void rl_block_free_malloced(rl_block *b) {
  * a small pool instead of going back to the allocator: a fresh multi-MB
  * allocation is mmap'ed and zero-filled page by page, which costs about as
  * much as the copy that fills it.  The pool is bounded (slots and bytes). */
-#define RL_POOL_SLOTS 4
-#define RL_POOL_MIN_BYTES (1 << 20)
-#define RL_POOL_MAX_BYTES ((int64_t)64 << 20)
-static rl_block *rl_pool[RL_POOL_SLOTS];
-static int rl_pool_n = 0;
-static int64_t rl_pool_bytes = 0;
-static int rl_pool_lock_word = 0;
 
 static inline void rl_pool_lock(void) {
     while (__atomic_exchange_n(&rl_pool_lock_word, 1, __ATOMIC_ACQUIRE)) {
@@ -201,11 +245,6 @@ static inline void rl_copy_fence(void) {}
 #define RL_CRC_LONG 8192
 #define RL_CRC_SHORT 256
 
-static uint32_t rl_crc32c_table[8][256];
-static uint32_t rl_crc32c_long[4][256];
-static uint32_t rl_crc32c_short[4][256];
-static int rl_crc32c_hw = -1;
-
 static uint32_t rl_gf2_matrix_times(const uint32_t *mat, uint32_t vec) {
     uint32_t sum = 0;
     while (vec) {
@@ -216,6 +255,12 @@ static uint32_t rl_gf2_matrix_times(const uint32_t *mat, uint32_t vec) {
     return sum;
 }
 
+static inline uint32_t rl_crc32c_shift(uint32_t zeros[][256], uint32_t crc) {
+    return zeros[0][crc & 0xff] ^ zeros[1][(crc >> 8) & 0xff] ^
+           zeros[2][(crc >> 16) & 0xff] ^ zeros[3][crc >> 24];
+}
+
+#ifdef RL_CORE_OWNER
 static void rl_gf2_matrix_square(uint32_t *square, const uint32_t *mat) {
     for (int n = 0; n < 32; n++) square[n] = rl_gf2_matrix_times(mat, mat[n]);
 }
@@ -249,17 +294,9 @@ static void rl_crc32c_zeros(uint32_t zeros[][256], size_t len) {
     }
 }
 
-static inline uint32_t rl_crc32c_shift(uint32_t zeros[][256], uint32_t crc) {
-    return zeros[0][crc & 0xff] ^ zeros[1][(crc >> 8) & 0xff] ^
-           zeros[2][(crc >> 16) & 0xff] ^ zeros[3][crc >> 24];
-}
-
-/* rl_crc32c_pow2[k]: the operator that appends 2^k zero bytes to a raw CRC. */
-static uint32_t rl_crc32c_pow2[40][32];
-
-/* Call once (under the GIL) before any rl_crc32c. */
-static void rl_crc32c_init(void) {
-    if (rl_crc32c_hw != -1) return;
+/* Fill the tables of the one state (readerlib._core, at its init). */
+static void rl_core_state_init(rl_core_state *st) {
+    rl_core = st;
     rl_crc32c_zeros_op(rl_crc32c_pow2[0], 1);
     for (int k = 1; k < 40; k++) rl_gf2_matrix_square(rl_crc32c_pow2[k], rl_crc32c_pow2[k - 1]);
     for (uint32_t n = 0; n < 256; n++) {
@@ -284,6 +321,7 @@ static void rl_crc32c_init(void) {
 #endif
     if (getenv("READERLIB_NO_HW_CRC")) rl_crc32c_hw = 0;
 }
+#endif
 
 /* Slicing-by-8 software CRC-32C (raw register in and out, no inversion). */
 static uint32_t rl_crc32c_sw_raw(uint32_t crc, const unsigned char *next, size_t len) {

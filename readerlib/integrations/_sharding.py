@@ -61,7 +61,8 @@ def chain_sharding(chain):
     """The sharding already inside a chain: a list of (description, kind, value)
     for each `open_files(shard=(rank, world))` with world > 1 (kind "files",
     value (rank, world)) and each `.shard(n, i)` (kind "items", value (n, i))."""
-    from readerlib.readers._multifile import MultiFileReader, ShardReader
+    from readerlib.readers._multifile import MultiFileReader
+    from readerlib.readers._passes import ShardReader
     found = []
     for r in chain._walk():
         if isinstance(r, ShardReader):
@@ -75,7 +76,7 @@ def chain_sharding(chain):
 
 def unseeded_shuffles(chain):
     """Descriptions of the shuffles in a chain that drew their own seed (no `seed=`)."""
-    from readerlib.readers._base import ShuffleReader
+    from readerlib.readers._shuffle import ShuffleReader
     from readerlib.readers._multifile import MultiFileReader
     found = []
     for r in chain._walk():

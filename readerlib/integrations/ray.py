@@ -376,7 +376,7 @@ def _threads_for_this_task():
     if ctx.worker.mode != ray.WORKER_MODE:
         return                 # the driver (a task's function called directly): leave it alone
     cpus = ctx.get_assigned_resources().get("CPU", 1)
-    from readerlib.readers._base import set_num_threads
+    from readerlib._parallel import set_num_threads
     set_num_threads(max(1, int(cpus)))
 
 

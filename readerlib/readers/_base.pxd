@@ -1,4 +1,5 @@
-# The C-level reader API: what other Cython code may `cimport`.
+# The C-level reader API: what other Cython code may `cimport` (a Cython
+# reader of a new format cimports this one file).
 #
 # A chain moves `rl_record`s (block, data, size) between compiled readers
 # without the GIL and without a Python object per record.  A record returned
@@ -40,7 +41,9 @@ cdef extern from "rl_core.h":
     rl_block *rl_block_new_static(char *data, int64_t size) nogil
     void rl_copy_big(char *dst, const char *src, size_t n) nogil
     void rl_copy_fence() nogil
-    void rl_crc32c_init()
+    # At module init, once, before any other rl_* call: points this module at
+    # the process's one C core state (readerlib._core: CRC tables, block pool).
+    int rl_core_import() except -1
     uint32_t rl_crc32c(uint32_t crc, const void *buf, size_t length) nogil
     uint32_t rl_crc32c_mask(uint32_t crc) nogil
     uint32_t rl_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2) nogil
@@ -92,9 +95,8 @@ cdef BlockRef block_ref(rl_block *b)
 # no re-validation.
 cdef object trusted_lod(object data, list lod)
 
-# CRC-32C of a buffer; a large one is split over readerlib's worker threads
-# (readerlib._parallel: readerlib.set_num_threads, READERLIB_NUM_THREADS).
-cdef uint32_t crc32c_parallel(const char *p, int64_t n) noexcept nogil
+# CRC-32C of a buffer; a large one is split over readerlib's worker threads.
+from readerlib._core cimport crc32c_parallel
 
 # Split an encoded instance into per-field (pointer, rows); -1 if malformed.
 cdef int layout_parse(const rl_layout *L, const char *data, int64_t size,
@@ -132,32 +134,5 @@ cdef class FileReader(ReaderBase):
     pass
 
 
-# Base of the file writers (RecordIOWriter, TFRecordWriter): open/closed state,
-# context manager, and close() = _finish() then close the file, once.
-cdef class FileWriter:
-    cdef object _f                  # the open file object
-    cdef bint _closed
-
-
 cdef class DecoratedReader(ReaderBase):
     cdef readonly ReaderBase reader      # the decorated (upstream) reader
-
-
-# Sources that encode instances into blocks a chunk at a time.
-cdef class _ChunkedSource(FileReader):
-    cdef rl_block *cur
-    cdef int64_t *rec_off
-    cdef int64_t rec_off_cap
-    cdef int64_t ncur
-    cdef int64_t icur
-    cdef readonly int64_t num_instances
-    cdef int64_t next_index
-    cdef int64_t chunk_records
-    cdef int _reserve(self, int64_t n) except -1
-    cdef int _load(self, int64_t start, int64_t count) except -1
-
-
-cdef class ArrayReader(_ChunkedSource):
-    cdef list _cols
-    cdef rl_columns C          # the validated columns (writers reuse them)
-    cdef bint zero_copy

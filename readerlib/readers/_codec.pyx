@@ -20,13 +20,14 @@ from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM, PyTuple_GET_SIZE
 from readerlib._typedefs cimport int64_t
 from readerlib.readers._base cimport (
     rl_block, rl_record, rl_layout, rl_block_incref, rl_block_decref, rl_block_new,
-    rl_load_i64, rl_store_i64, layout_from_schema, layout_parse, RL_MAX_FIELDS, trusted_lod)
+    rl_load_i64, rl_store_i64, layout_from_schema, layout_parse, RL_MAX_FIELDS, trusted_lod, rl_core_import)
 from readerlib.readers._base import _cast_to_field
 from readerlib._keyed cimport keyed_type, keyed_new, keyed_from_seq
 from readerlib._keyed import _Keyed
 from readerlib.tensor import Field, LoDTensor, Schema
 
 cnp.import_array()
+rl_core_import()
 
 _OFFSETS_FIELD = Field("offsets", "int64")
 

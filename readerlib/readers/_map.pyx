@@ -53,7 +53,7 @@ from libc.stdlib cimport malloc, free, realloc
 from readerlib._typedefs cimport int64_t
 from readerlib.readers._base cimport (
     ReaderBase, DecoratedReader, rl_block, rl_record, rl_block_incref, rl_block_decref,
-    rl_block_new, rl_record_consumed, ITEM_INSTANCE, ITEM_BATCH)
+    rl_block_new, rl_record_consumed, ITEM_INSTANCE, ITEM_BATCH, rl_core_import)
 from readerlib.readers._base import _check_positive_int, _check_reader
 from readerlib.readers._codec cimport InstanceCodec, BatchCodec
 from readerlib.tensor import Field, LoDTensor, Schema
@@ -61,6 +61,7 @@ from readerlib._keyed cimport keyed_of
 from readerlib._keyed import _Keyed
 
 cnp.import_array()
+rl_core_import()
 
 __all__ = ["MapReader", "MapBatchesReader", "FilterReader"]
 

@@ -1,5 +1,5 @@
 # cython: freethreading_compatible=False
-"""Many files read by a pool of threads into one deterministic stream; sharding.
+"""Many files read by a pool of threads into one deterministic stream.
 
 Design:
     The stream is a list of *units* (a chunk of a file, or a whole file when
@@ -46,11 +46,13 @@ from cpython.exc cimport PyErr_CheckSignals
 from readerlib._typedefs cimport int64_t
 from readerlib.readers._base cimport (
     ReaderBase, FileReader, DecoratedReader, rl_block, rl_record, rl_block_incref, rl_block_decref,
-    ITEM_INSTANCE)
+    ITEM_INSTANCE, rl_core_import)
 from readerlib.readers._base import _check_positive_int, _check_reader
 from readerlib.errors import DataLossError
 
-__all__ = ["MultiFileReader", "ShardReader"]
+rl_core_import()
+
+__all__ = ["MultiFileReader"]
 
 cdef extern from "<pthread.h>" nogil:
     ctypedef struct pthread_mutex_t:
@@ -592,58 +594,3 @@ cdef class MultiFileReader(FileReader):
 
     def __repr__(self):
         return f"MultiFileReader({self._plan!r}, num_threads={self.num_threads})"
-
-
-cdef class ShardReader(DecoratedReader):
-    """Keep every `num_shards`-th item, starting at `index` (tf.data's shard).
-
-    Works on any reader (instances or batches).  For files, prefer
-    `open_files(..., shard=(rank, world))`, which skips other ranks' chunks
-    instead of reading and dropping them.
-
-    Parameters
-    ----------
-    reader : ReaderBase
-    num_shards : int
-    index : int
-        0 <= index < num_shards.
-    """
-    cdef readonly int64_t num_shards
-    cdef readonly int64_t index
-    cdef int64_t pos
-
-    def __init__(self, reader, num_shards, index):
-        _check_reader(reader, "ShardReader")
-        n = _check_positive_int(num_shards, "num_shards")
-        i = _check_positive_int(index, "index", allow_zero=True)
-        if i >= n:
-            raise ValueError(f"index must be in [0, num_shards={n}), got {i}")
-        DecoratedReader.__init__(self, reader)
-        self.num_shards = n
-        self.index = i
-        self.pos = 0
-
-    cdef int c_next(self, rl_record *out) except -1 nogil:
-        cdef int r
-        cdef int64_t k
-        while True:
-            r = self.reader.c_next(out)
-            if r <= 0:
-                return r
-            k = self.pos
-            self.pos += 1
-            if k % self.num_shards == self.index:
-                return 1
-
-    cdef int c_reset(self) except -1:
-        self.pos = 0
-        return self.reader.c_reset()
-
-    def __repr__(self):
-        return f"ShardReader({self.reader!r}, num_shards={self.num_shards}, index={self.index})"
-
-    def _describe(self):
-        return {"num_shards": int(self.num_shards), "index": int(self.index)}
-
-    def _reduce_args(self):
-        return (int(self.num_shards), int(self.index)), {}

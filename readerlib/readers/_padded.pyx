@@ -30,12 +30,13 @@ from readerlib._typedefs cimport int64_t
 from readerlib.readers._base cimport (
     ReaderBase, DecoratedReader, rl_block, rl_record, rl_layout, rl_block_incref, rl_block_decref,
     rl_block_new, rl_record_consumed, rl_store_i64, layout_parse, ITEM_INSTANCE, ITEM_BATCH,
-    RL_MAX_FIELDS)
+    RL_MAX_FIELDS, rl_core_import)
 from readerlib.readers._base import _check_positive_int, _check_reader
 from readerlib.readers._codec cimport PADDED_FIELD
 from readerlib.tensor import Field, Schema
 
 cnp.import_array()
+rl_core_import()
 
 __all__ = ["PaddedBatchReader", "BucketByLengthReader"]
 

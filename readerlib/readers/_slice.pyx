@@ -15,34 +15,36 @@ Design:
     its function again for them).
 """
 from readerlib._typedefs cimport int64_t
-from readerlib.readers._base cimport ReaderBase, DecoratedReader, rl_record
+from readerlib.readers._base cimport ReaderBase, DecoratedReader, rl_record, rl_core_import
 from readerlib.readers._base import _check_positive_int, _check_reader
+
+rl_core_import()
 
 __all__ = ["TakeReader", "SkipReader", "RepeatReader", "length_of"]
 
 
 def length_of(reader):
     """Items per epoch of `reader`, or None when it is not known without reading."""
-    from readerlib.readers import _base, _multifile, _prefetch
+    from readerlib.readers import _base, _batch, _passes, _prefetch, _shuffle, _sources
     from readerlib.formats._recordio import RecordIOReader
     from readerlib.formats._tfrecord import TFRecordReader
     f = getattr(reader, "_length", None)
     if f is not None:
         return f()
-    if isinstance(reader, (_base._ChunkedSource, RecordIOReader, TFRecordReader)):
+    if isinstance(reader, (_sources._ChunkedSource, RecordIOReader, TFRecordReader)):
         return len(reader)
-    if isinstance(reader, (_base.ShuffleReader, _base.ReaderHolder, _prefetch.PrefetchReader)):
+    if isinstance(reader, (_shuffle.ShuffleReader, _base.ReaderHolder, _prefetch.PrefetchReader)):
         return length_of(reader._upstream()[0])
-    if isinstance(reader, _base.BatchReader):
+    if isinstance(reader, _batch.BatchReader):
         n = length_of(reader.reader)
         if n is None:
             return None
         b = reader.batch_size
         return n // b if reader.drop_last else -(-n // b)
-    if isinstance(reader, _base.MultiPassReader):
+    if isinstance(reader, _passes.MultiPassReader):
         n = length_of(reader.reader)
         return None if n is None else n * reader.num_passes
-    if isinstance(reader, _multifile.ShardReader):
+    if isinstance(reader, _passes.ShardReader):
         n = length_of(reader.reader)
         if n is None:
             return None

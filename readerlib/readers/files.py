@@ -17,7 +17,8 @@ import numpy as np
 from readerlib.formats._recordio import RecordIOReader
 from readerlib.formats._tfrecord import INDEX_SUFFIX, TFRecordReader
 from readerlib.readers._base import ReaderBase
-from readerlib.readers._multifile import MultiFileReader, ShardReader
+from readerlib.readers._multifile import MultiFileReader
+from readerlib.readers._passes import ShardReader
 from readerlib.tensor import Schema
 
 __all__ = ["open_files", "register_file_reader", "unregister_file_reader", "file_reader_for",

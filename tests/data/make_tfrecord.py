@@ -7,7 +7,7 @@ Outputs next to this script (committed, so the tests need no TensorFlow):
     tf_written.tfrecord.gz     GZIP
     tf_written.tfrecord.zlib   ZLIB
 The records are `tf_records()`: seeded byte strings of lengths 0..300, shared
-with tests/test_tfrecord.py, which regenerates them to compare.
+with tests/formats/test_tfrecord.py, which regenerates them to compare.
 """
 import os
 

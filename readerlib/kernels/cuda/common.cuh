@@ -9,7 +9,7 @@
 //     compiles every RawModule with -ftz=true, appended after the caller's options
 //     (so -ftz=false cannot override it), and a flushed subnormal would make the GPU
 //     disagree bitwise with the CPU kernels.  Single-precision adds and comparisons go
-//     through the inline PTX below, which names no .ftz; tests/test_cuda_sources.py
+//     through the inline PTX below, which names no .ftz; tests/gpu/test_cuda_sources.py
 //     checks that the PTX of every kernel holds no .ftz instruction.
 #ifndef READERLIB_CUDA_COMMON_CUH
 #define READERLIB_CUDA_COMMON_CUH
@@ -58,7 +58,7 @@ __device__ __forceinline__ void store_pack(Pack<T, N>* __restrict__ p, const Pac
 // ---- exact float helpers (never flush subnormals, whatever -ftz says) ---------
 
 #ifdef READERLIB_CUDA_EMULATION
-// tests/cuda_emu runs these sources on the CPU (g++, x86-64 SSE: IEEE round to nearest,
+// tests/support/cuda_emu runs these sources on the CPU (g++, x86-64 SSE: IEEE round to nearest,
 // no flush-to-zero), where the plain operators are exactly what the PTX below does.
 __device__ __forceinline__ float f32_add(float a, float b) { return a + b; }
 __device__ __forceinline__ bool f32_gt(float a, float b) { return a > b; }

@@ -1,6 +1,6 @@
 // tests/cuda_emu/emu.h -- run readerlib's CUDA kernels on the CPU, for tests.
 //
-// tests/cuda_emu.py compiles a .cu file (as readerlib/kernels/_cuda_loader.py gives it
+// tests/support/cuda_emu.py compiles a .cu file (as readerlib/kernels/_cuda_loader.py gives it
 // to NVRTC) with g++ and `-include emu.h`, so the kernel code itself -- index
 // arithmetic, warp shuffles, block barriers, shared memory, atomics -- executes on
 // this machine, on host memory, and its output can be compared with the NumPy

@@ -12,7 +12,7 @@ from readerlib.errors import TFRecordError
 from readerlib.formats._tfrecord import (CHUNK_BYTES, TFRecordReader, TFRecordWriter, build_index,
                                          masked_crc32c)
 
-DATA = os.path.join(os.path.dirname(__file__), "data")
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 sys.path.insert(0, DATA)
 from make_tfrecord import tf_records  # noqa: E402
 

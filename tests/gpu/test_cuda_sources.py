@@ -21,7 +21,7 @@ import pytest
 
 from readerlib.kernels import _cuda_loader, _gpu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
 SOURCES = _cuda_loader.cuda_sources()

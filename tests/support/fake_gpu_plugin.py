@@ -1,8 +1,8 @@
 """Dry-run the GPU tests on the NumPy stand-in for CuPy with the NumPy kernel emulators.
 
-    PYTHONPATH=tests python -m pytest tests/test_gpu_kernels.py --noconftest -p fake_gpu_plugin
+    PYTHONPATH=tests python -m pytest tests/gpu/test_gpu_kernels.py --noconftest -p fake_gpu_plugin
 
-Swaps the ``xp_gpu`` fixture for tests/fake_cupy.py with ``run_cuda=False``: kernels
+Swaps the ``xp_gpu`` fixture for tests/support/fake_cupy.py with ``run_cuda=False``: kernels
 are checked against their real signatures, then their contract is emulated in NumPy,
 so a mistake in a GPU test or launcher shows up on its own.  Passing here says nothing
 about the CUDA kernels themselves; the normal run (tests/conftest.py) executes them

@@ -2,10 +2,10 @@
 
 No GPU needed: every RawKernel launch is checked against the kernel's real
 parameter list (count, pointer/scalar, scalar width, dtype and alignment behind
-each pointer) and launch shape, then emulated in NumPy (tests/fake_cupy.py).
+each pointer) and launch shape, then emulated in NumPy (tests/support/fake_cupy.py).
 This pins the Python half of the GPU path -- word-size choice, views into
 workspaces, status words, error messages, output sizes -- against the NumPy
-reference.  The CUDA code itself is tested by tests/test_gpu_kernels.py on a GPU.
+reference.  The CUDA code itself is tested by tests/gpu/test_gpu_kernels.py on a GPU.
 """
 import threading
 

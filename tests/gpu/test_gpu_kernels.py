@@ -2,7 +2,7 @@
 
 Each test body builds NumPy inputs, runs the CPU reference -- readerlib.kernels'
 public functions when they are built, otherwise the NumPy reference of
-tests/kernel_reference.py -- and the CUDA launcher on the same inputs moved to the
+tests/support/kernel_reference.py -- and the CUDA launcher on the same inputs moved to the
 device, and compares: bitwise for reindexed data, backward sums, decoded indices,
 values and shapes; within float rounding for neg_sum_logits.
 """

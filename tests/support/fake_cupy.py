@@ -1,6 +1,6 @@
 """A NumPy stand-in for CuPy that runs readerlib's GPU launchers without a GPU.
 
-It lets tests/test_gpu_launchers.py execute the Python half of the GPU path
+It lets tests/gpu/test_gpu_launchers.py execute the Python half of the GPU path
 (allocation, views, launch geometry, status words, error selection) on a machine
 with no CUDA driver.  Each RawKernel is replaced by
 
@@ -15,7 +15,7 @@ with no CUDA driver.  Each RawKernel is replaced by
 
 With ``run_cuda=True`` (what tests/conftest.py's ``xp_gpu`` uses on a machine
 without a GPU) the emulator step is replaced by the kernel's real CUDA code,
-compiled for the CPU by tests/cuda_emu.py: then the launchers AND the kernels run,
+compiled for the CPU by tests/support/cuda_emu.py: then the launchers AND the kernels run,
 and the GPU tests compare real kernel output with the CPU kernels.  What that still
 does not test is the hardware: timing, memory races between blocks, NVRTC itself,
 and the four inline-PTX helpers of common.cuh (their C++ twins run instead).
@@ -444,7 +444,7 @@ def emulator(name):
 
 class FakeKernel:
     def __init__(self, name, params, log, source=None):
-        """``source`` given: run the real kernel of that .cu file (tests/cuda_emu.py);
+        """``source`` given: run the real kernel of that .cu file (tests/support/cuda_emu.py);
         otherwise its NumPy emulator above."""
         self.name, self.params, self.log = name, params, log
         if source is None:
@@ -511,7 +511,7 @@ def _wrap_numpy(fn):
 def install(monkeypatch, run_cuda):
     """Make readerlib see this module as CuPy for one test; returns the module.
 
-    ``run_cuda``: launches execute the real CUDA code on the CPU (tests/cuda_emu.py)
+    ``run_cuda``: launches execute the real CUDA code on the CPU (tests/support/cuda_emu.py)
     instead of the NumPy emulators.  Everything else CuPy would do (array functions,
     ``cupy.sort``, ``cupy.cumsum``, matrix products) is NumPy's.
     """

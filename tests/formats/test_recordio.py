@@ -13,7 +13,7 @@ import readerlib as rl
 from readerlib.tensor import SUPPORTED_DTYPES
 from helpers import canon, drain, drain_canon, make_columns, read_all, scratch_dir, write_recordio
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture
@@ -577,11 +577,11 @@ def test_crc32c_continues():
 
 
 def test_crc32c_software_path_equals_hardware_path():
-    from readerlib.readers._base import _crc32c_uses_hardware
+    from readerlib._core import _crc32c_uses_hardware
     lengths = _lengths()
     code = f"""
         import numpy as np, readerlib as rl
-        from readerlib.readers._base import _crc32c_uses_hardware
+        from readerlib._core import _crc32c_uses_hardware
         buf = np.random.default_rng(0).integers(0, 256, size=100_010, dtype=np.uint8).tobytes()
         mv = memoryview(buf)
         print(int(_crc32c_uses_hardware()))
@@ -665,7 +665,7 @@ def test_parallel_crc_equals_serial_at_split_boundaries():
     here splits, into parts whose lengths are not all equal."""
     import os
     from readerlib import _parallel
-    from readerlib.readers import _base
+    from readerlib import _core, _parallel
     old_threads = rl.get_num_threads()
     old_min = _parallel._set_min_bytes_per_thread(1)
     try:
@@ -673,31 +673,31 @@ def test_parallel_crc_equals_serial_at_split_boundaries():
             rl.set_num_threads(t)
             for n in (0, 1, 63, 64, 65, 262143, 262144, 262145, 1000001, 3 << 20):
                 data = os.urandom(n)
-                assert _base._crc32c_parallel_py(data) == rl.crc32c(data), (t, n)
+                assert _core._crc32c_parallel_py(data) == rl.crc32c(data), (t, n)
     finally:
         _parallel._set_min_bytes_per_thread(old_min)
         rl.set_num_threads(old_threads)
     for n in (262144, 1 << 20, (1 << 20) + 1, 3 << 20):   # and at the real threshold
         data = os.urandom(n)
-        assert _base._crc32c_parallel_py(data) == rl.crc32c(data), n
+        assert _core._crc32c_parallel_py(data) == rl.crc32c(data), n
 
 
 def test_big_records_batch_identically_with_one_and_two_threads(tmp_path):
-    from readerlib.readers import _base
+    from readerlib import _core, _parallel
     x = np.random.default_rng(0).integers(0, 256, size=(40, 40000), dtype=np.uint8)
     path = tmp_path / "big.rio"
     with rl.RecordIOWriter(path, rl.Schema([rl.Field("x", "uint8", (40000,))])) as w:
         w.write_batch({"x": x})
     outs = []
     from readerlib import _parallel
-    old = _base.get_num_threads()
+    old = _parallel.get_num_threads()
     old_min = _parallel._set_min_bytes_per_thread(1)    # split even these 240 KB batches
     try:
         for t in (1, 2):
-            _base.set_num_threads(t)
+            _parallel.set_num_threads(t)
             outs.append(np.concatenate([b[0].data for b in rl.RecordIOReader(path).shuffle(7, seed=3).batch(6)]))
     finally:
-        _base.set_num_threads(old)
+        _parallel.set_num_threads(old)
         _parallel._set_min_bytes_per_thread(old_min)
     np.testing.assert_array_equal(outs[0], outs[1])
     assert sorted(map(bytes, outs[0])) == sorted(map(bytes, x))

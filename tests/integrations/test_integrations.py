@@ -11,7 +11,7 @@ import pytest
 import readerlib as rl
 from readerlib.integrations import _shard_chain, rank_and_world_size
 from readerlib.readers._prefetch import PrefetchReader
-from readerlib.readers._multifile import ShardReader as StrideReader
+from readerlib.readers._passes import ShardReader as StrideReader
 
 import torch          # in the test extra: these tests run in CI
 from readerlib.integrations.torch import IterableDataset, TensorWithLoD, to_torch

@@ -1,6 +1,6 @@
 """Compile readerlib's CUDA sources for the CPU and launch their kernels on host arrays.
 
-See tests/cuda_emu/emu.h for the execution model.  Used by tests/fake_cupy.py: with
+See tests/cuda_emu/emu.h for the execution model.  Used by tests/support/fake_cupy.py: with
 ``run_cuda=True`` its RawKernel stand-ins execute the real kernel code here instead of
 the NumPy statement of each kernel's contract, so the GPU tests check the CUDA code
 itself on a machine without a GPU.
@@ -73,7 +73,7 @@ def emulation_source(text):
         lambda m: f"{m.group(1)}* {m.group(2)} = "
                   f"reinterpret_cast<{m.group(1)}*>(::rl_emu::dynamic_shared());", text)
     exports = "".join(f"RLEMU_EXPORT({k})\n" for k in names)
-    return text + "\n// ---- tests/cuda_emu launchers\n" + exports, names
+    return text + "\n// ---- tests/support/cuda_emu launchers\n" + exports, names
 
 
 def _cache_dir():

@@ -1,4 +1,4 @@
-"""The CPU emulator of the CUDA kernels (tests/cuda_emu) catches what it claims to.
+"""The CPU emulator of the CUDA kernels (tests/support/cuda_emu) catches what it claims to.
 
 tests/conftest.py runs the GPU tests on it when there is no GPU, so its own semantics
 must be right: shuffles exchange values as the hardware does, barriers hold, and what

@@ -244,7 +244,7 @@ def test_a_task_uses_the_cpus_ray_gave_it(cluster):
     # OpenMP regions spin: ~10x slower on a busy machine)
     @ray.remote(num_cpus=1)
     def threads():
-        from readerlib.readers._base import get_num_threads
+        from readerlib._parallel import get_num_threads
         rlray._threads_for_this_task()
         return get_num_threads()
     assert ray.get(threads.remote()) == 1
@@ -427,7 +427,7 @@ def test_scale_out_doc_examples_run(tmp_path, cluster):
     """docs/scale_out.md's python blocks, as one script in a subprocess joined
     to this module's cluster (RAY_ADDRESS), with a time limit."""
     from test_docs import code_blocks
-    doc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "scale_out.md")
+    doc = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs", "scale_out.md")
     blocks = [code for req, code in code_blocks(doc) if req is None]
     assert len(blocks) >= 3
     script = tmp_path / "scale_out.py"

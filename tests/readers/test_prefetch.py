@@ -497,7 +497,7 @@ def test_reset_after_timeout_waits_for_the_stalled_call():
 
 # ----------------------------------------------------------------------- GPU
 @pytest.mark.gpu
-@pytest.mark.cuda_emu          # without a GPU: the staging logic on tests/fake_cupy.py
+@pytest.mark.cuda_emu          # without a GPU: the staging logic on tests/support/fake_cupy.py
 @pytest.mark.parametrize("capacity", [1, 3])
 def test_cuda_prefetch_matches_host_batches(xp_gpu, capacity):
     cp = xp_gpu
@@ -516,7 +516,7 @@ def test_cuda_prefetch_matches_host_batches(xp_gpu, capacity):
 
 
 @pytest.mark.gpu
-@pytest.mark.cuda_emu          # without a GPU: the staging logic on tests/fake_cupy.py
+@pytest.mark.cuda_emu          # without a GPU: the staging logic on tests/support/fake_cupy.py
 def test_cuda_prefetch_error_after_staged_batches(xp_gpu):
     p = PrefetchReader(rl.PythonReader(_gen_raising_at(20), X).batch(4), capacity=3, device="cuda")
     n = 0

@@ -37,6 +37,7 @@ import readerlib as rl
 from helpers import canon
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SUPPORT = os.path.join(os.path.dirname(HERE), "support")     # helpers.py, for child interpreters
 
 # ------------------------------------------------------------------ sources
 FIXED = rl.Schema([rl.Field("id", "int64"), rl.Field("v", "float32", (2,))])
@@ -197,7 +198,7 @@ def _open_files_case(kind, d, k, skip, chain):
 
 def force_parallel_copies():
     """Make BatchReader copy big fixed records on threads even for small batches."""
-    from readerlib.readers._base import set_num_threads
+    from readerlib._parallel import set_num_threads
     set_num_threads(2)
     try:                              # a build whose thread pool splits by bytes
         from readerlib._parallel import _set_min_bytes_per_thread
@@ -241,7 +242,7 @@ def child_error_positions(name):
 
 def _child_env():
     where = os.path.dirname(os.path.dirname(os.path.abspath(rl.__file__)))
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([where, HERE, os.environ.get("PYTHONPATH", "")]))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([where, HERE, SUPPORT, os.environ.get("PYTHONPATH", "")]))
 
 
 def _run_child(code, timeout):

@@ -18,7 +18,7 @@ from readerlib.readers.files import (ShardReader, open_files, register_file_read
                                      unregister_file_reader)
 
 BYTES = rl.Schema([rl.Field("data", "uint8", (), lod_level=1)])
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(autouse=True)

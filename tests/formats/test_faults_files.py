@@ -18,9 +18,9 @@ import pytest
 import readerlib as rl
 from readerlib.errors import DataLossError, RecordIOWarning, TFRecordWarning
 from readerlib.formats._tfrecord import TFRecordReader, TFRecordWriter, build_index, INDEX_MAGIC
-from readerlib.readers._base import _PieceFile
+from readerlib.formats._writer import _PieceFile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCHEMA = rl.Schema([rl.Field("x", "uint8", (1000,))])
 
 

@@ -719,7 +719,7 @@ def test_one_reader_read_from_several_threads():
     """Several threads sharing one chain get each instance exactly once, or a clean RuntimeError -- never a crash."""
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-c", _THREADS], capture_output=True, text=True, env=env,
                        cwd=root, timeout=300)
@@ -771,18 +771,18 @@ def test_python_reader_out_of_range_int_is_an_error_not_wrapped(value):
 def test_big_sequence_batches_copied_on_threads_equal_one_thread(threads):
     """A batch of big sequence records (>= 4 MiB, >= 32 KiB each) is copied on several
     threads; the result must not depend on how many."""
-    from readerlib.readers import _base
+    from readerlib import _core, _parallel
     rng = np.random.default_rng(4)
     seqs = [rng.standard_normal((int(n), 3)).astype(np.float32) for n in rng.integers(0, 16000, 90)]
     seqs[5] = seqs[5][:0]
     ids = np.arange(90, dtype=np.int64)
     schema = rl.Schema([rl.Field("x", "float32", (3,), lod_level=1), rl.Field("id", "int64")])
-    old = _base.get_num_threads()
+    old = _parallel.get_num_threads()
     try:
-        _base.set_num_threads(threads)
+        _parallel.set_num_threads(threads)
         batches = list(rl.PythonReader(lambda: iter(zip(seqs, ids)), schema).shuffle(30, seed=1).batch(60))
     finally:
-        _base.set_num_threads(old)
+        _parallel.set_num_threads(old)
     got = {}
     for x, i in batches:
         for k in range(len(i.data)):

@@ -1,7 +1,7 @@
 """Plain-NumPy references for the reindex and CTC kernels (the semantics, slowly).
 
 Used by the GPU tests and benchmarks/gpu_check.py when the CPU kernels
-(``readerlib.kernels``) are not importable, and by tests/test_gpu_launchers.py.
+(``readerlib.kernels``) are not importable, and by tests/gpu/test_gpu_launchers.py.
 They state the contract the CPU and CUDA kernels share:
 
 * reindex indices are checked in order; the first bad one decides the message

@@ -1,0 +1,5 @@
+# Base of the file writers (RecordIOWriter, TFRecordWriter): open/closed state,
+# context manager, and close() = _finish() then close the file, once.
+cdef class FileWriter:
+    cdef object _f                  # the open file object
+    cdef bint _closed

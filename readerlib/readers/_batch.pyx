@@ -1,0 +1,396 @@
+# cython: freethreading_compatible=False
+"""BatchReader: group instances into one batch block (Paddle's BatchReader)."""
+import numpy as np
+from libc.stdlib cimport malloc, free, calloc, realloc
+from libc.string cimport memcpy, memset
+
+from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
+from readerlib._parallel cimport parallel_for, threads_for
+from readerlib.readers._base cimport (
+    ReaderBase, FileReader, DecoratedReader, rl_block, rl_record, rl_layout, rl_columns, rl_rng,
+    rl_core_import, rl_block_incref, rl_block_decref, rl_block_new, rl_block_new_static,
+    rl_record_consumed, rl_copy_big, rl_copy_fence, rl_rng_seed, rl_rng_below, rl_store_i64,
+    layout_parse, columns_encoded_size, columns_encode, encode_instance,
+    ITEM_INSTANCE, ITEM_BATCH, RL_MAX_FIELDS)
+from readerlib.readers._base import _check_positive_int, _check_reader
+from readerlib.tensor import LoDTensor
+
+rl_core_import()
+
+__all__ = ["BatchReader"]
+
+
+# Batch block: int64 header [n, nfields, (rows, data_off, lod_off) * nfields],
+# then 64-byte aligned sections (read by readers/_base.pyx: _wrap_batch).
+cdef inline int64_t _align64(int64_t x) noexcept nogil:
+    return (x + 63) & ~(<int64_t>63)
+
+
+# Parallel batch copies (readerlib._parallel bodies): each item is one instance
+# copied to its own place in the batch, so any split gives the same bytes.
+cdef struct _copy_fixed_job:
+    char *dst
+    rl_record *recs
+    int64_t rb
+
+
+cdef void _copy_fixed_records(void *ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
+    cdef _copy_fixed_job *j = <_copy_fixed_job *>ctx
+    cdef int64_t i
+    for i in range(begin, end):
+        rl_copy_big(j.dst + i * j.rb, j.recs[i].data, j.rb)
+    rl_copy_fence()   # streaming stores: each copying thread fences its own
+
+
+cdef struct _assemble_job:
+    const rl_layout *L
+    char *base
+    const int64_t *doff
+    const int64_t *loff
+    const char **parsed_ptrs
+    int64_t *parsed_rows
+    rl_record *recs
+
+
+cdef void _copy_instances(void *ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
+    """Copy held instances [begin, end) (parsed) into their places in the batch
+    (the caller lets them go afterwards, see _next_fixed_parallel)."""
+    cdef _assemble_job *j = <_assemble_job *>ctx
+    cdef const rl_layout *L = j.L
+    cdef int nf = L.nfields
+    cdef int f
+    cdef int64_t i, rb, row0
+    cdef const char **ptrs
+    cdef int64_t *rows
+    for i in range(begin, end):
+        ptrs = j.parsed_ptrs + i * nf
+        rows = j.parsed_rows + i * nf
+        for f in range(nf):
+            rb = L.row_bytes[f]
+            if L.lod[f]:
+                row0 = (<int64_t *>(j.base + j.loff[f]))[i]
+                rl_copy_big(j.base + j.doff[f] + row0 * rb, ptrs[f], rows[f] * rb)
+            else:
+                memcpy(j.base + j.doff[f] + i * rb, ptrs[f], rb)
+    rl_copy_fence()   # streaming stores: each copying thread fences its own
+
+
+cdef class BatchReader(DecoratedReader):
+    """Group `batch_size` instances into one batch (Paddle's BatchReader).
+
+    Each field becomes a LoDTensor: fixed fields stack to `[B, *shape]`;
+    sequence fields concatenate their rows and carry offsets `lod[0]`
+    (each instance's offsets shifted by the running total).
+
+    Parameters
+    ----------
+    reader : ReaderBase
+        Must yield instances (not batches).
+    batch_size : int
+    drop_last : bool
+        Drop a final batch smaller than `batch_size`.
+    """
+    cdef readonly int64_t batch_size
+    cdef readonly bint drop_last
+    # A batch an exception interrupted (the upstream raised, or a record did
+    # not fit the schema) is kept, not dropped: the next call goes on filling
+    # it, so reading on after an error loses only the record that failed.
+    # c_next is `except -1` (an exception jumps straight out), so this state
+    # is kept up to date *before* every upstream call, never fixed up after.
+    cdef rl_record *recs          # records held (sequence schemas, parallel copy)
+    cdef int64_t nrecs
+    cdef rl_block *pend           # fixed schemas: the batch being filled
+    cdef int64_t pend_n           # rows of `pend` already copied
+    cdef rl_block *hold
+    cdef const char **parsed_ptrs
+    cdef int64_t *parsed_rows
+
+    def __init__(self, reader, batch_size, drop_last=False):
+        _check_reader(reader, "BatchReader")
+        if reader.item_kind != ITEM_INSTANCE:
+            raise TypeError("BatchReader needs a reader of instances; this one already yields "
+                            "batches (call .batch() once)")
+        bs = _check_positive_int(batch_size, "batch_size")
+        if not isinstance(drop_last, (bool, np.bool_)):
+            raise TypeError(f"drop_last must be a bool, got {type(drop_last).__name__}")
+        DecoratedReader.__init__(self, reader)
+        self.item_kind = ITEM_BATCH
+        self.batch_size = bs
+        self.drop_last = bool(drop_last)
+        self.recs = <rl_record *>calloc(bs, sizeof(rl_record))
+        if self.recs == NULL:
+            raise MemoryError()
+        if self.layout.n_lod:
+            # per-record parse of a sequence batch, kept between sizing and copying
+            self.parsed_ptrs = <const char **>calloc(bs * self.layout.nfields, sizeof(char *))
+            self.parsed_rows = <int64_t *>calloc(bs * self.layout.nfields, sizeof(int64_t))
+            if self.parsed_ptrs == NULL or self.parsed_rows == NULL:
+                raise MemoryError()
+
+    cdef void _release(self) noexcept nogil:
+        cdef int64_t i
+        for i in range(self.nrecs):
+            rl_block_decref(self.recs[i].block)
+        self.nrecs = 0
+
+    cdef void _drop_partial(self) noexcept nogil:
+        """Let go of an interrupted batch (reset, close)."""
+        self._release()
+        if self.pend != NULL:
+            rl_block_decref(self.pend)
+            self.pend = NULL
+        self.pend_n = 0
+
+    def __dealloc__(self):
+        free(self.parsed_ptrs)
+        free(self.parsed_rows)
+        if self.recs != NULL:
+            self._drop_partial()
+            free(self.recs)
+            self.recs = NULL
+        if self.hold != NULL:
+            rl_block_decref(self.hold)
+            self.hold = NULL
+
+    cdef int c_next(self, rl_record *out) except -1 nogil:
+        cdef rl_record rec
+        cdef int r
+        cdef int nf = self.layout.nfields
+        cdef int64_t n = self.nrecs       # > 0: a batch an exception interrupted
+        if self.hold != NULL:
+            rl_block_decref(self.hold)
+            self.hold = NULL
+        if self.layout.n_lod == 0:
+            return self._next_fixed(out)
+        while n < self.batch_size:
+            r = self.reader.c_next(&rec)  # may raise: recs[:nrecs] stay held
+            if r == 0:
+                break
+            # parsed as it arrives (the data is hot), so that a malformed
+            # record is rejected alone and the batch around it survives
+            if layout_parse(&self.layout, rec.data, rec.size, self.parsed_ptrs + n * nf,
+                            self.parsed_rows + n * nf) != 0:
+                with gil:
+                    raise ValueError(
+                        f"BatchReader: instance {n} of the batch is malformed "
+                        f"({rec.size} bytes) for schema {self.schema}")
+            rl_block_incref(rec.block)
+            self.recs[n] = rec
+            n += 1
+            self.nrecs = n
+        if n == 0 or (n < self.batch_size and self.drop_last):
+            self._release()
+            return 0
+        r = self._assemble(n, out)        # may raise (MemoryError): the records stay held
+        self._release()
+        return r
+
+    cdef int _next_fixed(self, rl_record *out) except -1 nogil:
+        """Fixed-size instances: copy each into the batch as it arrives."""
+        cdef const rl_layout *L = &self.layout
+        cdef int nf = L.nfields
+        cdef int f, r
+        cdef int64_t n = 0, rb, B = self.batch_size
+        cdef int64_t doff[RL_MAX_FIELDS]
+        cdef rl_record rec
+        cdef int64_t pos = _align64(16 + 24 * nf)
+        for f in range(nf):
+            doff[f] = pos
+            pos = _align64(pos + B * L.row_bytes[f])
+        cdef rl_block *b = self.pend      # not NULL: a batch an exception interrupted
+        if b == NULL:
+            b = rl_block_new(pos)
+            if b == NULL:
+                with gil:
+                    raise MemoryError(f"batch of {pos} bytes")
+            self.pend = b
+            self.pend_n = 0
+        n = self.pend_n
+        cdef char *base = b.data
+        rb = L.row_bytes[0]
+        # an interrupted parallel batch holds records (nrecs > 0): it goes on there
+        if self.nrecs > 0 or (n == 0 and nf == 1 and rb >= 32768 and threads_for(B * rb) > 1):
+            return self._next_fixed_parallel(out, b, doff[0], pos)
+        while n < B:
+            r = self.reader.c_next(&rec)  # may raise: pend / pend_n keep the rows so far
+            if r == 0:
+                break
+            if rec.size != L.fixed_size:
+                with gil:
+                    raise ValueError(
+                        f"BatchReader: instance {n} of the batch has {rec.size} bytes, "
+                        f"the schema needs {L.fixed_size}")
+            if nf == 1:
+                rl_copy_big(base + doff[0] + n * rb, rec.data, rb)
+            else:
+                for f in range(nf):
+                    rl_copy_big(base + doff[f] + n * L.row_bytes[f], rec.data + L.fixed_offset[f],
+                                L.row_bytes[f])
+            rl_record_consumed(&rec)
+            n += 1
+            self.pend_n = n
+        self.pend = NULL
+        self.pend_n = 0
+        rl_copy_fence()
+        if n == 0 or (n < B and self.drop_last):
+            rl_block_decref(b)
+            return 0
+        rl_store_i64(base, n)
+        rl_store_i64(base + 8, nf)
+        for f in range(nf):
+            rl_store_i64(base + 16 + 24 * f, n)
+            rl_store_i64(base + 24 + 24 * f, doff[f])
+            rl_store_i64(base + 32 + 24 * f, -1)
+        out.block = b
+        out.data = base
+        out.size = pos
+        self.hold = b
+        return 1
+
+    cdef int _next_fixed_parallel(self, rl_record *out, rl_block *b, int64_t doff, int64_t size) except -1 nogil:
+        """One big fixed field: gather the batch's records, then copy them on
+        several threads (one core's copy does not reach the memory bandwidth)."""
+        cdef int64_t n = self.nrecs, i, B = self.batch_size, rb = self.layout.row_bytes[0]
+        cdef int r
+        cdef rl_record rec
+        cdef char *base = b.data
+        while n < B:
+            r = self.reader.c_next(&rec)  # may raise: pend and recs[:nrecs] stay held
+            if r == 0:
+                break
+            if rec.size != rb:
+                with gil:
+                    raise ValueError(f"BatchReader: instance {n} of the batch has {rec.size} bytes, "
+                                     f"the schema needs {rb}")
+            rl_block_incref(rec.block)
+            self.recs[n] = rec
+            n += 1
+            self.nrecs = n
+        self.pend = NULL                  # b is this call's from here on
+        if n == 0 or (n < B and self.drop_last):
+            self._release()
+            rl_block_decref(b)
+            return 0
+        cdef _copy_fixed_job job
+        job.dst = base + doff
+        job.recs = self.recs
+        job.rb = rb
+        parallel_for(threads_for(n * rb), n, _copy_fixed_records, &job)
+        rl_copy_fence()
+        # Then let the records go (low_memory: one madvise each), on this thread
+        # after the copies: a madvise while another thread of the process runs
+        # sends it a TLB-shootdown interrupt, 256 per batch if done in the loop.
+        for i in range(n):
+            rl_record_consumed(&self.recs[i])
+        self._release()
+        rl_store_i64(base, n)
+        rl_store_i64(base + 8, 1)
+        rl_store_i64(base + 16, n)
+        rl_store_i64(base + 24, doff)
+        rl_store_i64(base + 32, -1)
+        out.block = b
+        out.data = base
+        out.size = size
+        self.hold = b
+        return 1
+
+    cdef int _assemble(self, int64_t n, rl_record *out) except -1 nogil:
+        """Sequence schemas: parse each held record once, size the batch, copy."""
+        cdef const rl_layout *L = &self.layout
+        cdef int nf = L.nfields
+        cdef int f
+        cdef int64_t i, pos, size, rb
+        cdef int64_t *rows
+        cdef int64_t total_rows[RL_MAX_FIELDS]
+        cdef int64_t doff[RL_MAX_FIELDS]
+        cdef int64_t loff[RL_MAX_FIELDS]
+        cdef char *base
+        for f in range(nf):
+            total_rows[f] = 0 if L.lod[f] else n
+        for i in range(n):
+            rows = self.parsed_rows + i * nf      # parsed (and checked) in c_next
+            for f in range(nf):
+                if L.lod[f]:
+                    total_rows[f] += rows[f]
+        pos = _align64(16 + 24 * nf)
+        for f in range(nf):
+            doff[f] = pos
+            pos = _align64(pos + total_rows[f] * L.row_bytes[f])
+            if L.lod[f]:
+                loff[f] = pos
+                pos = _align64(pos + (n + 1) * 8)
+            else:
+                loff[f] = -1
+        size = pos
+        cdef rl_block *b = rl_block_new(size)
+        if b == NULL:
+            with gil:
+                raise MemoryError(f"batch of {size} bytes")
+        base = b.data
+        rl_store_i64(base, n)
+        rl_store_i64(base + 8, nf)
+        cdef int64_t data_bytes = 0
+        for f in range(nf):
+            rl_store_i64(base + 16 + 24 * f, total_rows[f])
+            rl_store_i64(base + 24 + 24 * f, doff[f])
+            rl_store_i64(base + 32 + 24 * f, loff[f])
+            data_bytes += total_rows[f] * L.row_bytes[f]
+            if L.lod[f]:
+                total_rows[f] = 0
+                (<int64_t *>(base + loff[f]))[0] = 0
+        # the offset tables first (sequential, n words), so that the copies are
+        # independent and a batch of big records can be copied on several threads
+        # (one core's copy does not reach the memory bandwidth; see _next_fixed_parallel)
+        for i in range(n):
+            rows = self.parsed_rows + i * nf
+            for f in range(nf):
+                if L.lod[f]:
+                    total_rows[f] += rows[f]
+                    (<int64_t *>(base + loff[f]))[i + 1] = total_rows[f]
+        cdef _assemble_job job
+        job.L = L
+        job.base = base
+        job.doff = doff
+        job.loff = loff
+        job.parsed_ptrs = self.parsed_ptrs
+        job.parsed_rows = self.parsed_rows
+        job.recs = self.recs
+        if data_bytes >= (4 << 20) and data_bytes >= n * 32768:
+            parallel_for(threads_for(data_bytes), n, _copy_instances, &job)
+        else:
+            _copy_instances(&job, 0, n, 0)
+        rl_copy_fence()
+        for i in range(n):
+            rl_record_consumed(&self.recs[i])
+        out.block = b
+        out.data = b.data
+        out.size = size
+        self.hold = b
+        return 1
+
+    cdef int c_reset(self) except -1:
+        if self.hold != NULL:
+            rl_block_decref(self.hold)
+            self.hold = NULL
+        self._drop_partial()
+        return self.reader.c_reset()
+
+    cdef int c_close(self) except -1:
+        # what it holds pins the upstream's blocks (and so a file's mapping)
+        if self.hold != NULL:
+            rl_block_decref(self.hold)
+            self.hold = NULL
+        self._drop_partial()
+        self.reader.close()
+        return 0
+
+    def __repr__(self):
+        return f"BatchReader({self.reader!r}, batch_size={self.batch_size}, drop_last={self.drop_last})"
+
+    def _describe(self):
+        return {"batch_size": int(self.batch_size), "drop_last": bool(self.drop_last)}
+
+    def _reduce_args(self):
+        return (int(self.batch_size),), {"drop_last": bool(self.drop_last)}
+
+
