@@ -63,6 +63,18 @@ def _as_field_array_slow(value, field, what):
     return np.ascontiguousarray(arr)
 
 
+def _values_by_name(schema, instance, what):
+    """A dict's (or a keyed item's of other names) values in schema order.  Not
+    inline in normalize: its generator expressions would give normalize a
+    closure, one allocation per call on the fast path too."""
+    if len(instance) != len(schema) or any(fd.name not in instance for fd in schema.fields):
+        missing = [fd.name for fd in schema.fields if fd.name not in instance]
+        extra = [key for key in instance.keys() if key not in schema.names]
+        raise ValueError(f"{what}: instance keys do not match the schema "
+                         f"(missing {missing}, unknown {extra})")
+    return [instance[fd.name] for fd in schema.fields]
+
+
 cdef class InstanceCodec:
     """Decode / check / encode instances of one schema (see _codec.pxd)."""
 
@@ -154,12 +166,7 @@ cdef class InstanceCodec:
                                  f"fields {list(self.schema.names)}")
             values = instance          # by position (an Instance of these very names too)
         elif isinstance(instance, (dict, _Keyed)):
-            if len(instance) != n or any(fd.name not in instance for fd in self.fields):
-                missing = [fd.name for fd in self.fields if fd.name not in instance]
-                extra = [key for key in instance.keys() if key not in self.schema.names]
-                raise ValueError(f"{what}: instance keys do not match the schema "
-                                 f"(missing {missing}, unknown {extra})")
-            values = [instance[fd.name] for fd in self.fields]
+            values = _values_by_name(self.schema, instance, what)
         elif isinstance(instance, tuple) or (isinstance(instance, list) and n > 1):
             if len(instance) != n:
                 raise ValueError(f"{what}: instance has {len(instance)} values, the schema has {n} "
