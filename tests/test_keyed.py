@@ -383,3 +383,20 @@ def test_graph_read_op_over_keyed_items(data, tmp_path):
                     else:
                         assert np.array_equal(value, w)
         eager.close()
+
+
+def test_sources_and_writers_take_keyed_instances_by_name(tmp_path):
+    # an Instance of the schema's names by position; one of other names by name, as a dict
+    schema = rl.Schema([rl.Field("feats", "float32", (2,), lod_level=1), rl.Field("label", "int64")])
+    f = np.arange(6, dtype=np.float32).reshape(3, 2)
+    items = [rl.Instance(label=np.int64(7), feats=f),             # other order: by name
+             rl.Instance(feats=f, label=np.int64(8))]             # the schema's names
+    got = [(x["feats"].tolist(), int(x["label"])) for x in rl.PythonReader(lambda: iter(items), schema)]
+    assert got == [(f.tolist(), 7), (f.tolist(), 8)]
+    path = str(tmp_path / "w.rio")
+    with rl.RecordIOWriter(path, schema) as w:
+        for x in items:
+            w.write(x)
+    assert [int(x["label"]) for x in rl.RecordIOReader(path)] == [7, 8]
+    with pytest.raises(ValueError, match=r"missing \['label'\], unknown \['lbl'\]"):
+        next(iter(rl.PythonReader(lambda: iter([rl.Instance(feats=f, lbl=1)]), schema)))

@@ -34,6 +34,7 @@ from libc.string cimport memcpy, memset
 
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
 from readerlib._keyed cimport keyed_of
+from readerlib._keyed import _Keyed
 from readerlib.tensor import Field, LoDTensor, Schema
 
 cnp.import_array()
@@ -180,9 +181,10 @@ cdef object _as_field_array(object value, object field, str what):
 cdef list _instance_values(object schema, object instance, str what):
     """Normalise a tuple / list / dict / single value into a list of arrays."""
     n = len(schema)
-    if isinstance(instance, dict):
+    if isinstance(instance, dict) or (isinstance(instance, _Keyed) and instance.keys() != schema.names):
+        # by name: a dict, or a Batch/Instance of other names (of the same names: a tuple)
         missing = [f.name for f in schema if f.name not in instance]
-        extra = [k for k in instance if k not in schema.names]
+        extra = [k for k in instance.keys() if k not in schema.names]
         if missing or extra:
             raise ValueError(f"{what}: instance keys do not match the schema "
                              f"(missing {missing}, unknown {extra})")
