@@ -16,6 +16,7 @@ classes live in ``readerlib.readers``' modules.  RNN-T models live in
 warning in ``readerlib.errors``.
 """
 from ._build import get_include
+from ._keyed import Batch, Instance
 from ._parallel import get_num_threads, set_num_threads
 from .errors import (DataLossError, FailedPreconditionError, InvalidArgumentError, RecordIOError,
                      RecordSchemaError, TFRecordError)
@@ -32,7 +33,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     # data model
-    "Field", "Schema", "LoDTensor", "SparseTensor",
+    "Field", "Schema", "LoDTensor", "SparseTensor", "Batch", "Instance",
     # readers: the base (isinstance, fluent methods), sources, files
     "ReaderBase", "ArrayReader", "RandomDataGenerator", "PythonReader",
     "RecordIOReader", "RecordIOWriter", "TFRecordReader", "TFRecordWriter",

@@ -13,7 +13,7 @@ import readerlib as rl
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PUBLIC = {
-    "Field", "Schema", "LoDTensor", "SparseTensor",
+    "Field", "Schema", "LoDTensor", "SparseTensor", "Batch", "Instance",
     "ReaderBase", "ArrayReader", "RandomDataGenerator", "PythonReader",
     "RecordIOReader", "RecordIOWriter", "TFRecordReader", "TFRecordWriter",
     "open_files", "register_file_reader",

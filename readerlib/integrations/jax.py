@@ -10,6 +10,7 @@ Examples
 """
 from collections import namedtuple
 
+from readerlib._keyed import _Keyed
 from readerlib.tensor import LoDTensor
 
 __all__ = ["ArrayWithLoD", "to_jax"]
@@ -52,4 +53,4 @@ def to_jax(item):
                 out.append(data)
         else:
             out.append(_array(jax, v))
-    return tuple(out)
+    return type(item)._make(out) if isinstance(item, _Keyed) else tuple(out)   # keeps the keys

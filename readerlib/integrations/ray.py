@@ -49,6 +49,7 @@ import uuid
 
 import numpy as np
 
+from readerlib._keyed import as_keyed
 from readerlib.formats._recordio import RecordIOReader, RecordIOWriter
 from readerlib.readers.files import _expand, file_reader_for, open_file
 from readerlib.readers.files import _recordio as _recordio_factory
@@ -617,7 +618,7 @@ def write_recordio(dataset, path_prefix, schema=None, records_per_file=None, *, 
 
 # -------------------------------------------------------------------- training
 def iter_lod_batches(source, batch_size, schema=None, drop_last=False, **iter_args):
-    """readerlib batches (a tuple of `LoDTensor`, schema order) from a Ray
+    """readerlib batches (a `Batch`: a tuple of `LoDTensor` in schema order, keyed by name) from a Ray
     Dataset or `DataIterator` (what ``ray.train.get_dataset_shard(name)`` or
     ``Dataset.streaming_split(n)`` give each worker).
 
@@ -634,4 +635,5 @@ def iter_lod_batches(source, batch_size, schema=None, drop_last=False, **iter_ar
                                      drop_last=drop_last, **iter_args):
         if sch is None:
             sch = schema_from_arrow(table.schema)
-        yield tuple(t if isinstance(t, LoDTensor) else LoDTensor(t) for t in arrow_to_columns(table, sch))
+        yield as_keyed(sch, True, [t if isinstance(t, LoDTensor) else LoDTensor(t)
+                                   for t in arrow_to_columns(table, sch)])      # a Batch, keyed by name

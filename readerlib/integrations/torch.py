@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from readerlib._keyed import _Keyed
 from readerlib.readers._base import ReaderBase
 from readerlib.tensor import LoDTensor
 
@@ -61,7 +62,7 @@ def to_torch(item):
                 out.append(data)
         else:
             out.append(_tensor(v))
-    return tuple(out)
+    return type(item)._make(out) if isinstance(item, _Keyed) else tuple(out)   # keeps the keys
 
 
 

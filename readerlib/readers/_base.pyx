@@ -39,6 +39,8 @@ from libc.stdlib cimport malloc, free, calloc, realloc
 from libc.string cimport memcpy, memset
 
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
+from readerlib._keyed cimport keyed_of
+from readerlib._keyed import _Keyed
 from readerlib.tensor import Field, LoDTensor, Schema
 from readerlib.errors import RecordSchemaError
 
@@ -186,9 +188,10 @@ cdef object _as_field_array(object value, object field, str what):
 cdef list _instance_values(object schema, object instance, str what):
     """Normalise a tuple / list / dict / single value into a list of arrays."""
     n = len(schema)
-    if isinstance(instance, dict):
+    if isinstance(instance, dict) or (isinstance(instance, _Keyed) and instance.keys() != schema.names):
+        # by name: a dict, or a Batch/Instance of other names (of the same names: a tuple)
         missing = [f.name for f in schema if f.name not in instance]
-        extra = [k for k in instance if k not in schema.names]
+        extra = [k for k in instance.keys() if k not in schema.names]
         if missing or extra:
             raise ValueError(f"{what}: instance keys do not match the schema "
                              f"(missing {missing}, unknown {extra})")
@@ -270,7 +273,7 @@ cdef object trusted_lod(object data, list lod):
 
 # Batch block (readers/_batch.pyx): int64 header [n, nfields, (rows, data_off,
 # lod_off) * nfields], then 64-byte aligned sections.
-cdef tuple _wrap_batch(ReaderBase r, rl_record *rec):
+cdef object _wrap_batch(ReaderBase r, rl_record *rec):
     cdef BlockRef owner = block_ref(rec.block)
     cdef const char *base = rec.data
     cdef int64_t n = rl_load_i64(base)
@@ -293,7 +296,7 @@ cdef tuple _wrap_batch(ReaderBase r, rl_record *rec):
             data = _view(owner, base + doff, n, field)
             lod = []
         out.append(trusted_lod(data, lod))
-    return tuple(out)
+    return keyed_of(r.schema, True, out)       # a Batch: a tuple keyed by field name (readerlib/_keyed.pyx)
 
 
 _OFFSETS_FIELD = Field("offsets", "int64")
@@ -338,7 +341,7 @@ def _record_schema_error(who, schema, data, bare=False, index=None, path=None, o
                              path, offset, index, field)
 
 
-cdef tuple _decode_instance(ReaderBase r, rl_record *rec):
+cdef object _decode_instance(ReaderBase r, rl_record *rec):
     cdef const char *ptrs[RL_MAX_FIELDS]
     cdef int64_t rows[RL_MAX_FIELDS]
     cdef int f
@@ -358,7 +361,7 @@ cdef tuple _decode_instance(ReaderBase r, rl_record *rec):
         if nbytes:
             memcpy(cnp.PyArray_DATA(a), ptrs[f], nbytes)
         out.append(a)
-    return tuple(out)
+    return keyed_of(r.schema, False, out)      # an Instance (readerlib/_keyed.pyx)
 
 
 

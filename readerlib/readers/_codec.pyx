@@ -22,6 +22,8 @@ from readerlib.readers._base cimport (
     rl_block, rl_record, rl_layout, rl_block_incref, rl_block_decref, rl_block_new,
     rl_load_i64, rl_store_i64, layout_from_schema, layout_parse, RL_MAX_FIELDS, trusted_lod, rl_core_import)
 from readerlib.readers._base import _cast_to_field, _record_schema_error
+from readerlib._keyed cimport keyed_type, keyed_new, keyed_from_seq
+from readerlib._keyed import _Keyed
 from readerlib.tensor import Field, LoDTensor, Schema
 
 cnp.import_array()
@@ -61,6 +63,18 @@ def _as_field_array_slow(value, field, what):
     return np.ascontiguousarray(arr)
 
 
+def _values_by_name(schema, instance, what):
+    """A dict's (or a keyed item's of other names) values in schema order.  Not
+    inline in normalize: its generator expressions would give normalize a
+    closure, one allocation per call on the fast path too."""
+    if len(instance) != len(schema) or any(fd.name not in instance for fd in schema.fields):
+        missing = [fd.name for fd in schema.fields if fd.name not in instance]
+        extra = [key for key in instance.keys() if key not in schema.names]
+        raise ValueError(f"{what}: instance keys do not match the schema "
+                         f"(missing {missing}, unknown {extra})")
+    return [instance[fd.name] for fd in schema.fields]
+
+
 cdef class InstanceCodec:
     """Decode / check / encode instances of one schema (see _codec.pxd)."""
 
@@ -71,6 +85,7 @@ cdef class InstanceCodec:
         self.L.bare = bare
         self.fields = list(self.schema.fields)
         self.dtypes = [fd.dtype for fd in self.fields]
+        self.keyed = keyed_type(self.schema, False)
         for f, fd in enumerate(self.fields):
             self.typenum[f] = fd.dtype.num
             nd = len(fd.shape) + (1 if fd.lod_level else 0)
@@ -85,7 +100,7 @@ cdef class InstanceCodec:
                     self.vdims[f][k] = d
                     k += 1
 
-    cdef tuple decode(self, const char *data, int64_t size):
+    cdef object decode(self, const char *data, int64_t size):
         cdef const char *ptrs[RL_MAX_FIELDS]
         cdef int64_t rows[RL_MAX_FIELDS]
         cdef cnp.npy_intp dims[CODEC_MAX_NDIM]
@@ -93,7 +108,7 @@ cdef class InstanceCodec:
         cdef int64_t nbytes
         if layout_parse(&self.L, data, size, ptrs, rows) != 0:
             raise _record_schema_error("InstanceCodec", self.schema, data[:size], self.L.bare)
-        out = PyTuple_New(self.L.nfields)
+        out = keyed_new(self.keyed, self.L.nfields)       # an Instance
         for f in range(self.L.nfields):
             nd = self.vndim[f]
             nbytes = rows[f] * self.L.row_bytes[f]
@@ -110,7 +125,7 @@ cdef class InstanceCodec:
                 memcpy(cnp.PyArray_DATA(<cnp.ndarray>a), ptrs[f], nbytes)
             Py_INCREF(a)
             PyTuple_SET_ITEM(out, f, a)
-        return <tuple>out
+        return out
 
     cdef bint refill(self, tuple spare, const char *data, int64_t size) except -1:
         cdef int f, k
@@ -139,24 +154,19 @@ cdef class InstanceCodec:
                 memcpy(cnp.PyArray_DATA(a), data + self.L.fixed_offset[f], self.L.row_bytes[f])
         return True
 
-    cdef tuple normalize(self, object instance, str what):
+    cdef object normalize(self, object instance, str what):
         cdef int n = self.L.nfields
         cdef int f, k, nd
         cdef cnp.ndarray a
         cdef cnp.npy_intp *shp
         cdef bint ok
-        if type(instance) is tuple:
+        if type(instance) is tuple or type(instance) is self.keyed:
             if len(<tuple>instance) != n:
                 raise ValueError(f"{what}: instance has {len(instance)} values, the schema has {n} "
                                  f"fields {list(self.schema.names)}")
-            values = instance
-        elif isinstance(instance, dict):
-            if len(instance) != n or any(fd.name not in instance for fd in self.fields):
-                missing = [fd.name for fd in self.fields if fd.name not in instance]
-                extra = [key for key in instance if key not in self.schema.names]
-                raise ValueError(f"{what}: instance keys do not match the schema "
-                                 f"(missing {missing}, unknown {extra})")
-            values = [instance[fd.name] for fd in self.fields]
+            values = instance          # by position (an Instance of these very names too)
+        elif isinstance(instance, (dict, _Keyed)):
+            values = _values_by_name(self.schema, instance, what)
         elif isinstance(instance, tuple) or (isinstance(instance, list) and n > 1):
             if len(instance) != n:
                 raise ValueError(f"{what}: instance has {len(instance)} values, the schema has {n} "
@@ -168,8 +178,9 @@ cdef class InstanceCodec:
             raise TypeError(f"{what}: an instance is a tuple or dict of {n} values, "
                             f"got {type(instance).__name__}")
         out = None
+        cdef bint is_tuple = isinstance(values, tuple)
         for f in range(n):
-            v = values[f]
+            v = (<tuple>values)[f] if is_tuple else values[f]   # not an Instance's __getitem__
             ok = False
             if self.fast[f] and cnp.PyArray_CheckExact(v):
                 a = <cnp.ndarray>v
@@ -187,24 +198,24 @@ cdef class InstanceCodec:
                     out = list(values)
                 out[f] = _as_field_array_slow(v, self.fields[f], what)
         if out is None:                 # every value fits as it is
-            return values if type(values) is tuple else tuple(values)
+            return values if is_tuple else tuple(values)     # a tuple or an Instance, as it came
         return tuple(out)
 
-    cdef int64_t encoded_size(self, tuple arrays) except -1:
+    cdef int64_t encoded_size(self, object arrays) except -1:
         cdef int f
         cdef int64_t s = 0
         for f in range(self.L.nfields):
             if self.L.lod[f]:
                 s += 8
-            s += cnp.PyArray_NBYTES(<cnp.ndarray>arrays[f])
+            s += cnp.PyArray_NBYTES(<cnp.ndarray>(<tuple>arrays)[f])
         return s
 
-    cdef int64_t encode_into(self, tuple arrays, char *out) except -1:
+    cdef int64_t encode_into(self, object arrays, char *out) except -1:
         cdef int f
         cdef int64_t pos = 0, nb
         cdef cnp.ndarray a
         for f in range(self.L.nfields):
-            a = <cnp.ndarray>arrays[f]
+            a = <cnp.ndarray>(<tuple>arrays)[f]
             nb = cnp.PyArray_NBYTES(a)
             if self.L.lod[f]:
                 rl_store_i64(out + pos, cnp.PyArray_DIMS(a)[0])
@@ -236,8 +247,9 @@ cdef class BatchCodec:
         for fd, p in zip(self.fields, self.padded):
             if p and not fd.lod_level:
                 raise ValueError(f"field {fd.name!r}: only a sequence field can be padded")
+        self.keyed = keyed_type(self.schema, True)
 
-    cdef tuple wrap(self, const rl_record *rec):
+    cdef object wrap(self, const rl_record *rec):
         cdef BlockRef owner = block_ref(rec.block)
         cdef const char *base = rec.data
         cdef int64_t n = rl_load_i64(base)
@@ -270,15 +282,17 @@ cdef class BatchCodec:
             else:
                 lod = []
             out[f] = trusted_lod(data, lod)
-        return tuple(out)
+        return keyed_from_seq(self.keyed, out)     # a Batch
 
     cdef list normalize(self, object batch, str what):
         """[(data, offsets or None, n)] per field, checked against the schema."""
         nf = len(self.fields)
-        if isinstance(batch, dict):
+        if isinstance(batch, dict) or (isinstance(batch, _Keyed) and
+                                       type(batch) is not self.keyed):
+            # by name (a Batch of other names too; one of these names is a tuple)
             if len(batch) != nf or any(fd.name not in batch for fd in self.fields):
                 missing = [fd.name for fd in self.fields if fd.name not in batch]
-                extra = [key for key in batch if key not in self.schema.names]
+                extra = [key for key in batch.keys() if key not in self.schema.names]
                 raise ValueError(f"{what}: batch keys do not match the schema "
                                  f"(missing {missing}, unknown {extra})")
             values = [batch[fd.name] for fd in self.fields]

@@ -91,7 +91,7 @@ class CudaStager:
             lt.data = views[0]
             lt.lod = views[1:]
             out.append(lt)
-        self.inflight.append((tuple(out), done))
+        self.inflight.append((type(host_batch)._make(out) if hasattr(host_batch, "_make") else tuple(out), done))   # keeps a Batch's keys
 
     def hand_out(self):
         batch, done = self.inflight.popleft()

@@ -23,8 +23,12 @@ Design:
     contiguous slices (the calling thread runs one, a pool of T - 1 threads
     the others) and encodes the outputs in input order, so the output is the
     same, record for record, whatever T is.  This pays when the function
-    releases the GIL (NumPy, image decoders, most C extensions).  With T = 1
-    there is no chunk: one record in, one call, one record out.
+    releases the GIL (NumPy, image decoders, most C extensions); for one
+    that holds it the hand-offs cost ~10% of a cheap function's rate, so the
+    map times a chunk's calls on the threads and on the calling thread alone
+    and calls on whichever was faster, re-timing the other every 16 chunks
+    (_threads_pay).  With T = 1 there is no chunk: one record in, one call,
+    one record out.
 
     Errors: the outcome of every call (output or exception) is kept in input
     order; an exception is raised by the c_next that would have returned its
@@ -45,6 +49,7 @@ Design:
 """
 import concurrent.futures
 import os
+from time import perf_counter as _perf_counter
 
 import numpy as np
 cimport numpy as cnp
@@ -57,6 +62,8 @@ from readerlib.readers._base cimport (
 from readerlib.readers._base import _check_positive_int, _check_reader
 from readerlib.readers._codec cimport InstanceCodec, BatchCodec
 from readerlib.tensor import Field, LoDTensor, Schema
+from readerlib._keyed cimport keyed_of
+from readerlib._keyed import _Keyed
 
 cnp.import_array()
 rl_core_import()
@@ -103,12 +110,12 @@ def infer_instance_schema(output, in_schema, what):
     """The schema of one function output (tuple / dict / single array).
 
     Containers are tuples and dicts; anything else is one field's value.
-    Names: a dict's keys; a tuple's values take the input's field names
+    Names: a dict's (or a keyed Instance's / Batch's) keys; a tuple's values take the input's field names
     position by position, values past those f<i>.  A field named like an input sequence field stays
     a sequence when its value has a time axis; every other field is fixed, with
     the shape of this first output (declare output_schema= for new sequences).
     """
-    if isinstance(output, dict):
+    if isinstance(output, (dict, _Keyed)):
         items = list(output.items())
     elif isinstance(output, tuple):
         items = [(_field_name(i, in_schema, len(output)), v) for i, v in enumerate(output)]
@@ -136,7 +143,7 @@ def infer_instance_schema(output, in_schema, what):
 
 def infer_batch_schema(output, in_schema, in_padded, what):
     """(schema, padded flags) of one map_batches output (tuple / dict of LoDTensor or arrays)."""
-    if isinstance(output, dict):
+    if isinstance(output, (dict, _Keyed)):
         items = list(output.items())
     elif isinstance(output, (tuple, list)):
         items = [(_field_name(i, in_schema, len(output)), v) for i, v in enumerate(output)]
@@ -277,6 +284,10 @@ cdef class MapReader(DecoratedReader):
     cdef object _pool
     cdef object _pool_pid
     cdef object _source
+    cdef double spr_threads       # seconds per record of a chunk's calls on the threads (0: not measured)
+    cdef double spr_serial        # ... on the calling thread alone (see _threads_pay)
+    cdef int64_t fills            # chunks called so far (all epochs)
+    cdef readonly int64_t threaded_chunks   # chunks whose calls ran on the threads (a test hook)
 
     def __init__(self, reader, fn, num_threads=1, deterministic=True, output_schema=None):
         _check_reader(reader, "MapReader")
@@ -397,6 +408,28 @@ cdef class MapReader(DecoratedReader):
             self._pool_pid = pid
         return self._pool
 
+    cdef bint _threads_pay(self):
+        """Call this chunk's function on the threads?  Whichever of the threads
+        and the calling thread alone was faster per record when last timed:
+        a function that holds the GIL gains nothing from threads and pays the
+        hand-offs.  The threads are timed first (the first chunk always uses
+        them), then the calling thread; every 16th chunk re-times the mode not
+        in use.  The output is the same either way (input order)."""
+        self.fills += 1
+        if self.spr_threads == 0:
+            return True
+        if self.spr_serial == 0:
+            return False
+        if self.fills % 16 == 0:
+            return self.spr_threads >= self.spr_serial
+        return self.spr_threads < self.spr_serial
+
+    cdef void _timed(self, bint threads, double spr) noexcept:
+        cdef double *t = &self.spr_threads if threads else &self.spr_serial
+        t[0] = spr if t[0] == 0 else 0.5 * (t[0] + spr)
+        if t[0] == 0:
+            t[0] = 1e-12
+
     cdef int _fill(self) except -1:
         """Read, decode, call, encode the next chunk.  0: nothing left."""
         cdef int64_t i, n, size, pos
@@ -448,9 +481,13 @@ cdef class MapReader(DecoratedReader):
         if probe is not None:
             inputs[0] = None           # its output is the inference call's
         nt = self.num_threads if n > 1 else 1
+        if nt > 1 and not self._threads_pay():
+            nt = 1
+        t0 = _perf_counter()
         if nt == 1:
             self._call_slice(inputs, outputs, failures, 0, n)
         else:
+            self.threaded_chunks += 1
             pool = self._get_pool()
             bounds = [(k * n) // nt for k in range(nt + 1)]
             futs = [pool.submit(self._call_slice, inputs, outputs, failures, bounds[k], bounds[k + 1])
@@ -459,6 +496,8 @@ cdef class MapReader(DecoratedReader):
                 self._call_slice(inputs, outputs, failures, bounds[0], bounds[1])
             finally:
                 concurrent.futures.wait(futs)
+        if self.num_threads > 1 and n > 1:
+            self._timed(nt > 1, (_perf_counter() - t0) / n)
         arrays = [None] * n
         size = 0
         for i in range(n):
@@ -726,9 +765,11 @@ cdef class MapBatchesReader(DecoratedReader):
     cdef bint _unchanged(self, object res, object batch):
         """fn returned its input tensors themselves (in a tuple)."""
         cdef Py_ssize_t k
-        if not self.same_schema or batch is None or type(res) is not tuple or \
+        if not self.same_schema or batch is None or not isinstance(res, tuple) or \
                 len(<tuple>res) != len(<tuple>batch):
             return False
+        if isinstance(res, _Keyed) and type(res) is not type(batch):
+            return False                     # keyed by other names: matched by name
         for k in range(len(<tuple>res)):
             if (<tuple>res)[k] is not (<tuple>batch)[k]:
                 return False
@@ -781,7 +822,7 @@ cdef class MapBatchesReader(DecoratedReader):
                     except (TypeError, ValueError) as e:
                         _note(e, f"at batch {self.in_pos - 1} of this epoch's input to MapBatchesReader")
                         raise
-                    batch = tuple(_lod(d, [] if o is None else [o]) for d, o in parts)
+                    batch = keyed_of(self.schema, True, [_lod(d, [] if o is None else [o]) for d, o in parts])
                 self._position += 1
                 return batch
         finally:

@@ -745,3 +745,17 @@ def test_a_state_of_another_transformation_is_refused_naming_the_difference(data
     next(iter(ra))
     with pytest.raises(ValueError, match=what):
         b(data).set_state(ra.get_state())
+
+
+def test_map_threads_are_timed_against_the_calling_thread_and_the_output_stays_the_same():
+    # num_threads > 1: the first chunk calls on the threads, the second on the
+    # calling thread alone, then the faster of the two (re-timed every 16
+    # chunks); whichever runs a chunk, the output is the input order's
+    x = np.arange(20_000, dtype=np.int64)
+    one = [int(v[0]) for v in rl.ArrayReader(x).map(lambda v: (v[0] * 3,))]
+    r = rl.ArrayReader(x).map(lambda v: (v[0] * 3,), num_threads=2)   # 20 chunks of 1024
+    assert [int(v[0]) for v in r] == one == [3 * i for i in range(20_000)]
+    chunks = -(-20_000 // 1024)
+    assert 1 <= r.threaded_chunks < chunks            # both ways ran
+    again = [int(v[0]) for v in r]                     # the next epoch: the same again
+    assert again == one
