@@ -98,6 +98,7 @@ cdef class ShuffleReader(DecoratedReader):
     cdef int64_t scap            # allocated slots (grows up to cap)
     cdef _bref *btab
     cdef int64_t btab_free
+    cdef int64_t btab_hw         # entries [0, btab_hw) have been used
     cdef int64_t btab_last
     cdef int64_t cap
     cdef int64_t count
@@ -138,6 +139,7 @@ cdef class ShuffleReader(DecoratedReader):
         self.hold = -1
         self.scap = 0
         self.btab_free = -1
+        self.btab_hw = 0
         self.btab_last = -1
         self.arena = NULL
         self.arena_e = -1
@@ -167,21 +169,26 @@ cdef class ShuffleReader(DecoratedReader):
             with gil:
                 raise MemoryError(f"shuffle buffer of {n} items")
         self.slot_ref = r2
-        # at most (items + 1) distinct blocks are held: n + 2 table entries
+        # at most (items + 1) distinct blocks are held (+1 while a compaction
+        # moves a record): n + 2 table entries.  Entries are handed out from a
+        # high-water mark, then recycled through the free list, so only as
+        # many are touched as blocks were ever held at once (not n).
         b2 = <_bref *>realloc(self.btab, (n + 2) * sizeof(_bref))
         if b2 == NULL:
             with gil:
                 raise MemoryError(f"shuffle buffer of {n} items")
         self.btab = b2
-        for i in range((old + 2) if old else 0, n + 2):
-            self.btab[i].block = NULL
-            self.btab[i].count = 0
-            self.btab[i].bytes = 0
-            self.btab[i].mark = 0
-            self.btab[i].next_free = i + 1 if i + 1 < n + 2 else self.btab_free
-        self.btab_free = (old + 2) if old else 0
         self.scap = n
         return 0
+
+    cdef inline int64_t _new_entry(self) noexcept nogil:
+        cdef int64_t i = self.btab_free
+        if i >= 0:
+            self.btab_free = self.btab[i].next_free
+            return i
+        i = self.btab_hw                   # < scap + 2: at most scap + 2 entries are in use
+        self.btab_hw += 1
+        return i
 
     cdef inline int64_t _acquire(self, rl_block *b, int64_t size) noexcept nogil:
         cdef int64_t i = self.btab_last
@@ -191,8 +198,7 @@ cdef class ShuffleReader(DecoratedReader):
             self.btab[i].count += 1
             self.btab[i].bytes += size
             return i
-        i = self.btab_free                 # never empty: at most cap + 1 blocks are held
-        self.btab_free = self.btab[i].next_free
+        i = self._new_entry()
         self.btab[i].block = b
         self.btab[i].count = 1
         self.btab[i].bytes = size
@@ -249,8 +255,7 @@ cdef class ShuffleReader(DecoratedReader):
             self.btab[i].count += 1
             self.btab[i].bytes += size
             return i
-        i = self.btab_free
-        self.btab_free = self.btab[i].next_free
+        i = self._new_entry()
         self.btab[i].block = self.arena
         self.btab[i].count = 1
         self.btab[i].bytes = size
@@ -415,7 +420,7 @@ cdef class ShuffleReader(DecoratedReader):
         the distinct blocks it references; `payload_bytes`: of the records;
         `passes` / `copied_records` / `copied_bytes`: compaction so far."""
         cdef int64_t i, blocks = 0
-        for i in range(self.scap + 2 if self.scap else 0):
+        for i in range(self.btab_hw):
             if self.btab[i].block != NULL:
                 blocks += 1
         return {"pinned_bytes": int(self.pinned), "payload_bytes": int(self.payload),
