@@ -22,21 +22,34 @@ __all__ = ["ShuffleReader"]
 # Compaction (see ShuffleReader's design note).  Module-level so that tests can
 # force it at a small scale; each ShuffleReader copies them at construction.
 cdef bint _COMPACT_ON = True
-cdef int64_t _COMPACT_SLACK = 4 << 20       # pinned bytes allowed beyond 2 x the buffered payload
+cdef int64_t _COMPACT_SLACK = 4 << 20       # pinned bytes allowed beyond factor x the buffered payload
+cdef double _COMPACT_FACTOR = 1.5
+cdef double _COMPACT_FILL = 0.75            # blocks used below this fraction are compacted
 DEF COMPACT_MAX_RECORD = 32 * 1024         # records this big are never copied (one per block is not amplified)
 DEF ARENA_BYTES = 1 << 20
 
 
-def _compaction_settings(enabled=None, slack_bytes=None):
+def _compaction_settings(enabled=None, slack_bytes=None, factor=None, fill=None):
     """Test/benchmark hook: the compaction settings new ShuffleReaders take
-    (`enabled`, `slack_bytes`); returns the previous ones as a dict."""
-    global _COMPACT_ON, _COMPACT_SLACK
-    old = {"enabled": bool(_COMPACT_ON), "slack_bytes": int(_COMPACT_SLACK)}
+    (`enabled`; a pass when pinned bytes > `factor` x payload + `slack_bytes`);
+    returns the previous ones as a dict."""
+    global _COMPACT_ON, _COMPACT_SLACK, _COMPACT_FACTOR, _COMPACT_FILL
+    old = {"enabled": bool(_COMPACT_ON), "slack_bytes": int(_COMPACT_SLACK),
+           "factor": float(_COMPACT_FACTOR), "fill": float(_COMPACT_FILL)}
+    # all checked before any is set
+    if fill is not None and not 0.0 < float(fill) <= 1.0:
+        raise ValueError(f"fill must be in (0, 1], got {fill}")
+    if factor is not None and not float(factor) >= 1.0:
+        raise ValueError(f"factor must be >= 1, got {factor}")
+    if slack_bytes is not None and int(slack_bytes) < 0:
+        raise ValueError(f"slack_bytes must be >= 0, got {slack_bytes}")
+    if fill is not None:
+        _COMPACT_FILL = float(fill)
+    if factor is not None:
+        _COMPACT_FACTOR = float(factor)
     if enabled is not None:
         _COMPACT_ON = bool(enabled)
     if slack_bytes is not None:
-        if int(slack_bytes) < 0:
-            raise ValueError(f"slack_bytes must be >= 0, got {slack_bytes}")
         _COMPACT_SLACK = int(slack_bytes)
     return old
 
@@ -62,7 +75,7 @@ cdef class ShuffleReader(DecoratedReader):
     records, not copies; when small records would keep much more memory alive
     than they are (their source blocks), it copies the few survivors of
     mostly-drained blocks into blocks of its own, so that its memory stays
-    about twice the buffered payload plus a few MiB.  Compaction never changes
+    about 1.5-1.6x the buffered payload plus 4 MiB.  Compaction never changes
     the order.
 
     Parameters
@@ -85,10 +98,10 @@ cdef class ShuffleReader(DecoratedReader):
     # records stays while any one of its ~15 k records is buffered, which for
     # small records pins about ten buffers' worth of chunks.  So the shuffle
     # counts the bytes it pins (distinct blocks) against the payload it holds,
-    # and when pinned > 2 x payload + slack (checked when a new block comes in;
-    # a pass at most every cap/2 records, so its O(buffer) scan is O(1) per
-    # record) it copies the records of small (< 32 KiB) size that sit in blocks
-    # it alone holds, filled below one half, into arena blocks of its own
+    # and when pinned > 1.5 x payload + 4 MiB (checked when a new block comes
+    # in; a pass at most every cap/4 records, so its O(buffer) scan is O(1)
+    # per record) it copies the records of small (< 32 KiB) size that sit in
+    # blocks it alone holds, used below 3/4, into 1 MiB arena blocks of its own
     # (ordinary refcounted rl_blocks: a consumer that keeps a record still
     # holds a reference) and drops its reference to the old block.  Slots
     # keep their positions and the random draws are untouched, so the order is
@@ -117,6 +130,8 @@ cdef class ShuffleReader(DecoratedReader):
     cdef bint due                # a pass runs at the start of the next c_next
     cdef bint c_on
     cdef int64_t c_slack
+    cdef double c_factor
+    cdef double c_fill
     cdef int64_t gen
     cdef rl_block *arena         # the arena block being filled (one reference)
     cdef int64_t arena_used
@@ -145,6 +160,8 @@ cdef class ShuffleReader(DecoratedReader):
         self.arena_e = -1
         self.c_on = _COMPACT_ON
         self.c_slack = _COMPACT_SLACK
+        self.c_factor = _COMPACT_FACTOR
+        self.c_fill = _COMPACT_FILL
         self._grow(min(cap, 1024))
         self.seed = <uint64_t>(int(seed) & 0xFFFFFFFFFFFFFFFF)
         self.epoch = 0
@@ -206,8 +223,8 @@ cdef class ShuffleReader(DecoratedReader):
         rl_block_incref(b)
         self.btab_last = i
         self.pinned += b.size
-        if (self.c_on and self.pinned > 2 * self.payload + self.c_slack
-                and 2 * self.since >= self.cap):
+        if (self.c_on and self.pinned > self.c_factor * self.payload + self.c_slack
+                and 4 * self.since >= self.cap):
             self.due = True
         return i
 
@@ -283,9 +300,9 @@ cdef class ShuffleReader(DecoratedReader):
                     continue
                 b = self.btab[e].block
                 # only blocks nobody else holds (dropping them frees memory),
-                # not the one still arriving, less than half used
+                # not the one still arriving, used below `fill`
                 if (e != self.btab_last and b != self.arena and b.refcnt == 1
-                        and 2 * self.btab[e].bytes < b.size):
+                        and self.btab[e].bytes < self.c_fill * b.size):
                     self.btab[e].mark = self.gen
                 else:
                     self.btab[e].mark = -self.gen

@@ -238,8 +238,9 @@ def test_pinned_bytes_bounded_small_records(tmp_path, forced):
 
 
 def test_default_settings_bound_at_scale():
-    """Default settings (4 MiB slack), 1 MiB chunks of 64 B records as in the
-    benchmark: pinned stays within 2 x payload + slack + a chunk + an arena block."""
+    """Default settings (1.5 x payload + 4 MiB), 1 MiB chunks of 64 B records
+    as in the benchmark: pinned stays within 2 x payload + 4 MiB + a chunk +
+    an arena block (without compaction: ~10 x payload, the whole 25 MB here)."""
     n, buf = 400_000, 40_000
     sh = array(n, 64, 16384).shuffle(buf, seed=1)     # 16384 x 64 B: 1 MiB blocks
     worst = 0
@@ -299,8 +300,18 @@ def test_kept_batches_of_compacted_records(forced):
 
 # ------------------------------------------------------------ error paths
 def test_settings_are_checked():
+    before = _shuffle._compaction_settings()
     with pytest.raises(ValueError, match="slack_bytes"):
         _shuffle._compaction_settings(slack_bytes=-1)
+    with pytest.raises(ValueError, match="factor"):
+        _shuffle._compaction_settings(factor=0.5)
+    with pytest.raises(ValueError, match="fill"):
+        _shuffle._compaction_settings(fill=0)
+    with pytest.raises(ValueError, match="fill"):
+        _shuffle._compaction_settings(fill=1.5)
+    with pytest.raises(ValueError, match="factor"):
+        _shuffle._compaction_settings(fill=0.6, factor=0.9, slack_bytes=0)
+    assert _shuffle._compaction_settings() == before     # a refused setting changes nothing
 
 
 def test_bad_chunk_mid_epoch_with_compaction(tmp_path, forced):
