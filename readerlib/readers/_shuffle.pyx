@@ -4,6 +4,7 @@ import os
 
 import numpy as np
 from libc.stdlib cimport malloc, free, calloc, realloc
+from libc.string cimport memcpy
 
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
 from readerlib.readers._base cimport (
@@ -18,6 +19,40 @@ rl_core_import()
 
 __all__ = ["ShuffleReader"]
 
+# Compaction (see ShuffleReader's design note).  Module-level so that tests can
+# force it at a small scale; each ShuffleReader copies them at construction.
+cdef bint _COMPACT_ON = True
+cdef int64_t _COMPACT_SLACK = 4 << 20       # pinned bytes allowed beyond factor x the buffered payload
+cdef double _COMPACT_FACTOR = 1.5
+cdef double _COMPACT_FILL = 0.75            # blocks used below this fraction are compacted
+DEF COMPACT_MAX_RECORD = 32 * 1024         # records this big are never copied (one per block is not amplified)
+DEF ARENA_BYTES = 1 << 20
+
+
+def _compaction_settings(enabled=None, slack_bytes=None, factor=None, fill=None):
+    """Test/benchmark hook: the compaction settings new ShuffleReaders take
+    (`enabled`; a pass when pinned bytes > `factor` x payload + `slack_bytes`);
+    returns the previous ones as a dict."""
+    global _COMPACT_ON, _COMPACT_SLACK, _COMPACT_FACTOR, _COMPACT_FILL
+    old = {"enabled": bool(_COMPACT_ON), "slack_bytes": int(_COMPACT_SLACK),
+           "factor": float(_COMPACT_FACTOR), "fill": float(_COMPACT_FILL)}
+    # all checked before any is set
+    if fill is not None and not 0.0 < float(fill) <= 1.0:
+        raise ValueError(f"fill must be in (0, 1], got {fill}")
+    if factor is not None and not float(factor) >= 1.0:
+        raise ValueError(f"factor must be >= 1, got {factor}")
+    if slack_bytes is not None and int(slack_bytes) < 0:
+        raise ValueError(f"slack_bytes must be >= 0, got {slack_bytes}")
+    if fill is not None:
+        _COMPACT_FILL = float(fill)
+    if factor is not None:
+        _COMPACT_FACTOR = float(factor)
+    if enabled is not None:
+        _COMPACT_ON = bool(enabled)
+    if slack_bytes is not None:
+        _COMPACT_SLACK = int(slack_bytes)
+    return old
+
 
 cdef extern from *:
     void __builtin_prefetch(const void *p) nogil
@@ -27,6 +62,8 @@ cdef struct _bref:
     rl_block *block
     int64_t count        # references held by this shuffle (slots + output)
     int64_t next_free
+    int64_t bytes        # payload of those records
+    int64_t mark         # compaction pass `gen`: +gen copy out, -gen keep (0: not looked at)
 
 
 cdef class ShuffleReader(DecoratedReader):
@@ -35,7 +72,11 @@ cdef class ShuffleReader(DecoratedReader):
     Every item comes out exactly once per epoch.  The order is a function of
     (seed, epoch): the same seed gives the same order, and each `reset()`
     starts a new epoch with a new order.  The buffer holds references to
-    records, not copies.
+    records, not copies; when small records would keep much more memory alive
+    than they are (their source blocks), it copies the few survivors of
+    mostly-drained blocks into blocks of its own, so that its memory stays
+    about 1.5-1.6x the buffered payload plus 4 MiB.  Compaction never changes
+    the order.
 
     Parameters
     ----------
@@ -52,11 +93,25 @@ cdef class ShuffleReader(DecoratedReader):
     # only the first/last local reference touches the block's atomic count.
     # Records arrive in runs from the same block, so the common case is one
     # comparison and one increment.
+    #
+    # Compaction.  A kept record keeps its whole block: a 1 MiB chunk of 64 B
+    # records stays while any one of its ~15 k records is buffered, which for
+    # small records pins about ten buffers' worth of chunks.  So the shuffle
+    # counts the bytes it pins (distinct blocks) against the payload it holds,
+    # and when pinned > 1.5 x payload + 4 MiB (checked when a new block comes
+    # in; a pass at most every cap/4 records, so its O(buffer) scan is O(1)
+    # per record) it copies the records of small (< 32 KiB) size that sit in
+    # blocks it alone holds, used below 3/4, into 1 MiB arena blocks of its own
+    # (ordinary refcounted rl_blocks: a consumer that keeps a record still
+    # holds a reference) and drops its reference to the old block.  Slots
+    # keep their positions and the random draws are untouched, so the order is
+    # exactly the one without compaction.  Big records stay referenced.
     cdef rl_record *slots
     cdef int64_t *slot_ref
     cdef int64_t scap            # allocated slots (grows up to cap)
     cdef _bref *btab
     cdef int64_t btab_free
+    cdef int64_t btab_hw         # entries [0, btab_hw) have been used
     cdef int64_t btab_last
     cdef int64_t cap
     cdef int64_t count
@@ -68,6 +123,22 @@ cdef class ShuffleReader(DecoratedReader):
     cdef readonly uint64_t seed
     cdef readonly int64_t epoch
     cdef readonly bint seed_drawn    # no seed= given: drawn from the OS (travels in the state)
+    cdef int64_t hold_size
+    cdef int64_t payload         # bytes of the records referenced (slots + hold)
+    cdef int64_t pinned          # bytes of the distinct blocks referenced
+    cdef int64_t since           # records taken in since the last compaction pass
+    cdef bint due                # a pass runs at the start of the next c_next
+    cdef bint c_on
+    cdef int64_t c_slack
+    cdef double c_factor
+    cdef double c_fill
+    cdef int64_t gen
+    cdef rl_block *arena         # the arena block being filled (one reference)
+    cdef int64_t arena_used
+    cdef int64_t arena_e         # its btab entry, when one of its records is held
+    cdef int64_t n_passes
+    cdef int64_t n_copied
+    cdef int64_t n_copied_bytes
 
     def __init__(self, reader, buffer_size, seed=None):
         _check_reader(reader, "ShuffleReader")
@@ -83,7 +154,14 @@ cdef class ShuffleReader(DecoratedReader):
         self.hold = -1
         self.scap = 0
         self.btab_free = -1
+        self.btab_hw = 0
         self.btab_last = -1
+        self.arena = NULL
+        self.arena_e = -1
+        self.c_on = _COMPACT_ON
+        self.c_slack = _COMPACT_SLACK
+        self.c_factor = _COMPACT_FACTOR
+        self.c_fill = _COMPACT_FILL
         self._grow(min(cap, 1024))
         self.seed = <uint64_t>(int(seed) & 0xFFFFFFFFFFFFFFFF)
         self.epoch = 0
@@ -108,51 +186,153 @@ cdef class ShuffleReader(DecoratedReader):
             with gil:
                 raise MemoryError(f"shuffle buffer of {n} items")
         self.slot_ref = r2
-        # at most (items + 1) distinct blocks are held: n + 2 table entries
+        # at most (items + 1) distinct blocks are held (+1 while a compaction
+        # moves a record): n + 2 table entries.  Entries are handed out from a
+        # high-water mark, then recycled through the free list, so only as
+        # many are touched as blocks were ever held at once (not n).
         b2 = <_bref *>realloc(self.btab, (n + 2) * sizeof(_bref))
         if b2 == NULL:
             with gil:
                 raise MemoryError(f"shuffle buffer of {n} items")
         self.btab = b2
-        for i in range((old + 2) if old else 0, n + 2):
-            self.btab[i].block = NULL
-            self.btab[i].count = 0
-            self.btab[i].next_free = i + 1 if i + 1 < n + 2 else self.btab_free
-        self.btab_free = (old + 2) if old else 0
         self.scap = n
         return 0
 
-    cdef inline int64_t _acquire(self, rl_block *b) noexcept nogil:
-        cdef int64_t i = self.btab_last
-        if i >= 0 and self.btab[i].block == b:
-            self.btab[i].count += 1
+    cdef inline int64_t _new_entry(self) noexcept nogil:
+        cdef int64_t i = self.btab_free
+        if i >= 0:
+            self.btab_free = self.btab[i].next_free
             return i
-        i = self.btab_free                 # never empty: at most cap + 1 blocks are held
-        self.btab_free = self.btab[i].next_free
-        self.btab[i].block = b
-        self.btab[i].count = 1
-        rl_block_incref(b)
-        self.btab_last = i
+        i = self.btab_hw                   # < scap + 2: at most scap + 2 entries are in use
+        self.btab_hw += 1
         return i
 
-    cdef inline void _release(self, int64_t i) noexcept nogil:
+    cdef inline int64_t _acquire(self, rl_block *b, int64_t size) noexcept nogil:
+        cdef int64_t i = self.btab_last
+        self.payload += size
+        self.since += 1
+        if i >= 0 and self.btab[i].block == b:
+            self.btab[i].count += 1
+            self.btab[i].bytes += size
+            return i
+        i = self._new_entry()
+        self.btab[i].block = b
+        self.btab[i].count = 1
+        self.btab[i].bytes = size
+        self.btab[i].mark = 0
+        rl_block_incref(b)
+        self.btab_last = i
+        self.pinned += b.size
+        if (self.c_on and self.pinned > self.c_factor * self.payload + self.c_slack
+                and 4 * self.since >= self.cap):
+            self.due = True
+        return i
+
+    cdef inline void _release(self, int64_t i, int64_t size) noexcept nogil:
+        cdef rl_block *b
+        self.payload -= size
         self.btab[i].count -= 1
+        self.btab[i].bytes -= size
         if self.btab[i].count == 0:
-            rl_block_decref(self.btab[i].block)
+            b = self.btab[i].block
+            self.pinned -= b.size
+            rl_block_decref(b)
             self.btab[i].block = NULL
             self.btab[i].next_free = self.btab_free
             self.btab_free = i
             if self.btab_last == i:
                 self.btab_last = -1
 
+    cdef char *_arena_alloc(self, int64_t size) noexcept nogil:
+        """Room for a copy of one record in the arena (NULL: out of memory)."""
+        cdef int64_t need = (size + 7) & ~(<int64_t>7)
+        cdef char *p
+        if self.arena == NULL or self.arena_used + need > self.arena.size:
+            self._drop_arena()
+            self.arena = rl_block_new(ARENA_BYTES)
+            if self.arena == NULL:
+                return NULL
+        p = self.arena.data + self.arena_used
+        self.arena_used += need
+        return p
+
+    cdef void _drop_arena(self) noexcept nogil:
+        # the slab lives on while slots (btab) or consumers hold its records
+        if self.arena != NULL:
+            rl_block_decref(self.arena)
+            self.arena = NULL
+        self.arena_used = 0
+        self.arena_e = -1
+
+    cdef int64_t _arena_take(self, int64_t size) noexcept nogil:
+        """One more local reference to the arena block (a record copied into it)."""
+        cdef int64_t i = self.arena_e
+        self.payload += size
+        if i >= 0 and self.btab[i].block == self.arena:
+            self.btab[i].count += 1
+            self.btab[i].bytes += size
+            return i
+        i = self._new_entry()
+        self.btab[i].block = self.arena
+        self.btab[i].count = 1
+        self.btab[i].bytes = size
+        self.btab[i].mark = -self.gen      # its records are not copied again in this pass
+        rl_block_incref(self.arena)
+        self.pinned += self.arena.size
+        self.arena_e = i
+        return i
+
+    cdef void _compact(self) noexcept nogil:
+        """One compaction pass over the buffer (see the design note).  Every
+        step leaves a consistent buffer: a failed allocation ends the pass."""
+        cdef int64_t s, e, a
+        cdef rl_block *b
+        cdef rl_record *r
+        cdef char *p
+        self.due = False
+        self.since = 0
+        self.gen += 1
+        self.n_passes += 1
+        for s in range(self.count):
+            e = self.slot_ref[s]
+            if self.btab[e].mark != self.gen:
+                if self.btab[e].mark == -self.gen:
+                    continue
+                b = self.btab[e].block
+                # only blocks nobody else holds (dropping them frees memory),
+                # not the one still arriving, used below `fill`
+                if (e != self.btab_last and b != self.arena and b.refcnt == 1
+                        and self.btab[e].bytes < self.c_fill * b.size):
+                    self.btab[e].mark = self.gen
+                else:
+                    self.btab[e].mark = -self.gen
+                    continue
+            r = &self.slots[s]
+            if r.size >= COMPACT_MAX_RECORD:
+                continue
+            p = self._arena_alloc(r.size)
+            if p == NULL:
+                return
+            memcpy(p, r.data, <size_t>r.size)
+            a = self._arena_take(r.size)
+            r.block = self.arena
+            r.data = p
+            self.slot_ref[s] = a
+            self.n_copied += 1
+            self.n_copied_bytes += r.size
+            self._release(e, r.size)
+
     cdef void _drop(self) noexcept nogil:
         cdef int64_t i
         for i in range(self.count):
-            self._release(self.slot_ref[i])
+            self._release(self.slot_ref[i], self.slots[i].size)
         self.count = 0
         if self.hold >= 0:
-            self._release(self.hold)
+            self._release(self.hold, self.hold_size)
             self.hold = -1
+        self._drop_arena()
+        self.due = False
+        self.since = 0
 
     cdef void _restart(self) noexcept nogil:
         self._drop()
@@ -176,8 +356,10 @@ cdef class ShuffleReader(DecoratedReader):
         cdef int r
         cdef uint64_t j
         if self.hold >= 0:
-            self._release(self.hold)
+            self._release(self.hold, self.hold_size)
             self.hold = -1
+        if self.due:
+            self._compact()
         if not self.filled:
             while self.count < self.cap:
                 if self.count == self.scap:
@@ -188,7 +370,7 @@ cdef class ShuffleReader(DecoratedReader):
                 if r == 0:
                     self.upstream_done = True
                     break
-                self.slot_ref[self.count] = self._acquire(rec.block)
+                self.slot_ref[self.count] = self._acquire(rec.block, rec.size)
                 self.slots[self.count] = rec
                 self.count += 1
             self.filled = True
@@ -210,8 +392,9 @@ cdef class ShuffleReader(DecoratedReader):
             self.next_j = -1
             out[0] = self.slots[j]
             self.hold = self.slot_ref[j]    # the slot's reference moves to `hold`
+            self.hold_size = out.size
             if r == 1:
-                self.slot_ref[j] = self._acquire(rec.block)
+                self.slot_ref[j] = self._acquire(rec.block, rec.size)
                 self.slots[j] = rec
                 self._draw_ahead()
                 return 1
@@ -220,6 +403,7 @@ cdef class ShuffleReader(DecoratedReader):
             self.next_j = -1
             out[0] = self.slots[j]
             self.hold = self.slot_ref[j]
+            self.hold_size = out.size
         self.count -= 1
         self.slots[j] = self.slots[self.count]
         self.slot_ref[j] = self.slot_ref[self.count]
@@ -247,6 +431,22 @@ cdef class ShuffleReader(DecoratedReader):
     @property
     def buffer_size(self):
         return self.cap
+
+    def _memory_stats(self):
+        """Test hook: what the buffer holds now.  `pinned_bytes`: the sizes of
+        the distinct blocks it references; `payload_bytes`: of the records;
+        `passes` / `copied_records` / `copied_bytes`: compaction so far."""
+        cdef int64_t i, blocks = 0
+        for i in range(self.btab_hw):
+            if self.btab[i].block != NULL:
+                blocks += 1
+        return {"pinned_bytes": int(self.pinned), "payload_bytes": int(self.payload),
+                "blocks": int(blocks), "passes": int(self.n_passes),
+                "copied_records": int(self.n_copied), "copied_bytes": int(self.n_copied_bytes)}
+
+    def _pinned_bytes(self):
+        """Test hook: bytes of the distinct blocks the buffer references now."""
+        return int(self.pinned)
 
     def _epoch_state(self):
         return {"seed": int(self.seed), "epoch": int(self.epoch)}
