@@ -47,6 +47,7 @@ import json
 import mmap
 import os
 import platform
+import sys
 import tempfile
 import time
 
@@ -225,6 +226,11 @@ def main(argv=None):
     ap.add_argument("--torch-batches", type=int, default=16,
                     help="batches of the torch DataLoader epoch that are timed")
     ap.add_argument("--workdir", help="where the files go (default: the temp dir; read from the page cache)")
+    av = sys.argv[1:] if argv is None else list(argv)
+    if any(a.startswith("--busy=") and "," in a or a == "--busy" and i + 1 < len(av) and "," in av[i + 1]
+           for i, a in enumerate(av)):
+        ap.error("--busy N is now N competing processes for the whole run (the shared flag); "
+                 "the sweep 0,1 of earlier runs is --busy-sweep 0,1")
     args = harness.parse(ap, argv)
     if args.quick:
         args.records, args.torch_batches = 300, 1

@@ -181,3 +181,11 @@ def test_bandwidths_and_report(tmp_path):
         rep.table(["a", "b"], [[1, 2]])
     text = (tmp_path / "r.md").read_text()
     assert text.startswith("### T\n") and "| 1 | 2 |" in text and "load average (1 min) at end" in text
+
+
+def test_big_records_old_busy_sweep_spelling_is_refused_with_the_new_one(tmp_path):
+    # results/big_records.md was measured with `--busy 0,1` (the sweep before the harness);
+    # it must not be read as something else: a clear error naming --busy-sweep
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "bench_big_records.py"), "--quick", "--busy", "0,1"],
+                       cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--busy-sweep 0,1" in r.stderr, r.stderr[-2000:]
