@@ -25,33 +25,38 @@ and median of ``--repeats``:
 * ``mmap memcpy`` the same gather from the mapping with plain memcpy
 
 GB/s counts record payload bytes (65,536 per record).  The machine's copy
-bandwidth (one thread, np.copyto of 256 MiB) is printed beside the figures.
-``--busy 1`` repeats everything with one competing busy process (as
-bench_contention.py).  Peak RSS of the default v2 chain is measured in a
-subprocess and compared with shuffle buffer + 64 MB.
+bandwidth (one thread, np.copyto of 256 MiB, harness.copy_bandwidth) is printed
+beside the figures.  ``--busy-sweep 0,1`` (the default) repeats everything with
+0 and then 1 competing busy process (harness.Competitors, as
+bench_contention.py); the shared ``--busy N`` keeps N more for the whole run.
+Peak RSS of the default v2 chain is measured in a fresh child
+(harness.run_child) and compared with shuffle buffer + 64 MB.  ``--quick``:
+300 records, a smoke run.  The peers run in interleaved rounds
+(harness.interleaved); ``torch`` is left out when it is not installed or not
+in ``--peers``.
 
-    python benchmarks/bench_big_records.py [--records 16384] [--repeats 5] [--busy 0,1]
-                                           [--out FILE.json]
+    python benchmarks/bench_big_records.py [--records 16384] [--repeats 5] [--busy-sweep 0,1]
+                                           [--torch-batches 16] [--workdir DIR] [--json FILE]
+                                           [--quick] [--busy N] [--peers torch|none] [--out FILE.md]
+
+(Before the harness, ``--busy 0,1`` was this sweep and ``--out`` wrote JSON: now
+``--busy-sweep 0,1`` and ``--json``.)
 """
-import argparse
+import itertools
 import json
 import mmap
 import os
 import platform
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
+import harness
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import readerlib as rl  # noqa: E402
-from readerlib.formats._recordio import _gather_copy, _set_staged_reads  # noqa: E402
-from readerlib.formats._tfrecord import TFRecordReader, TFRecordWriter  # noqa: E402
-from bench_contention import Competitors  # noqa: E402
+import readerlib as rl
+from readerlib.formats._recordio import _gather_copy, _set_staged_reads
+from readerlib.formats._tfrecord import TFRecordReader, TFRecordWriter
 
 SIZE = 65536
 BUFFER, BATCH = 10_000, 256
@@ -103,12 +108,13 @@ def run_chain(chain):
     return n
 
 
-def make_peers(x, schema, paths, torch_batches):
+def make_peers(x, schema, paths, torch_batches, with_torch=True):
     n = x.shape[0]
     offsets, crcs = v2_record_offsets(paths["rio v2"])
-    import torch
-    from torch.utils.data import DataLoader, TensorDataset
-    tx = torch.from_numpy(x)
+    if with_torch:
+        import torch
+        from torch.utils.data import DataLoader, TensorDataset
+        tx = torch.from_numpy(x)
     out = np.empty((BATCH, SIZE), np.uint8)
 
     def rio(key):
@@ -166,98 +172,101 @@ def make_peers(x, schema, paths, torch_batches):
         finally:
             _set_staged_reads(old)
 
-    return {"rio v2": rio("rio v2"), "rio v2 staged": rio_staged, "rio v1": rio("rio v1"), "tfrecord": tfr, "torch": torch_dl,
-            "memcpy": memcpy, "memcpy gather": memcpy_gather, "mmap fused": mmap_gather(True),
-            "mmap memcpy": mmap_gather(False)}
-
-
-def copy_bandwidth():
-    a = np.ones(256 << 20, np.uint8)
-    b = np.empty_like(a)
-    best = min(_timed(lambda: np.copyto(b, a)) for _ in range(5))
-    return a.nbytes / best / 1e9
-
-
-def _timed(fn):
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+    peers = {"rio v2": rio("rio v2"), "rio v2 staged": rio_staged, "rio v1": rio("rio v1"), "tfrecord": tfr,
+             "torch": torch_dl, "memcpy": memcpy, "memcpy gather": memcpy_gather, "mmap fused": mmap_gather(True),
+             "mmap memcpy": mmap_gather(False)}
+    if not with_torch:
+        del peers["torch"]
+    return peers
 
 
 def measure(peers, n, repeats):
-    names = list(peers)
-    for name in names:                       # warm-up: page cache, pools, imports
-        peers[name](0)
-    rates = {name: [] for name in names}
-    for rep in range(repeats):
-        order = names[rep % len(names):] + names[:rep % len(names)]
-        for name in order:
+    """GB/s of payload per peer: interleaved rounds (harness.interleaved), the order rotating;
+    every call gets a new shuffle seed (0 for the warm-up, then 1, 2, ...)."""
+    def contender(name, fn):
+        seeds = itertools.count()
+
+        def go():
             t = time.perf_counter()
-            k = peers[name](rep + 1)
+            k = fn(next(seeds))
             dt = time.perf_counter() - t
             assert k == n or name == "torch", (name, k, n)
-            rates[name].append(k * SIZE / dt / 1e9)
-    return {name: {"best": max(v), "median": statistics.median(v), "all": v} for name, v in rates.items()}
+            return harness.Sample(dt, k * SIZE / 1e9)
+        return go
+    return harness.interleaved({name: contender(name, fn) for name, fn in peers.items()}, repeats)
 
 
-# VmHWM, not ru_maxrss: a child's ru_maxrss starts from its parent's peak at fork (Linux)
-HWM = "int([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]) / 1024"
-PEAK = f"""
+# VmHWM after the import (the child's baseline), then its VmHWM at exit (harness.run_child)
+PEAK = """
 import sys, readerlib as rl
-base = {HWM}
+base = rss_mb()["VmHWM"]
 n = 0
 for (t,) in rl.RecordIOReader(sys.argv[1]).shuffle(10_000, seed=0).batch(256):
     n += t.data.shape[0]
-print(n, base, {HWM})
+emit([n, base])
 """
 
 
 def peak_rss(path):
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(rl.__file__))))
-    p = subprocess.run([sys.executable, "-c", PEAK, path], capture_output=True, text=True, timeout=600,
-                       check=True, env=env)
-    n, base, mb = p.stdout.split()
-    return float(mb), float(base)
+    """(peak MB of the chain's process, its peak after the import alone)."""
+    env = {"PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(rl.__file__)))}
+    (res,), peak = harness.run_child(PEAK, [path], timeout=600, env=env, python_flags=("-P",))
+    return peak["peak_MB"], res[1]
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+RATIO_PEERS = ("memcpy", "torch", "rio v1", "rio v2 staged", "tfrecord", "mmap fused")
+
+
+def main(argv=None):
+    ap = harness.parser(__doc__, repeats=5)
     ap.add_argument("--records", type=int, default=16384)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--busy", default="0,1", help="comma list of competing busy processes")
-    ap.add_argument("--out")
+    ap.add_argument("--busy-sweep", default="0,1",
+                    help="comma list: everything measured once per count of competing busy processes")
+    ap.add_argument("--json", help="also write the raw figures (JSON) to this file")
     ap.add_argument("--torch-batches", type=int, default=16,
                     help="batches of the torch DataLoader epoch that are timed")
     ap.add_argument("--workdir", help="where the files go (default: the temp dir; read from the page cache)")
-    args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bench-big-", dir=args.workdir) as d:
+    av = sys.argv[1:] if argv is None else list(argv)
+    if any(a.startswith("--busy=") and "," in a or a == "--busy" and i + 1 < len(av) and "," in av[i + 1]
+           for i, a in enumerate(av)):
+        ap.error("--busy N is now N competing processes for the whole run (the shared flag); "
+                 "the sweep 0,1 of earlier runs is --busy-sweep 0,1")
+    args = harness.parse(ap, argv)
+    if args.quick:
+        args.records, args.torch_batches = 300, 1
+    with_torch = harness.want(args, "torch") and harness.try_import("torch") is not None
+    with harness.Report(args, "Big records in one pass: 64 KiB records, file -> shuffle(10k) -> batch(256)") as rep, \
+            tempfile.TemporaryDirectory(prefix="bench-big-", dir=args.workdir) as d:
         x, schema, paths = write_files(d, args.records)
-        peers = make_peers(x, schema, paths, args.torch_batches)
+        peers = make_peers(x, schema, paths, args.torch_batches, with_torch)
+        copy = harness.copy_bandwidth(16 << 20 if args.quick else 256 << 20, 5)
         result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
                   "records": args.records, "record_bytes": SIZE, "repeats": args.repeats,
                   "threads": rl.get_num_threads() if hasattr(rl, "get_num_threads") else None,
-                  "copy_GB_s": copy_bandwidth(), "runs": {}}
-        print(f"{args.records} records of {SIZE} B ({args.records * SIZE / 1e9:.2f} GB of payload); "
-              f"files in {d}; one-thread copy bandwidth (np.copyto 256 MiB): {result['copy_GB_s']:.1f} GB/s")
-        for busy in [int(b) for b in args.busy.split(",")]:
-            with Competitors(busy):
-                r = measure(peers, args.records, args.repeats)
-            result["runs"][busy] = r
-            print(f"\n{busy} competing busy process(es): GB/s of payload, best / median of {args.repeats}")
-            for name, v in r.items():
-                print(f"  {name:14s} {v['best']:6.2f} / {v['median']:6.2f}")
-            v2 = r["rio v2"]
-            for peer in ("memcpy", "torch", "rio v1", "rio v2 staged", "tfrecord", "mmap fused"):
-                print(f"  rio v2 / {peer:11s} best {v2['best'] / r[peer]['best']:.2f}  "
-                      f"median {v2['median'] / r[peer]['median']:.2f}")
+                  "copy_GB_s": copy["copy"], "runs": {}}
+        rep.add(f"- {args.records:,} records of {SIZE} B ({args.records * SIZE / 1e9:.2f} GB of payload), "
+                f"read from the page cache; GB/s of payload; readerlib threads: {result['threads']}"
+                + ("" if with_torch else "; torch left out (not installed or not in --peers)"),
+                harness.bounds_line(copy), "")
+        for busy in [int(b) for b in args.busy_sweep.split(",")]:
+            with harness.Competitors(busy):
+                st = measure(peers, args.records, args.repeats)
+            result["runs"][busy] = {k: {"best": v.rate_best, "median": v.rate_median,
+                                        "all": [v.units / t for t in v.seconds]} for k, v in st.items()}
+            rep.table(["peer", "GB/s best", "GB/s median", "spread"],
+                      [[k, f"{v.rate_best:.2f}", f"{v.rate_median:.2f}", f"{v.spread:.0%}"] for k, v in st.items()],
+                      title=f"{busy} competing busy process(es), best / median of {args.repeats} rounds:")
+            rep.table(["ratio", "best", "median"],
+                      [[f"rio v2 / {peer}", *(f"{r:.2f}" for r in harness.speedup(st, "rio v2", peer))]
+                       for peer in RATIO_PEERS if peer in st])
         mb, base = peak_rss(paths["rio v2"])
-        buf = BUFFER * SIZE / 2**20
+        buf = min(BUFFER, args.records) * SIZE / 2**20
         result["peak_rss_MB"] = {"chain": mb, "import_only": base, "shuffle_buffer": buf}
-        print(f"\npeak RSS, default v2 chain in a fresh process: {mb:.0f} MB (import readerlib alone "
-              f"{base:.0f} MB; shuffle buffer {buf:.0f} MB; bound buffer + 64 MB = {buf + 64:.0f} MB "
-              f"above the import: {'within' if mb - base <= buf + 64 else 'OVER'})")
-    if args.out:
-        with open(args.out, "w") as f:
+        rep.add(f"- peak RSS, default v2 chain in a fresh process: {mb:.0f} MB (import readerlib alone "
+                f"{base:.0f} MB; shuffle buffer {buf:.0f} MB; bound buffer + 64 MB = {buf + 64:.0f} MB "
+                f"above the import: {'within' if mb - base <= buf + 64 else 'OVER'})")
+    if args.json:
+        with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
 
 

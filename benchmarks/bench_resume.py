@@ -19,17 +19,21 @@ Also: read throughput of one epoch (records/s) for sequential, global
 shuffle and buffer shuffle over the same source, in the same run.
 
 Usage:
-    python benchmarks/bench_resume.py [--sizes 1000000 10000000] [--repeats 3]
-        [--old-max 10000000] [--dir /tmp]
-The RecordIO file of the largest size is deleted at the end.
+    python benchmarks/bench_resume.py [--sizes 1000000 10000000] [--repeats 3] [--old-repeats 1]
+        [--throughput-size 1000000] [--dir /tmp] [--window-sweep]
+        [--quick] [--busy N] [--out FILE.md]
+The RecordIO files are deleted at the end.  The tables go through the shared
+harness's report (harness.Report: command, date, machine, load); restore times
+are best and median of ``--repeats`` restores (``--old-repeats`` for the replay
+chains), epoch rates the best of ``--repeats`` epochs.  ``--quick``: N = 20,000,
+a smoke run.
 """
-import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
+import harness
 import numpy as np
 
 import readerlib as rl
@@ -89,28 +93,30 @@ def time_epoch(src_factory, kind):
     return n / dt
 
 
-def window_sweep(n, repeats, where):
+def window_sweep(n, repeats, where, rep):
     """global_shuffle(window_chunks=w).batch(256) epoch throughput, memory and RecordIO."""
     data = np.arange(4 * n, dtype=np.float32).reshape(n, 4)
     fd, path = tempfile.mkstemp(suffix=".rio", dir=where)
     os.close(fd)
+    rows = []
     try:
         with rl.RecordIOWriter(path, rl.Schema([rl.Field("x", "float32", (4,))])) as w:
             w.write_batch({"x": data})
         mem, rio = (lambda: rl.ArrayReader(data)), (lambda: rl.RecordIOReader(path))
-        print(f"| window_chunks (N={n:,}) | memory Mrec/s | recordio Mrec/s |")
-        print("|---|---|---|")
         for wc in (1, 2, 8, 32):
             rates = []
             for f in (mem, rio):
                 def chain(f=f, wc=wc):
                     return f().global_shuffle(seed=0, window_chunks=wc).batch(BATCH)
                 rates.append(max(_epoch_rate(chain) for _ in range(repeats)))
-            print(f"| {wc} | {rates[0] / 1e6:.1f} | {rates[1] / 1e6:.1f} |", flush=True)
+            rows.append([wc, f"{rates[0] / 1e6:.1f}", f"{rates[1] / 1e6:.1f}"])
+            print(f"  window_chunks {wc}: {rates[0] / 1e6:.1f} / {rates[1] / 1e6:.1f} Mrec/s", flush=True)
         seq = max(_epoch_rate(lambda: rio().batch(BATCH)) for _ in range(repeats))
-        print(f"| sequential RecordIO | | {seq / 1e6:.1f} |")
+        rows.append(["sequential RecordIO", "", f"{seq / 1e6:.1f}"])
     finally:
         os.unlink(path)
+    rep.table([f"window_chunks (N={n:,})", "memory Mrec/s", "recordio Mrec/s"], rows,
+              title=f"global_shuffle(seed=0, window_chunks=w).batch({BATCH}), best epoch of {repeats}:")
 
 
 def _epoch_rate(make):
@@ -123,23 +129,31 @@ def _epoch_rate(make):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, repeats=3)
     ap.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--old-repeats", type=int, default=1)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--throughput-size", type=int, default=1_000_000)
     ap.add_argument("--window-sweep", action="store_true",
                     help="only: global_shuffle throughput by window_chunks (1, 2, 8, 32), N=--throughput-size")
-    args = ap.parse_args(argv)
-    if args.window_sweep:
-        return window_sweep(args.throughput_size, args.repeats, args.dir)
+    args = harness.parse(ap, argv)
+    if args.quick:
+        args.sizes, args.throughput_size, args.old_repeats = [20_000], 20_000, 1
+    title = "Resume cost: set_state + the first batch" if not args.window_sweep else \
+        "global_shuffle throughput by window_chunks"
+    with harness.Report(args, title) as rep:
+        rep.add(f"- batch {BATCH}, buffer/window {BUFFER}, records float32[4] (16 B); "
+                f"readerlib threads {rl.get_num_threads()}", "")
+        if args.window_sweep:
+            window_sweep(args.throughput_size, args.repeats, args.dir, rep)
+        else:
+            restores_and_epochs(args, rep)
+
+
+def restores_and_epochs(args, rep):
     workdir = tempfile.mkdtemp(prefix="bench_resume_", dir=args.dir)
     schema = rl.Schema([rl.Field("x", "float32", (4,))])
-    print(f"# bench_resume: batch {BATCH}, buffer/window {BUFFER}, records float32[4] (16 B); "
-          f"cpus {os.cpu_count()}; machine shared")
-    print("| source | N | chain | 10% best / median ms | 50% | 90% | max/min (best) |")
-    print("|---|---|---|---|---|---|---|")
+    rows = []
     made = []
     try:
         for n in args.sizes:
@@ -164,8 +178,11 @@ def main(argv=None):
                         bests.append(min(ts))
                         cells.append(f"{1e3 * min(ts):.2f} / {1e3 * statistics.median(ts):.2f}")
                     ratio = max(bests) / min(bests)
-                    print(f"| {sname} | {n:,} | {kind} | " + " | ".join(cells) + f" | {ratio:.2f} |",
-                          flush=True)
+                    rows.append([sname, f"{n:,}", kind, *cells, f"{ratio:.2f}"])
+                    print(f"  {sname} {n:,} {kind}: " + ", ".join(cells) + " ms", flush=True)
+        rep.table(["source", "N", "chain", "10% best / median ms", "50%", "90%", "max/min (best)"], rows,
+                  title=f"restore + first batch ({args.repeats} restores; {args.old_repeats} for the replay "
+                        "chains, /old):")
         # throughput, same run
         n = args.throughput_size
         path = os.path.join(workdir, f"r{n}.rio")
@@ -175,16 +192,15 @@ def main(argv=None):
                 w.write_batch({"x": data})
             made.append(path)
         data = np.arange(4 * n, dtype=np.float32).reshape(n, 4)
-        print()
-        print(f"| source (N={n:,}) | sequential Mrec/s | global_shuffle | buffer shuffle(10k) | window(10k) |")
-        print("|---|---|---|---|---|")
+        rows = []
         for sname, factory in {"memory": lambda: rl.ArrayReader(data),
                                "recordio": lambda: rl.RecordIOReader(path)}.items():
             rates = {}
             for kind in ("unshuffled", "global", "buffer/old", "window"):
                 rates[kind] = max(time_epoch(factory, kind) for _ in range(args.repeats))
-            print(f"| {sname} | {rates['unshuffled'] / 1e6:.1f} | {rates['global'] / 1e6:.1f} | "
-                  f"{rates['buffer/old'] / 1e6:.1f} | {rates['window'] / 1e6:.1f} |", flush=True)
+            rows.append([sname] + [f"{rates[k] / 1e6:.1f}" for k in ("unshuffled", "global", "buffer/old", "window")])
+        rep.table([f"source (N={n:,})", "sequential Mrec/s", "global_shuffle", "buffer shuffle(10k)", "window(10k)"],
+                  rows, title=f"one epoch, best of {args.repeats}:")
     finally:
         for p in made:
             try:
@@ -198,4 +214,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
