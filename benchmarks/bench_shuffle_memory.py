@@ -1,14 +1,14 @@
 """Shuffle compaction: ns per record and peak RSS, this build against another.
 
-    python benchmarks/bench_shuffle_memory.py --old /tmp/compact_old [--repeats 3] [--big]
+    python benchmarks/bench_shuffle_memory.py --old /tmp/compact_old [--repeats 3] [--big] [--out FILE]
 
 `--old` is a copy of the tree with the build before the change (its
-readerlib/ is put first on PYTHONPATH in the "old" children).  Every
+readerlib/ is put first on PYTHONPATH in the "old" children; without it the
+current build is compared with itself).  `--quick`: tiny files, a smoke run.  Every
 measurement is a fresh child process; old and new alternate run by run.
 Files go to --tmp and are deleted at the end.  `--big` adds the 10 M x 64 B
 (640 MB) file through shuffle(1M).
 """
-import argparse
 import json
 import os
 import statistics
@@ -16,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import harness
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -98,32 +100,39 @@ def write_tfrecord(path, n, rec):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--old", required=True)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap = harness.parser(__doc__, repeats=3)
+    ap.add_argument("--old", default=HERE, help="tree with the build to compare against (default: this one)")
     ap.add_argument("--tmp", default=tempfile.gettempdir())
     ap.add_argument("--big", action="store_true")
     ap.add_argument("--no-tf", action="store_true")
-    args = ap.parse_args(argv)
+    args = harness.parse(ap, argv)
+    if not harness.want(args, "tf"):
+        args.no_tf = True
+    q = 100 if args.quick else 1                # --quick: 1/100 of every size
     builds = {"old": args.old, "new": HERE}
+    rep = harness.Report(args, "Shuffle compaction: ns per record and peak RSS, old and new build")
+    with rep:
+        _run(args, q, builds, rep)
+
+
+def _run(args, q, builds, rep):
+    print = rep.add                             # the report collects the lines
     tmp = tempfile.mkdtemp(prefix="shufmem-", dir=args.tmp)
     files = []
     try:
-        print(f"# {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, load {os.getloadavg()[0]:.2f}, "
-              f"{os.cpu_count()} CPUs (shared)")
-        rio2m = write_recordio(os.path.join(tmp, "2m.rio"), 2_000_000, 64); files.append(rio2m)
-        rio64k = write_recordio(os.path.join(tmp, "64k.rio"), 4096, 65536); files.append(rio64k)
-        speed = [("ArrayReader 2,000,000 x 64 B", "array", "-", 2_000_000, b, 64)
+        rio2m = write_recordio(os.path.join(tmp, "2m.rio"), 2_000_000 // q, 64); files.append(rio2m)
+        rio64k = write_recordio(os.path.join(tmp, "64k.rio"), 4096 // q, 65536); files.append(rio64k)
+        speed = [(f"ArrayReader {2_000_000 // q:,} x 64 B", "array", "-", 2_000_000 // q, b // q, 64)
                  for b in (1_000, 10_000, 100_000, 1_000_000)]
-        speed += [("RecordIO 2,000,000 x 64 B", "file", rio2m, 2_000_000, b, 64) for b in (10_000, 100_000)]
-        speed += [("RecordIO 4,096 x 64 KiB", "file", rio64k, 4096, 1_000, 65536)]
+        speed += [(f"RecordIO {2_000_000 // q:,} x 64 B", "file", rio2m, 2_000_000 // q, b // q, 64) for b in (10_000, 100_000)]
+        speed += [(f"RecordIO {4096 // q:,} x 64 KiB", "file", rio64k, 4096 // q, 1_000 // q, 65536)]
         res = {}
         for _ in range(args.repeats):
             for case in speed:
                 for name, pp in builds.items():
                     r = child(SPEED, case[1:], pp)
                     res.setdefault((case, name), []).append(r)
-        print("\n| chain -> shuffle(B) -> batch(256) | B | old ns/rec best / median | new ns/rec best / median | new / old (best) | old peak above import MB | new peak above import MB |")
+        print("", "| chain -> shuffle(B) -> batch(256) | B | old ns/rec best / median | new ns/rec best / median | new / old (best) | old peak above import MB | new peak above import MB |")
         print("|---|---|---|---|---|---|---|")
         # (ArrayReader rows: the peak includes the 128 MB source array)
         for case in speed:
@@ -138,20 +147,20 @@ def main(argv=None):
         files.clear()
 
         rss = []
-        rio1m = write_recordio(os.path.join(tmp, "1m.rio"), 1_000_000, 64); files.append(rio1m)
-        rss.append(("RecordIO 1,000,000 x 64 B", rio1m, 1_000_000, 100_000))
+        rio1m = write_recordio(os.path.join(tmp, "1m.rio"), 1_000_000 // q, 64); files.append(rio1m)
+        rss.append((f"RecordIO {1_000_000 // q:,} x 64 B", rio1m, 1_000_000 // q, 100_000 // q))
         tfr = None
         if not args.no_tf:
-            tfr = write_tfrecord(os.path.join(tmp, "1m.tfrecord"), 1_000_000, 64); files.append(tfr)
+            tfr = write_tfrecord(os.path.join(tmp, "1m.tfrecord"), 1_000_000 // q, 64); files.append(tfr)
         out = {}
         for _ in range(args.repeats):
             for label, path, n, b in rss:
                 for name, pp in builds.items():
                     out.setdefault((label, b, name), []).append(child(SPEED, ["file", path, n, b, 64], pp))
             if tfr:
-                out.setdefault(("TFRecord 1,000,000 x 64 B", 100_000, "tf.data"), []).append(
-                    child(RSS_TF, [tfr, 100_000], HERE))
-        if args.big:
+                out.setdefault((f"TFRecord {1_000_000 // q:,} x 64 B", 100_000 // q, "tf.data"), []).append(
+                    child(RSS_TF, [tfr, 100_000 // q], HERE))
+        if args.big and not args.quick:
             for f in files:
                 os.unlink(f)
             files.clear()
@@ -160,7 +169,7 @@ def main(argv=None):
                 for name, pp in builds.items():
                     out.setdefault(("RecordIO 10,000,000 x 64 B", 1_000_000, name), []).append(
                         child(SPEED, ["file", rio10m, 10_000_000, 1_000_000, 64], pp, timeout=1800))
-        print("\n| one pass, fresh process: file -> shuffle(B) -> batch(256) | B | build | peak RSS MB (min / max) | after import MB | peak above import MB (min) | buffer payload MB | ns/rec (best) |")
+        print("", "| one pass, fresh process: file -> shuffle(B) -> batch(256) | B | build | peak RSS MB (min / max) | after import MB | peak above import MB (min) | buffer payload MB | ns/rec (best) |")
         print("|---|---|---|---|---|---|---|---|")
         for (label, b, name), rs in out.items():
             pk = [r["peak_MB"] for r in rs]
@@ -168,7 +177,6 @@ def main(argv=None):
             print(f"| {label} | {b:,} | {name} | {min(pk):.0f} / {max(pk):.0f} | {min(r['import_MB'] for r in rs):.0f} | "
                   f"{min(r['peak_MB'] - r['import_MB'] for r in rs):.0f} | {b * 64 / 1e6:.1f} | "
                   f"{'-' if ns != ns else f'{ns:.1f}'} |")
-        print(f"\n# done {time.strftime('%H:%M:%S UTC', time.gmtime())}, load {os.getloadavg()[0]:.2f}")
     finally:
         for f in files:
             if os.path.exists(f):

@@ -77,6 +77,9 @@ CASES = [
       "| Python map, 1 thread |", "| compiled map, 1 thread |", "threads (pool) |"], ["Cython"]),
     ("bench_cext.py", ["--no-compiled"],
      ["compiled map skipped", "| no map |", "| Python map, 2 threads |"], []),
+    ("bench_shuffle_memory.py", ["--peers", "none"],
+     ["| ArrayReader 20,000 x 64 B | 10,000 |", "| RecordIO 40 x 64 KiB | 10 |",
+      "| RecordIO 10,000 x 64 B | 1,000 | new |"], []),
     ("bench_binding.py", [],
      ["(the same build: A/B shows the noise)", "| batch 1, for |", "| batch 256, read_next |"], []),
     # Ray's start-up alone takes 10-30 s here: run it with -m slow
