@@ -25,7 +25,8 @@ def test_no_extension_has_its_own_pool_or_crc_tables():
     assert any(os.path.basename(p).startswith("_core.") for p in sos), sos
     # (the block pool's; `rl_pool` alone is also _parallel's thread pool, once per process by design)
     state_symbols = re.compile(r"\b(rl_pool_n|rl_pool_bytes|rl_pool_lock_word|rl_crc32c_table|rl_crc32c_long|"
-                               r"rl_crc32c_short|rl_crc32c_pow2|rl_crc32c_hw)\b")
+                               r"rl_crc32c_short|rl_crc32c_pow2|rl_crc32c_hw|"
+                               r"rl_cc_table|rl_cc_long|rl_cc_short|rl_cc_hw)\b")   # (the fused CRC + copy's, rl_crccopy.h)
     owners = []
     for so in sos:
         out = subprocess.run(["nm", so], capture_output=True, text=True, check=True).stdout

@@ -8,91 +8,32 @@
  * SSE4.2 `crc32` on three interleaved streams (latency 3, throughput 1 a
  * cycle), combined with a shift table for the stream length (Mark Adler's
  * method, as rl_core.h's rl_crc32c); a byte-at-a-time table fallback without
- * SSE4.2 (or with READERLIB_NO_HW_CRC set).  Self-contained on purpose: it
- * keeps its own tables, so it does not depend on how rl_core.h lays out its
- * static CRC tables.  Same conditioning as rl_crc32c (zlib style: `crc` in
+ * SSE4.2 (or with READERLIB_NO_HW_CRC set).  It uses rl_core.h's
+ * tables (one copy per process, readerlib._core).  Same conditioning as rl_crc32c (zlib style: `crc` in
  * and out are final values, 0 to start): rl_crc32c_copy(0, d, s, n) ==
  * rl_crc32c(0, s, n), and d[0..n) == s[0..n) afterwards.
  *
- * Call rl_cc_init() once (under the GIL) before use. */
+ * The module must have called rl_core_import() (as every readerlib module does). */
 #ifndef READERLIB_RL_CRCCOPY_H
 #define READERLIB_RL_CRCCOPY_H
 #include <stdint.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include "rl_core.h"
 
-#define RL_CC_POLY 0x82f63b78u
-#define RL_CC_LONG 8192
-#define RL_CC_SHORT 256
+/* The CRC tables, the shift tables for the stream lengths and the hardware
+ * flag are rl_core.h's, owned once per process by readerlib._core. */
+#define RL_CC_LONG RL_CRC_LONG
+#define RL_CC_SHORT RL_CRC_SHORT
+#define rl_cc_table (rl_crc32c_table[0])
+#define rl_cc_long rl_crc32c_long
+#define rl_cc_short rl_crc32c_short
+#define rl_cc_hw rl_crc32c_hw
+#define rl_cc_shift rl_crc32c_shift
 
-static uint32_t rl_cc_table[256];
-static uint32_t rl_cc_long[4][256];
-static uint32_t rl_cc_short[4][256];
-static int rl_cc_hw = -1;
-
-static uint32_t rl_cc_gf2_times(const uint32_t *mat, uint32_t vec) {
-    uint32_t sum = 0;
-    while (vec) {
-        if (vec & 1) sum ^= *mat;
-        vec >>= 1;
-        mat++;
-    }
-    return sum;
-}
-
-static void rl_cc_gf2_square(uint32_t *square, const uint32_t *mat) {
-    for (int n = 0; n < 32; n++) square[n] = rl_cc_gf2_times(mat, mat[n]);
-}
-
-/* zeros[k][b]: the raw CRC register after appending `len` (a power of two)
- * zero bytes to a register holding byte b in position k. */
-static void rl_cc_zeros(uint32_t zeros[][256], size_t len) {
-    uint32_t even[32], odd[32], row = 1;
-    odd[0] = RL_CC_POLY;
-    for (int n = 1; n < 32; n++) { odd[n] = row; row <<= 1; }
-    rl_cc_gf2_square(even, odd);   /* 2 zero bits */
-    rl_cc_gf2_square(odd, even);   /* 4 zero bits */
-    const uint32_t *op = odd;
-    do {
-        rl_cc_gf2_square(even, odd);
-        op = even;
-        len >>= 1;
-        if (len == 0) break;
-        rl_cc_gf2_square(odd, even);
-        op = odd;
-        len >>= 1;
-    } while (len);
-    for (uint32_t n = 0; n < 256; n++) {
-        zeros[0][n] = rl_cc_gf2_times(op, n);
-        zeros[1][n] = rl_cc_gf2_times(op, n << 8);
-        zeros[2][n] = rl_cc_gf2_times(op, n << 16);
-        zeros[3][n] = rl_cc_gf2_times(op, n << 24);
-    }
-}
-
-static inline uint32_t rl_cc_shift(uint32_t zeros[][256], uint32_t crc) {
-    return zeros[0][crc & 0xff] ^ zeros[1][(crc >> 8) & 0xff] ^
-           zeros[2][(crc >> 16) & 0xff] ^ zeros[3][crc >> 24];
-}
-
-static void rl_cc_init(void) {
-    if (rl_cc_hw != -1) return;
-    for (uint32_t n = 0; n < 256; n++) {
-        uint32_t c = n;
-        for (int k = 0; k < 8; k++) c = c & 1 ? (c >> 1) ^ RL_CC_POLY : c >> 1;
-        rl_cc_table[n] = c;
-    }
-    rl_cc_zeros(rl_cc_long, RL_CC_LONG);
-    rl_cc_zeros(rl_cc_short, RL_CC_SHORT);
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    __builtin_cpu_init();
-    rl_cc_hw = __builtin_cpu_supports("sse4.2") ? 1 : 0;
-#else
-    rl_cc_hw = 0;
-#endif
-    if (getenv("READERLIB_NO_HW_CRC")) rl_cc_hw = 0;
-}
+/* Kept for callers: the shared tables are built when readerlib._core loads. */
+static inline void rl_cc_init(void) {}
 
 /* Software path: copy and CRC a byte at a time (raw register in and out). */
 static uint32_t rl_cc_sw_raw(uint32_t crc, char *dst, const char *src, size_t n) {
