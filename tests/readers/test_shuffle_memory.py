@@ -16,7 +16,7 @@ import pytest
 import readerlib as rl
 from readerlib.formats import _recordio
 from readerlib.readers import _shuffle
-from tests.support.helpers import assert_checkpoint_equal, drain_instances, unbatch
+from helpers import assert_checkpoint_equal, drain_instances, unbatch
 
 M64 = (1 << 64) - 1
 
