@@ -61,6 +61,12 @@ CASES = [
      ["| RecordIO file, 4,000 records |", "| ArrayReader (memory), 4,000 records |",
       "| shuffle buffer 10,000 |", "| batch 4,096 |", "| 64 x 64 KiB, 2 thread(s) |",
       "| readerlib RecordIOReader.shuffle.batch, shuffle(2,000) |", "| readerlib |", "memcpy of 16 MiB"], []),
+    # the A/B regression check, the current build against itself
+    ("bench_ab.py", ["--old", ROOT, "--new", ROOT],
+     ["| RecordIO 64 B -> shuffle -> batch |", "| RecordIO 64 KiB, v1 file -> shuffle -> batch |",
+      "| ArrayReader 64 KiB -> shuffle -> batch |", "| TFRecord 64 B -> shuffle -> batch |",
+      "| RecordIO 64 B -> shuffle -> batch -> map_batches(identity) |", "| batch_reindex (",
+      "| ctc_greedy_decoder (", "| import readerlib, wall of a fresh process"], []),
     # Ray's start-up alone takes 10-30 s here: run it with -m slow
     pytest.param("bench_ray.py", ["--sizes", "64", "--repeats", "1"],
                  ["| 2,000 x 64B | readerlib read_recordio |", "| 2,000 x 64B | ray.data.read_tfrecords |"],
