@@ -1,6 +1,6 @@
 """A/B regression check of two readerlib builds in the same run (issue 13).
 
-    python benchmarks/bench_ab.py --old /path/to/old/tree --new . [--repeats 7] [--out FILE] [--quick]
+    python benchmarks/bench_ab.py --old /path/to/old/tree --new . [--repeats 11] [--inner 5] [--n64 N] [--n64k N] [--out FILE] [--quick]
 
 Each build runs in its own fresh interpreter per round (``python -P`` with
 ``PYTHONPATH`` set to that build's tree, nothing else on the path; the child
@@ -168,14 +168,16 @@ def fmt_s(s):
 
 
 def main():
-    p = harness.parser(__doc__, repeats=7)
+    p = harness.parser(__doc__, repeats=11)
     p.add_argument("--old", required=True, help="tree of the old build (built in place)")
     p.add_argument("--new", required=True, help="tree of the new build (built in place)")
-    p.add_argument("--inner", type=int, default=3, help="calls per case in a round's child; its best counts")
+    p.add_argument("--inner", type=int, default=5, help="calls per case in a round's child; its best counts")
+    p.add_argument("--n64", type=int, default=1_000_000, help="64 B records per file / array")
+    p.add_argument("--n64k", type=int, default=2000, help="64 KiB records per file / array")
     p.add_argument("--imports", type=int, default=10, help="fresh `import readerlib` processes per build")
     args = harness.parse(p)
     old, new = os.path.abspath(args.old), os.path.abspath(args.new)
-    n64, n64k = (3000, 40) if args.quick else (200_000, 1000)
+    n64, n64k = (3000, 40) if args.quick else (args.n64, args.n64k)
     inner = 1 if args.quick else args.inner
     imports = 2 if args.quick else args.imports
     builds = {"old": old, "new": new}
