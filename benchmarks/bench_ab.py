@@ -121,6 +121,9 @@ cases["RecordIO 64 B -> shuffle -> map(identity) -> batch"] = drain(
     lambda: rl.RecordIOReader(files["rio64"]).shuffle(BUF, seed=0).map(identity).batch(BATCH))
 cases["RecordIO 64 B -> shuffle -> batch -> map_batches(identity)"] = drain(
     lambda: rl.RecordIOReader(files["rio64"]).shuffle(BUF, seed=0).batch(BATCH).map_batches(identity))
+if "rio64_v1" in files:
+    cases["RecordIO 64 B, v1 file -> shuffle -> batch -> map_batches(identity)"] = drain(
+        lambda: rl.RecordIOReader(files["rio64_v1"]).shuffle(BUF, seed=0).batch(BATCH).map_batches(identity))
 
 for N, M, inner_dim, number in ((256, 512, 64, 200), (65536, 65536, 64, 5)):
     if quick:
@@ -138,8 +141,11 @@ for T, B, V, number in ((50, 1, 29, 300), (200, 128, 129, 3)):
     cases[f"ctc_greedy_decoder {(T, B, V)}"] = calls(
         lambda x=x, lengths=lengths: ctc_greedy_decoder(x, lengths, num_threads=1), number)
 
+only = [w for w in sys.argv[7].split(",") if w]
 out = {}
 for name, fn in cases.items():
+    if only and not any(w in name for w in only):
+        continue
     fn()                                   # warm-up: page cache, lazy imports, pools
     best = min((fn() for _ in range(inner)), key=lambda s: s[0])
     out[name] = best
@@ -174,12 +180,15 @@ def main():
     p.add_argument("--inner", type=int, default=5, help="calls per case in a round's child; its best counts")
     p.add_argument("--n64", type=int, default=1_000_000, help="64 B records per file / array")
     p.add_argument("--n64k", type=int, default=2000, help="64 KiB records per file / array")
+    p.add_argument("--only", default="", help="comma-separated substrings: only the cases whose name has one")
     p.add_argument("--imports", type=int, default=10, help="fresh `import readerlib` processes per build")
     args = harness.parse(p)
     old, new = os.path.abspath(args.old), os.path.abspath(args.new)
     n64, n64k = (3000, 40) if args.quick else (args.n64, args.n64k)
     inner = 1 if args.quick else args.inner
     imports = 2 if args.quick else args.imports
+    if args.only and "import" not in args.only:
+        imports = 0
     builds = {"old": old, "new": new}
     tmp = tempfile.mkdtemp(prefix="bench_ab_")
     title = "A/B: old vs new build, same run, interleaved rounds (issue 13)"
@@ -198,7 +207,7 @@ def main():
                 order = ["old", "new"] if r % 2 == 0 else ["new", "old"]
                 for b in order:
                     (got,), _ = harness.run_child(
-                        ROUND, [builds[b], json.dumps(files[b]), inner, int(args.quick), n64, n64k],
+                        ROUND, [builds[b], json.dumps(files[b]), inner, int(args.quick), n64, n64k, args.only],
                         timeout=600, env={"PYTHONPATH": builds[b], "PYTHONSAFEPATH": None},
                         python_flags=("-P",))
                     for case, (s, n) in got.items():
@@ -219,7 +228,9 @@ def main():
                     "")
             rows = []
             v1_note = {"RecordIO 64 B, v1 file -> shuffle -> batch": "RecordIO 64 B -> shuffle -> batch",
-                       "RecordIO 64 KiB, v1 file -> shuffle -> batch": "RecordIO 64 KiB -> shuffle -> batch"}
+                       "RecordIO 64 KiB, v1 file -> shuffle -> batch": "RecordIO 64 KiB -> shuffle -> batch",
+                       "RecordIO 64 B, v1 file -> shuffle -> batch -> map_batches(identity)":
+                           "RecordIO 64 B -> shuffle -> batch -> map_batches(identity)"}
             for case in secs["new"]:
                 # a v1 file read by the new build is compared with the old build's (v1) file
                 oc = case if case in secs["old"] else v1_note.get(case)
@@ -231,7 +242,7 @@ def main():
                              f"{fmt_s(so.best)} / {fmt_s(so.median)}", f"{fmt_s(sn.best)} / {fmt_s(sn.median)}",
                              f"{so.spread:.0%} / {sn.spread:.0%}", f"{rb:.3f}", f"{rm:.3f}{flag}"])
             for label, d in (("import readerlib, wall of a fresh process", walls),
-                             ("import readerlib, cumulative (-X importtime)", cums)):
+                             ("import readerlib, cumulative (-X importtime)", cums)) if imports else ():
                 so, sn = harness.Stats("old", d["old"], 1), harness.Stats("new", d["new"], 1)
                 rm = sn.median / so.median
                 rows.append([label + f" ({imports} each)", f"{fmt_s(so.best)} / {fmt_s(so.median)}",
