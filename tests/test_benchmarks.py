@@ -82,6 +82,12 @@ CASES = [
       "| RecordIO 10,000 x 64 B | 1,000 | new |"], []),
     ("bench_binding.py", [],
      ["(the same build: A/B shows the noise)", "| batch 1, for |", "| batch 256, read_next |"], []),
+    # the A/B regression check, the current build against itself
+    ("bench_ab.py", ["--old", ROOT, "--new", ROOT],
+     ["| RecordIO 64 B -> shuffle -> batch |", "| RecordIO 64 KiB, v1 file -> shuffle -> batch |",
+      "| ArrayReader 64 KiB -> shuffle -> batch |", "| TFRecord 64 B -> shuffle -> batch |",
+      "| RecordIO 64 B -> shuffle -> batch -> map_batches(identity) |", "| batch_reindex (",
+      "| ctc_greedy_decoder (", "| import readerlib, wall of a fresh process"], []),
     # Ray's start-up alone takes 10-30 s here: run it with -m slow
     pytest.param("bench_ray.py", ["--sizes", "64", "--repeats", "1"],
                  ["| 2,000 x 64B | readerlib read_recordio |", "| 2,000 x 64B | ray.data.read_tfrecords |"],
