@@ -22,8 +22,7 @@ __all__ = ["BatchReader"]
 
 # Batch block: int64 header [n, nfields, (rows, data_off, lod_off) * nfields],
 # then 64-byte aligned sections (read by readers/_base.pyx: _wrap_batch).
-cdef inline int64_t _align64(int64_t x) noexcept nogil:
-    return (x + 63) & ~(<int64_t>63)
+from readerlib.readers._align cimport _align64
 
 
 # Parallel batch copies (readerlib._parallel bodies): each item is one instance

@@ -23,6 +23,7 @@ from readerlib.readers._base cimport (
     rl_load_i64, rl_store_i64, layout_from_schema, layout_parse, RL_MAX_FIELDS, trusted_lod, rl_core_import)
 from readerlib.readers._base import _cast_to_field, _record_schema_error
 from readerlib._keyed cimport keyed_type, keyed_new, keyed_from_seq
+from readerlib.readers._align cimport _align64
 from readerlib._keyed import _Keyed
 from readerlib.tensor import Field, LoDTensor, Schema
 
@@ -36,10 +37,6 @@ cdef object _view(object owner, const char *ptr, int nd, cnp.npy_intp *dims, int
     arr = cnp.PyArray_SimpleNewFromData(nd, dims, typenum, <void *>ptr)
     cnp.set_array_base(arr, owner)
     return arr
-
-
-cdef inline int64_t _align64(int64_t x) noexcept nogil:
-    return (x + 63) & ~(<int64_t>63)
 
 
 def _as_field_array_slow(value, field, what):

@@ -32,6 +32,7 @@ from readerlib.readers._base cimport (
     rl_block_new, rl_record_consumed, rl_store_i64, layout_parse, ITEM_INSTANCE, ITEM_BATCH,
     RL_MAX_FIELDS, rl_core_import)
 from readerlib.readers._base import _check_positive_int, _check_reader, _record_schema_error
+from readerlib.readers._align cimport _align64
 from readerlib.readers._codec cimport PADDED_FIELD
 from readerlib.tensor import Field, Schema
 
@@ -39,10 +40,6 @@ cnp.import_array()
 rl_core_import()
 
 __all__ = ["PaddedBatchReader", "BucketByLengthReader"]
-
-
-cdef inline int64_t _align64(int64_t x) noexcept nogil:
-    return (x + 63) & ~(<int64_t>63)
 
 
 cdef void _fill_pattern(char *dst, const char *pat, int64_t patlen, int64_t count) noexcept nogil:

@@ -226,6 +226,45 @@ def test_long_row_argmax_is_tf_rowmax(isa, n, seed, kind):
     assert _ctc._row_argmax_py(row) == tf_row_argmax(row)[0]
 
 
+def _structured_rows(n):
+    """Rows of length ``n`` that hit every branch of the bodies in rl_argmax.h: the
+    maximum (or a tie of two) at each position, so in every unrolled block, single
+    vector, masked tail and scalar tail; NaN at 0 and elsewhere; -inf and +inf."""
+    for p in range(n):
+        row = np.zeros(n)
+        row[p] = 1.0
+        yield row                                   # a single maximum at p
+        row = np.full(n, -np.inf)
+        row[p] = -1e30
+        yield row                                   # -inf everywhere else
+        row = np.arange(n, dtype=np.float64)
+        row[p] = np.nan
+        yield row                                   # one NaN (at 0 it wins)
+        for q in sorted({p + 1, p + 3, n - 1} - {p}):
+            if q < n:
+                row = np.zeros(n)
+                row[[p, q]] = 2.0
+                yield row                           # a tie: p wins
+                row[q] = np.inf
+                yield row                           # +inf after the tie
+    yield np.full(n, -np.inf)                       # all -inf: index 0
+    yield np.full(n, np.nan)                        # all NaN: index 0
+    row = np.full(n, np.nan)
+    row[0] = -np.inf
+    yield row                                       # NaNs never win after row[0]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_row_argmax_every_position_every_isa(isa, dtype):
+    """Every length 1..70 (around the 4/8/16-lane vector and 16/32/64-element block
+    sizes) and the one-pass threshold (128) and 4 * 64 + 1, exhaustively."""
+    for n in list(range(1, 71)) + [127, 128, 129, 257]:
+        for row in _structured_rows(n):
+            row = row.astype(dtype)
+            want = tf_row_argmax(row)[0]
+            assert _ctc._row_argmax_py(row) == want, (isa, n, row.tolist())
+
+
 # -- against the reference on random inputs -------------------------------------------
 
 @st.composite
