@@ -19,7 +19,11 @@ import time
 
 import harness
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import readerlib  # noqa: E402  (the build under test: the in-place tree or an install)
+
+# the folder holding the readerlib under test (the source tree when built in
+# place, site-packages when installed): the "new" children import it from there
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(readerlib.__file__)))
 
 SPEED = r"""
 import sys, time, json, resource

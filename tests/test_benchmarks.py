@@ -16,6 +16,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
+# the folder holding the readerlib under test (the tree when built in place,
+# site-packages when installed, as in CI): what an A/B of a build with itself runs
+PKGROOT = os.path.dirname(os.path.dirname(os.path.abspath(__import__("readerlib").__file__)))
 
 
 def _have(mod):
@@ -83,7 +86,7 @@ CASES = [
     ("bench_binding.py", [],
      ["(the same build: A/B shows the noise)", "| batch 1, for |", "| batch 256, read_next |"], []),
     # the A/B regression check, the current build against itself
-    ("bench_ab.py", ["--old", ROOT, "--new", ROOT],
+    ("bench_ab.py", ["--old", PKGROOT, "--new", PKGROOT],
      ["| RecordIO 64 B -> shuffle -> batch |", "| RecordIO 64 KiB, v1 file -> shuffle -> batch |",
       "| ArrayReader 64 KiB -> shuffle -> batch |", "| TFRecord 64 B -> shuffle -> batch |",
       "| RecordIO 64 B -> shuffle -> batch -> map_batches(identity) |", "| batch_reindex (",
