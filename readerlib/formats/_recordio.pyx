@@ -615,6 +615,22 @@ cdef class RecordIOReader(FileReader):
                     self.cur_blocks[i] = NULL
             self.cur_per_record = False
 
+    cdef int _fresh_cur_blocks(self, int64_t n) noexcept nogil:
+        """Release the current chunk and make room for n per-record blocks (all
+        NULL); -1 when out of memory (nothing else changed)."""
+        cdef rl_block **blocks
+        cdef int64_t i
+        if n > self.cur_blocks_cap:
+            blocks = <rl_block **>realloc(self.cur_blocks, n * sizeof(rl_block *))
+            if blocks == NULL:
+                return -1
+            self.cur_blocks = blocks
+            self.cur_blocks_cap = n
+        self._release_cur()
+        for i in range(n):
+            self.cur_blocks[i] = NULL
+        return 0
+
     def _fail(self, msg, offset):
         raise RecordIOError(f"{self.path}: {msg} at byte offset {offset}", self.path, offset)
 
@@ -1117,15 +1133,8 @@ cdef class RecordIOReader(FileReader):
             self.padbuf = <char *>malloc(GROUP_RECORDS * PAGE)
             if self.padbuf == NULL:
                 return CK_NOMEM
-        if n > self.cur_blocks_cap:
-            blocks = <rl_block **>realloc(self.cur_blocks, n * sizeof(rl_block *))
-            if blocks == NULL:
-                return CK_NOMEM
-            self.cur_blocks = blocks
-            self.cur_blocks_cap = n
-        self._release_cur()
-        for i in range(n):
-            self.cur_blocks[i] = NULL
+        if self._fresh_cur_blocks(n) != 0:
+            return CK_NOMEM
         self.cur_n = n
         self.cur_i = 0
         self.cur_per_record = True          # _release_cur frees what was read so far
@@ -1218,15 +1227,8 @@ cdef class RecordIOReader(FileReader):
         if got != 4 * n:
             return self._read_failed(got, off + CHUNK_HEADER)
         crc = rl_crc32c(0, self.zbuf, 4 * n)
-        if n > self.cur_blocks_cap:
-            blocks = <rl_block **>realloc(self.cur_blocks, n * sizeof(rl_block *))
-            if blocks == NULL:
-                return CK_NOMEM
-            self.cur_blocks = blocks
-            self.cur_blocks_cap = n
-        self._release_cur()
-        for i in range(n):
-            self.cur_blocks[i] = NULL
+        if self._fresh_cur_blocks(n) != 0:
+            return CK_NOMEM
         for i in range(n):
             pad = (-(payload_abs + pos)) & (PAGE - 1)
             size_i = rl_load_u32(self.zbuf + 4 * i)
