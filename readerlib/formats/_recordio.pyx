@@ -615,6 +615,18 @@ cdef class RecordIOReader(FileReader):
                     self.cur_blocks[i] = NULL
             self.cur_per_record = False
 
+    cdef int _zbuf_reserve(self, int64_t n) noexcept nogil:
+        """Make the scratch buffer (zlib input, v2 tables) hold n bytes; -1 when
+        out of memory (the buffer is left as it was)."""
+        cdef char *zb
+        if n > self.zcap:
+            zb = <char *>realloc(self.zbuf, n)
+            if zb == NULL:
+                return -1
+            self.zbuf = zb
+            self.zcap = n
+        return 0
+
     cdef int _fresh_cur_blocks(self, int64_t n) noexcept nogil:
         """Release the current chunk and make room for n per-record blocks (all
         NULL); -1 when out of memory (nothing else changed)."""
@@ -824,7 +836,6 @@ cdef class RecordIOReader(FileReader):
         cdef char hbuf[CHUNK_HEADER]
         cdef const char *h = hbuf
         cdef const char *body
-        cdef char *zb
         cdef int64_t got
         cdef int64_t stored, raw, n, i, total, pos
         cdef uint32_t comp
@@ -876,12 +887,8 @@ cdef class RecordIOReader(FileReader):
                 return CK_NOMEM
             body = blk.data
         else:
-            if stored > self.zcap:
-                zb = <char *>realloc(self.zbuf, stored)
-                if zb == NULL:
-                    return CK_NOMEM
-                self.zbuf = zb
-                self.zcap = stored
+            if self._zbuf_reserve(stored) != 0:
+                return CK_NOMEM
             body = self.zbuf
             blk = NULL
         got = rl_pread_full(self.fd, <char *>body, stored, off + CHUNK_HEADER)
@@ -961,7 +968,12 @@ cdef class RecordIOReader(FileReader):
     cdef int _v2_check(self, const char *rec, int64_t size_i, uint32_t want, int64_t i,
                        int64_t file_off) noexcept nogil:
         """One record of a version-2 chunk, just read: its own CRC, then the schema."""
-        if rl_crc32c(0, rec, size_i) != want:
+        return self._v2_checked(rec, size_i, rl_crc32c(0, rec, size_i), want, i, file_off)
+
+    cdef int _v2_checked(self, const char *rec, int64_t size_i, uint32_t got, uint32_t want, int64_t i,
+                         int64_t file_off) noexcept nogil:
+        """_v2_check with the record's CRC already computed (`got`: by the fused copy)."""
+        if got != want:
             self.err_record = i
             self.err_off = file_off
             return CK_RECORD_CRC
@@ -990,6 +1002,7 @@ cdef class RecordIOReader(FileReader):
         copy, instead of a write-allocate into a cold block and a CRC pass."""
         cdef char *st
         cdef int64_t got, k, pad, rel = 0
+        cdef int code
         cdef rl_block *blk
         if gbytes > self.stage_cap:
             st = <char *>realloc(self.stage, gbytes)
@@ -1009,23 +1022,12 @@ cdef class RecordIOReader(FileReader):
             pos += pad
             rel += pad
             blk = self.cur_blocks[k]
-            if rl_crc32c_copy_nt(0, blk.data, self.stage + rel, blk.size) != rl_load_u32(T + 4 * (n + k)):
+            code = self._v2_checked(blk.data, blk.size,
+                                    rl_crc32c_copy_nt(0, blk.data, self.stage + rel, blk.size),
+                                    rl_load_u32(T + 4 * (n + k)), k, payload_abs + pos)
+            if code != CK_OK:
                 rl_cc_fence()
-                self.err_record = k
-                self.err_off = payload_abs + pos
-                return CK_RECORD_CRC
-            self._bytes_verified += blk.size
-            if self.layout.n_lod == 0:
-                if blk.size != self.layout.fixed_size:
-                    rl_cc_fence()
-                    self.err_record = k
-                    self.err_off = payload_abs + pos
-                    return CK_RECORD
-            elif layout_parse(&self.layout, blk.data, blk.size, self._ptrs, self._rows) != 0:
-                rl_cc_fence()
-                self.err_record = k
-                self.err_off = payload_abs + pos
-                return CK_RECORD
+                return code
             pos += blk.size
             rel += blk.size
         rl_cc_fence()               # the blocks are complete before any thread reads them
@@ -1044,7 +1046,6 @@ cdef class RecordIOReader(FileReader):
         cdef int64_t tbl = 8 * n, i, j, k, pos, p2, pad, size_i, got, have, piece
         cdef int64_t payload_abs = off + CHUNK_HEADER + tbl
         cdef int64_t gbytes, goff
-        cdef char *zb
         cdef char *T
         cdef rl_block *blk
         cdef rl_block **blocks
@@ -1113,12 +1114,8 @@ cdef class RecordIOReader(FileReader):
             self.cur_payload_abs = payload_abs
             return CK_OK
         # ---- big records: a block each, read a group at a time, verified per group
-        if tbl > self.zcap:
-            zb = <char *>realloc(self.zbuf, tbl)
-            if zb == NULL:
-                return CK_NOMEM
-            self.zbuf = zb
-            self.zcap = tbl
+        if self._zbuf_reserve(tbl) != 0:
+            return CK_NOMEM
         T = self.zbuf
         got = rl_pread_full(self.fd, T, tbl, off + CHUNK_HEADER)
         if got != tbl:
@@ -1211,18 +1208,13 @@ cdef class RecordIOReader(FileReader):
         cdef uint32_t crc
         cdef rl_block *blk
         cdef rl_block **blocks
-        cdef char *zb
         cdef const char *ptrs[RL_MAX_FIELDS]
         cdef int64_t rows[RL_MAX_FIELDS]
         cdef int code = CK_OK
         if 4 * n > stored:
             return CK_SIZES
-        if 4 * n > self.zcap:
-            zb = <char *>realloc(self.zbuf, 4 * n)
-            if zb == NULL:
-                return CK_NOMEM
-            self.zbuf = zb
-            self.zcap = 4 * n
+        if self._zbuf_reserve(4 * n) != 0:
+            return CK_NOMEM
         got = rl_pread_full(self.fd, self.zbuf, 4 * n, off + CHUNK_HEADER)
         if got != 4 * n:
             return self._read_failed(got, off + CHUNK_HEADER)
