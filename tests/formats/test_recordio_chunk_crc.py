@@ -59,6 +59,11 @@ def _records(path, **kw):
         return [bytes(v[0]) for v in r]
 
 
+def _payloads(got):
+    """The bytes of field "b" of each record read_all returned (canonical: dtype, shape, bytes)."""
+    return [rec[0][2] for rec in got]
+
+
 def _enc(x):
     return len(x).to_bytes(8, "little") + x          # a sequence record: i64 row count, then the rows
 
@@ -262,7 +267,7 @@ def _flip_all(data, want, bad, positions, masks=(0x01, 0x80, 0xFF)):
             except rl.RecordIOError as e:
                 _check_error(e, bad, i)
                 continue
-            assert [g[0] for g in got] == want, f"byte {i} ^ {mask:#x}: different data delivered"
+            assert _payloads(got) == want, f"byte {i} ^ {mask:#x}: different data delivered"
             assert ws, f"byte {i} ^ {mask:#x}: corruption went unnoticed"
 
 
@@ -375,3 +380,34 @@ def test_the_plain_python_bench_peer_reads_whole_body_crc_chunks(tmp_path):
     want = _write(path, _mixed(np.random.default_rng(11), small=12, big=2), chunk_size=300)
     assert {f for _, _, f, _, _ in _chunks(path)} == {0x200, 0x100}
     assert [bytes(r) for r in bench._python_records(str(path))] == [_enc(x) for x in want]
+
+
+@pytest.mark.parametrize("record_crc", ["auto", True], ids=["new-default", "old-v2"])
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_truncation_at_every_offset(scratch, record_crc, on_error):
+    """Cut anywhere: an error naming the file and an offset at or before the cut,
+    or a warning and records that are a prefix (raise: exactly the complete chunks)."""
+    rng = np.random.default_rng(12)
+    want = [rng.integers(0, 256, int(k), dtype=np.uint8).tobytes() for k in (3, 0, 11, 5, 1, 9, 2)]
+    src = scratch / "good.rio"
+    _write(src, want, chunk_size=40, record_crc=record_crc)
+    data = src.read_bytes()
+    r0 = rl.RecordIOReader(src)
+    offs, nrec = r0.chunk_table()
+    boundaries = {int(o): int(nrec[:k].sum()) for k, o in enumerate(offs)}
+    cut_file = scratch / "cut.rio"
+    for cut in range(len(data)):
+        cut_file.write_bytes(data[:cut])
+        try:
+            got, ws, r = read_all(cut_file, on_error=on_error)
+        except rl.RecordIOError as e:
+            _check_error(e, cut_file, cut)
+            if on_error == "skip":
+                assert cut < r0.data_start, f"cut at {cut}: skip mode raised {e}"
+            continue
+        got = _payloads(got)
+        assert ws, f"cut at {cut}: truncated file read without a warning"
+        assert got == want[:len(got)], f"cut at {cut}: not a prefix of the records"
+        if on_error == "raise":
+            assert cut in boundaries or cut >= int(offs[-1]) + 32 + _chunks(src)[-1][4], cut
+            assert len(got) == boundaries.get(cut, len(want))
