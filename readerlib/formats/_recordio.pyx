@@ -135,8 +135,8 @@ def _crc32c_copy_uses_hardware():
 __all__ = ["RecordIOWriter", "RecordIOReader", "FILE_MAGIC", "FILE_MAGICS"]
 
 # The format version is the magic's last byte.  Version 2 adds a CRC-32C per
-# record to uncompressed chunks (RECORDIO.md): a record can be verified on its
-# own, right after it is read, while it is still in cache.
+# record to uncompressed chunks of big records (RECORDIO.md): a record can be
+# verified on its own, right after it is read, while it is still in cache.
 FILE_MAGIC = b"RLRECIO2"                 # what the writer writes by default
 FILE_MAGICS = {b"RLRECIO1": 1, b"RLRECIO2": 2}
 DEF GROUP_BYTES = 524288            # v2 big records: read (one preadv) and verified in L2-sized groups
