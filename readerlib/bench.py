@@ -141,7 +141,8 @@ def _python_records(path):
             body = f.read(stored)
             mv = memoryview(body)
             sizes = struct.unpack_from(f"<{n}I", body, 0)
-            p = 8 * n if v2 and comp & 0xFF == 0 else 4 * n
+            # version 2, uncompressed: a CRC table too, unless flag 0x200 (whole-body CRC)
+            p = 8 * n if v2 and comp & 0xFF == 0 and not comp & 0x200 else 4 * n
             for s in sizes:
                 if comp & 0x100:                  # page-aligned records
                     p += -(base + p) % 4096

@@ -83,6 +83,10 @@ CASES = [
     ("bench_shuffle_memory.py", ["--peers", "none"],
      ["| ArrayReader 20,000 x 64 B | 10,000 |", "| RecordIO 40 x 64 KiB | 10 |",
       "| RecordIO 10,000 x 64 B | 1,000 | new |"], []),
+    ("bench_recordio_versions.py", ["--sweep"],
+     ["| v1 | version=1 | 0x0 |", "| v2 tables (record_crc=True) | record_crc=True | 0x0 |",
+      "| v2 default | (defaults) | 0x200 |", "file -> shuffle(10,000) -> batch(256), 2 interleaved",
+      "file -> batch(256), 2 interleaved", "| 32 x 64 KiB, defaults | 0x100 | 32 |", "| 4,096 B | 256 |"], []),
     ("bench_binding.py", [],
      ["(the same build: A/B shows the noise)", "| batch 1, for |", "| batch 256, read_next |"], []),
     # the A/B regression check, the current build against itself

@@ -135,8 +135,8 @@ def _crc32c_copy_uses_hardware():
 __all__ = ["RecordIOWriter", "RecordIOReader", "FILE_MAGIC", "FILE_MAGICS"]
 
 # The format version is the magic's last byte.  Version 2 adds a CRC-32C per
-# record to uncompressed chunks (RECORDIO.md): a record can be verified on its
-# own, right after it is read, while it is still in cache.
+# record to uncompressed chunks of big records (RECORDIO.md): a record can be
+# verified on its own, right after it is read, while it is still in cache.
 FILE_MAGIC = b"RLRECIO2"                 # what the writer writes by default
 FILE_MAGICS = {b"RLRECIO1": 1, b"RLRECIO2": 2}
 DEF GROUP_BYTES = 524288            # v2 big records: read (one preadv) and verified in L2-sized groups
@@ -151,6 +151,11 @@ COMPRESSORS = {"none": 0, "zlib": 1}
 DEF PAGE = 4096
 DEF FLAG_ALIGNED = 0x100            # compressor field: records start on page boundaries
 DEF ALIGN_MIN_RECORD = 32768        # page_align="auto": mean record size that turns it on
+DEF FLAG_BODY_CRC = 0x200           # version 2, compressor 0: no CRC table, body_crc covers the whole
+                                    # body (the version-1 body), for chunks of small records
+DEF RECORD_CRC_MIN_RECORD = 32768   # record_crc="auto": mean record size that gets a CRC table
+                                    # (measured: below it the whole-body CRC reads faster at every
+                                    # size, benchmarks/results/recordio_versions.md)
 
 # error codes of a chunk check (messages in _CHUNK_ERRORS)
 cdef enum:
@@ -171,6 +176,7 @@ cdef enum:
     CK_TABLE_CRC = 14
     CK_RECORD_CRC = 15
     CK_PADDING = 16
+    CK_FLAGS = 17
 
 _CHUNK_ERRORS = {
     CK_TRUNC_HEADER: "truncated chunk header",
@@ -189,6 +195,7 @@ _CHUNK_ERRORS = {
     CK_TABLE_CRC: "chunk record table checksum mismatch",
     CK_RECORD_CRC: "record checksum mismatch",
     CK_PADDING: "nonzero padding before a page-aligned record",
+    CK_FLAGS: "unknown chunk flags (a newer RecordIO format than this readerlib reads?)",
 }
 
 
@@ -219,9 +226,19 @@ cdef class RecordIOWriter(FileWriter):
         copied.
     version : {2, 1}
         File format version (RECORDIO.md).  2 (default): uncompressed chunks
-        carry a CRC-32C per record, so readers verify each record alone,
-        right after reading it.  1: the previous format, for readers older
-        than version 2 support.
+        of big records carry a CRC-32C per record, so readers verify each
+        record alone, right after reading it (see `record_crc`).  1: the
+        previous format, for readers older than version 2 support.
+    record_crc : {"auto", True, False}
+        Version 2, uncompressed chunks: store a table of each record's
+        CRC-32C.  "auto" (default): for chunks whose records average >= 32
+        KiB (the ones readers read into a block per record); a chunk of
+        smaller records keeps one CRC over its whole body (chunk flag 0x200),
+        checked once per chunk at memory speed -- cheaper for them, measured
+        in benchmarks/results/recordio_versions.md.  True: a table in every
+        uncompressed chunk (the files version-2 readers of before 0x200 can
+        read).  False: no table anywhere.  Version 1 has no tables ("auto" or
+        False only).
 
     Examples
     --------
@@ -245,12 +262,18 @@ cdef class RecordIOWriter(FileWriter):
     cdef object page_align
     cdef readonly int version
     cdef uint32_t *crcs                # version 2: each record's CRC-32C (sizes_cap of them)
+    cdef object record_crc
 
     def __init__(self, path, schema, chunk_size=1 << 20, compressor="none", compression_level=6,
-                 page_align="auto", version=2):
+                 page_align="auto", version=2, record_crc="auto"):
         if version not in (1, 2) or isinstance(version, bool):
             raise ValueError(f"version must be 1 or 2, got {version!r}")
         self.version = version
+        if record_crc not in ("auto", True, False) or not isinstance(record_crc, (bool, str)):
+            raise ValueError(f"record_crc must be 'auto', True or False, got {record_crc!r}")
+        if record_crc is True and version == 1:
+            raise ValueError("record_crc=True needs version=2 (version 1 has no per-record CRCs)")
+        self.record_crc = record_crc
         self.schema = Schema.coerce(schema)
         if compressor not in COMPRESSORS:
             raise ValueError(f"compressor must be one of {sorted(COMPRESSORS)}, got {compressor!r}")
@@ -372,11 +395,17 @@ cdef class RecordIOWriter(FileWriter):
         cdef bytes body_c
         cdef uint32_t body_crc
         cdef int64_t raw_size = 4 * n + self.payload_len
+        cdef uint32_t flags = self.compressor
+        # version 2: a CRC table for chunks of big records only (record_crc="auto")
+        cdef bint tables = self.compressor == 0 and self.version == 2 and (self.record_crc is True or (
+            self.record_crc == "auto" and self.payload_len >= RECORD_CRC_MIN_RECORD * n))
+        if self.compressor == 0 and self.version == 2 and not tables:
+            flags = FLAG_BODY_CRC
         if self.compressor == 0 and (self.page_align is True or (
                 self.page_align == "auto" and self.payload_len >= ALIGN_MIN_RECORD * n)):
-            return self._write_aligned_chunk()
-        if self.compressor == 0 and self.version == 2:
-            return self._write_aligned_chunk(False)
+            return self._write_aligned_chunk(True, tables, flags)
+        if tables:
+            return self._write_aligned_chunk(False, True, 0)
         if self.compressor == 1:
             body_c = _pyzlib.compress(bytes(sizes_mv) + bytes(payload_mv), self.level)
             body_crc = rl_crc32c(0, <const char *>body_c, len(body_c))
@@ -387,7 +416,7 @@ cdef class RecordIOWriter(FileWriter):
             stored = raw_size
         # one piece, all or nothing: a failed write leaves the file at the last
         # complete chunk and the chunk buffered, so a retry rewrites it in place
-        head = self._chunk_header(n, self.compressor, body_crc, stored, raw_size)
+        head = self._chunk_header(n, flags, body_crc, stored, raw_size)
         if self.compressor == 1:
             self._f.write(head, body_c)
         else:
@@ -413,22 +442,24 @@ cdef class RecordIOWriter(FileWriter):
         rl_store_u32(h + 28, _chunk_header_crc(self.salt, h))
         return bytes(head)
 
-    cdef int _write_aligned_chunk(self, bint aligned=True) except -1:
+    cdef int _write_aligned_chunk(self, bint aligned, bint tables, uint32_t flags) except -1:
         """Uncompressed chunk whose records each start on a page boundary of the
         file (zero padding between them): a reader can then drop each big
         record's pages, all of them, as soon as it has been copied.
 
-        Version 2 (aligned or not): the size table is followed by a table of
-        each record's CRC-32C, and the chunk header's CRC covers both tables;
-        padding is covered by being required to be zero (not by a CRC)."""
+        Version 2 with `tables` (aligned or not): the size table is followed by
+        a table of each record's CRC-32C, and the chunk header's CRC covers
+        both tables; padding is covered by being required to be zero (not by
+        a CRC).  Without: the body CRC covers everything (version 1's body;
+        `flags` adds FLAG_BODY_CRC to it in a version-2 file)."""
         cdef int64_t n = self.nsizes, i, pos = 0, src = 0, pad = 0, n_loop
-        cdef int64_t tbl = (8 if self.version == 2 else 4) * n
+        cdef int64_t tbl = (8 if tables else 4) * n
         cdef int64_t payload_abs = self._pos + CHUNK_HEADER + tbl
         cdef uint32_t crc = rl_crc32c(0, self.sizes, n * 4)
         cdef bytes zeros = bytes(PAGE)
         payload_mv = memoryview(<char[:max(self.payload_len, 1)]>self.payload)
         pieces = [memoryview(<char[:n * 4]><char *>self.sizes)]     # views: no copy of the payload
-        if self.version == 2:
+        if tables:
             for i in range(n):
                 self.crcs[i] = rl_crc32c(0, self.payload + src, self.sizes[i])
                 src += self.sizes[i]
@@ -446,16 +477,16 @@ cdef class RecordIOWriter(FileWriter):
             pad = (-(payload_abs + pos)) & (PAGE - 1)
             if pad:
                 pieces.append(zeros[:pad])
-                if self.version == 1:
+                if not tables:
                     crc = rl_crc32c(crc, <const char *>zeros, pad)
             if self.sizes[i]:
                 pieces.append(payload_mv[src:src + self.sizes[i]])
-                if self.version == 1:
+                if not tables:
                     crc = rl_crc32c(crc, self.payload + src, self.sizes[i])
             pos += pad + self.sizes[i]
             src += self.sizes[i]
         cdef int64_t stored = tbl + pos
-        self._f.write(self._chunk_header(n, FLAG_ALIGNED if aligned else 0, crc, stored, stored),
+        self._f.write(self._chunk_header(n, flags | (FLAG_ALIGNED if aligned else 0), crc, stored, stored),
                       *pieces)
         self._index.append((self._pos, n))
         self._pos += 32 + stored
@@ -843,7 +874,7 @@ cdef class RecordIOReader(FileReader):
         cdef const char *ptrs[RL_MAX_FIELDS]
         cdef int64_t rows[RL_MAX_FIELDS]
         cdef uLongf dest_len
-        cdef bint aligned
+        cdef bint aligned, body_crc
         cdef int64_t payload_abs, size_i
         self.err_off = off
         self.err_record = -1
@@ -859,8 +890,11 @@ cdef class RecordIOReader(FileReader):
         n = rl_load_u32(h + 4)
         comp = rl_load_u32(h + 8)
         aligned = (comp & FLAG_ALIGNED) != 0
-        comp &= ~(<uint32_t>FLAG_ALIGNED)
-        if aligned and comp != 0:
+        body_crc = (comp & FLAG_BODY_CRC) != 0      # version 2: a version-1 body (no CRC table)
+        comp &= ~(<uint32_t>(FLAG_ALIGNED | FLAG_BODY_CRC))
+        if comp > 0xFF or (body_crc and self.version != 2):
+            return CK_FLAGS
+        if (aligned or body_crc) and comp != 0:
             return CK_COMPRESSOR
         stored = <int64_t>rl_load_u64(h + 16)
         raw = rl_load_u32(h + 24)
@@ -870,7 +904,7 @@ cdef class RecordIOReader(FileReader):
             return CK_COMPRESSOR
         if stored != limit - off - CHUNK_HEADER:
             return CK_TRUNC_BODY
-        if comp == 0 and self.version == 2:
+        if comp == 0 and self.version == 2 and not body_crc:
             if raw != stored:
                 return CK_SIZES
             return self._load_v2(off, h, n, stored, aligned)

@@ -650,12 +650,14 @@ def _check_zlib_chunk(path):
 
 @pytest.mark.parametrize("page_align", [False, True])
 def test_version2_layout_per_record_crcs(tmp_path, page_align):
-    """Version 2 (the default): after the size table, a table of each record's
-    CRC-32C; the header's checksum covers the two tables; padding is zero."""
+    """Version 2 (the default) with per-record CRCs (forced here: "auto" gives
+    records this small a whole-body CRC, tests/formats/test_recordio_chunk_crc.py):
+    after the size table, a table of each record's CRC-32C; the header's
+    checksum covers the two tables; padding is zero."""
     path = tmp_path / "x.rio"
     recs = [np.arange(k, dtype=np.uint8) for k in (5, 0, 300, 7)]
     schema = rl.Schema([rl.Field("b", "uint8", (), lod_level=1)])
-    with rl.RecordIOWriter(path, schema, page_align=page_align) as w:
+    with rl.RecordIOWriter(path, schema, page_align=page_align, record_crc=True) as w:
         assert w.version == 2
         for x in recs:
             w.write((x,))
@@ -845,7 +847,8 @@ def test_page_aligned_records_start_on_file_pages_and_round_trip(tmp_path):
     assert [bytes(x[0]) for x in r] == recs
     offs, _ = r.chunk_table()
     first = int(offs[0])
-    assert int.from_bytes(data[first + 8:first + 12], "little") == 0x100      # aligned flag
+    # aligned flag, and 0x200: records this small keep the whole-body CRC (record_crc="auto")
+    assert int.from_bytes(data[first + 8:first + 12], "little") == 0x300
     # every record (its int64 row count, then its bytes) starts at a multiple of 4096
     for rec in recs:
         if len(rec) >= 100:
