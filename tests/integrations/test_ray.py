@@ -97,6 +97,13 @@ def test_arrow_layout_round_trips_a_batch_without_copies():
     # the Arrow columns wrap the batch's buffers (zero copy), bool excepted
     seq = table.column("seq").chunk(0)
     assert np.shares_memory(seq.values.flatten().to_numpy(), batch[3].data)
+    assert np.shares_memory(seq.offsets.to_numpy(), batch[3].lod[0])             # the LoD level itself
+    assert np.shares_memory(table.column("id").chunk(0).to_numpy(), batch[0].data)
+    x = table.column("x").chunk(0)                                               # Ray's tensor column
+    assert np.shares_memory(x.to_numpy(), batch[1].data) and x.to_numpy().shape == (40, 2, 3)
+    # and back: arrow_to_columns wraps the Arrow buffers, bool excepted
+    back = rlray.arrow_to_columns(table, SCHEMA)
+    assert np.shares_memory(back[3].data, batch[3].data) and np.shares_memory(back[1], batch[1].data)
     # a sliced table (offsets not starting at 0) converts back exactly
     for lo, hi in [(0, 40), (7, 23), (39, 40), (5, 5)]:
         cols = rlray.arrow_to_columns(table.slice(lo, hi - lo), SCHEMA)
