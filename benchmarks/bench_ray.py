@@ -1,6 +1,7 @@
 """Ray Data: readerlib's read_recordio against Ray Data's own readers (issue 17).
 
-    python benchmarks/bench_ray.py [--quick] [--repeats 5] [--sizes 64,65536] [--fixed-cost] [--out FILE]
+    python benchmarks/bench_ray.py [--quick] [--repeats 5] [--sizes 64,65536] [--big-mib 512]
+                                   [--fixed-cost] [--out FILE]
 
 The same records (64 B and 64 KiB of random bytes each), written as
   * RecordIO files (one field ``data``: uint8[size]) -> ``readerlib.integrations.ray.read_recordio``
@@ -13,8 +14,16 @@ building the Dataset and iterating all of it (``iter_batches(batch_size=None,
 batch_format="pyarrow")``, as a training loop would) -- planning included.
 Each reader runs one untimed pass first (worker start-up, TensorFlow import in
 the workers), then `--repeats` timed rounds, the readers interleaved (harness.py); best and median are reported, and
-ratios of best to best against ``read_tfrecords``.  The files are in the page
-cache.  The machine is shared: read the ratios.
+ratios against ``read_tfrecords``: best to best, median to median, and the
+median and best of the per-round ratios (a round times every reader once,
+back to back, so a round's ratio is paired: both readers saw the same
+machine).  The files are in the page cache.  The machine is shared: read
+the ratios.
+
+A last row, "Ray floor", is a source whose read tasks read nothing: each
+yields a block of the same rows and bytes (uninitialised memory) -- what a
+pass costs in Ray alone (planning, 8 tasks, the put into the object store,
+the driver's iteration), the lowest time any reader can reach here.
 """
 import os
 import platform
@@ -65,6 +74,29 @@ def write_all(root, n, size, seed=0):
     return out, schema
 
 
+def floor_source(n, size):
+    """A Ray Datasource of FILES tasks that read nothing: each yields one block of
+    its share of the n rows (a uint8[size] column over uninitialised memory)."""
+    import pyarrow as pa
+    from ray.data.block import BlockMetadata
+    from ray.data.datasource import Datasource, ReadTask
+
+    class RayFloor(Datasource):
+        def estimate_inmemory_data_size(self):
+            return n * size
+
+        def get_read_tasks(self, parallelism, per_task_row_limit=None, data_context=None):
+            def read(rows):
+                flat = pa.py_buffer(np.empty(rows * size, np.uint8))
+                values = pa.Array.from_buffers(pa.uint8(), rows * size, [None, flat])
+                yield pa.table({"data": pa.FixedSizeListArray.from_arrays(values, size)})
+            return [ReadTask(lambda rows=len(part): read(rows),
+                             BlockMetadata(num_rows=len(part), size_bytes=len(part) * size,
+                                           input_files=None, exec_stats=None))
+                    for part in np.array_split(np.arange(n), FILES)]
+    return RayFloor()
+
+
 def one_pass(make):
     t = time.perf_counter()
     ds = make()
@@ -77,6 +109,9 @@ def one_pass(make):
 def main(argv=None):
     ap = harness.parser(__doc__, repeats=5)
     ap.add_argument("--sizes", default="64,65536", help="record sizes in bytes, comma-separated")
+    ap.add_argument("--big-mib", type=int, default=512,
+                    help="MiB of 64 KiB records (default 512: 8,000 records; a bigger set weighs Ray's "
+                         "fixed cost per pass less)")
     ap.add_argument("--fixed-cost", action="store_true",
                     help="only time passes over 8 files of 10 records (Ray's fixed cost per pass)")
     args = harness.parse(ap, argv)
@@ -89,7 +124,7 @@ def main(argv=None):
     ray.data.DataContext.get_current().enable_progress_bars = False
     # 64 B: 200k records (read_tfrecords parses ~6k Examples/s here); 64 KiB: 512 MiB, so
     # that Ray's fixed cost per pass (planning, scheduling 8 tasks: ~0.1 s) is not the figure
-    count = {64: 2_000 if args.quick else 200_000, 64 << 10: 16 if args.quick else 8_000}
+    count = {64: 2_000 if args.quick else 200_000, 64 << 10: 16 if args.quick else args.big_mib * 16}
     if args.fixed_cost:
         root = tempfile.mkdtemp(prefix="bench_ray_")
         try:
@@ -110,8 +145,9 @@ def main(argv=None):
     lines = [harness.bounds_line(copy), "", f"###### Ray Data readers, {FILES} files each, override_num_blocks={FILES}, "
              f"ray.init(num_cpus=2), best / median of {args.repeat} passes (Ray {ray.__version__}, "
              f"pyarrow {__import__('pyarrow').__version__}, Python {platform.python_version()})",
-             "", "| records | reader | best rec/s | median rec/s | best GB/s | median GB/s | vs read_tfrecords (best) |",
-             "|---|---|---|---|---|---|---|"]
+             "", "| records | reader | best rec/s | median rec/s | best GB/s | median GB/s | "
+             "vs read_tfrecords: best / median | per-round ratio: median (best) |",
+             "|---|---|---|---|---|---|---|---|"]
     root = tempfile.mkdtemp(prefix="bench_ray_")
     try:
         for size, n in cases:
@@ -122,6 +158,8 @@ def main(argv=None):
                 ("ray.data.read_numpy", lambda: ray.data.read_numpy(paths["npy"], override_num_blocks=FILES)),
                 ("readerlib read_tfrecord (raw records)",
                  lambda: rlray.read_tfrecord(paths["tfraw"], schema=schema, override_num_blocks=FILES)),
+                ("Ray floor (tasks read nothing)",
+                 lambda: ray.data.read_datasource(floor_source(n, size), override_num_blocks=FILES)),
             ]
             def contender(name, make):
                 def run():
@@ -135,12 +173,15 @@ def main(argv=None):
             for name, ts in times.items():
                 print(f"{size} B  {name}: best {n / min(ts):,.0f} rec/s, median {n / statistics.median(ts):,.0f}",
                       flush=True)
-            peer = min(times["ray.data.read_tfrecords"])
+            peer = times["ray.data.read_tfrecords"]
             label = f"{n:,} x {size if size < 1024 else str(size >> 10) + ' Ki'}B"
             for name, ts in times.items():
                 best, med = min(ts), statistics.median(ts)
+                paired = [p / t for p, t in zip(peer, ts)]       # round r of both readers
                 lines.append(f"| {label} | {name} | {n / best:,.0f} | {n / med:,.0f} | {n * size / best / 1e9:.3f} | "
-                             f"{n * size / med / 1e9:.3f} | {peer / best:.1f}x |")
+                             f"{n * size / med / 1e9:.3f} | {min(peer) / best:.1f}x / "
+                             f"{statistics.median(peer) / med:.1f}x | "
+                             f"{statistics.median(paired):.1f}x ({max(paired):.1f}x) |")
             shutil.rmtree(os.path.join(root, str(size)))
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -72,7 +72,10 @@ _SCHEMA_KEY = b"readerlib.schema"
 _READ_TASK_ARGS = set(inspect.signature(ReadTask.__init__).parameters)
 # Blocks well under Ray's 128 MiB target_max_block_size: a fresh 128 MiB batch
 # costs its page faults every time, an 8 MiB one stays in the allocator and
-# cache (64 KiB records: ~2-3x faster here), and Ray's per-block cost is small.
+# cache (64 KiB records: ~2-3x faster here).  Ray glues a task's blocks into
+# one chunked block, which costs it ~0.08 s CPU per 512 MiB pass over one chunk
+# a task; one 64 MiB batch a task costs more (0.8 s against 0.55), 16 and 32 MiB
+# no less (benchmarks/results/ray.md, "Where a 64 KiB pass goes").
 _DEFAULT_BLOCK_BYTES = 8 << 20
 
 

@@ -97,6 +97,13 @@ def test_arrow_layout_round_trips_a_batch_without_copies():
     # the Arrow columns wrap the batch's buffers (zero copy), bool excepted
     seq = table.column("seq").chunk(0)
     assert np.shares_memory(seq.values.flatten().to_numpy(), batch[3].data)
+    assert np.shares_memory(seq.offsets.to_numpy(), batch[3].lod[0])             # the LoD level itself
+    assert np.shares_memory(table.column("id").chunk(0).to_numpy(), batch[0].data)
+    x = table.column("x").chunk(0)                                               # Ray's tensor column
+    assert np.shares_memory(x.to_numpy(), batch[1].data) and x.to_numpy().shape == (40, 2, 3)
+    # and back: arrow_to_columns wraps the Arrow buffers, bool excepted
+    back = rlray.arrow_to_columns(table, SCHEMA)
+    assert np.shares_memory(back[3].data, batch[3].data) and np.shares_memory(back[1], batch[1].data)
     # a sliced table (offsets not starting at 0) converts back exactly
     for lo, hi in [(0, 40), (7, 23), (39, 40), (5, 5)]:
         cols = rlray.arrow_to_columns(table.slice(lo, hi - lo), SCHEMA)
@@ -384,9 +391,9 @@ class _Worker:
     def __init__(self, rank):
         self.rank = rank
 
-    def epoch(self, it, batch_size):
+    def epoch(self, it, batch_size, **iter_args):
         ids = []
-        for feats in rlray.iter_lod_batches(it, batch_size):
+        for feats in rlray.iter_lod_batches(it, batch_size, **iter_args):
             ident, x, flag, seq, tok = feats
             assert not ident.lod and seq.lod and len(seq.lod[0]) == len(ident) + 1
             for i in range(len(ident)):
@@ -414,6 +421,26 @@ def test_streaming_split_workers_see_each_record_once_per_epoch(files):
         assert all(per_rank)                          # both workers got data
 
 
+def test_shuffled_epochs_are_exactly_once_in_a_new_order_each(files):
+    # what a training job does: shuffle per epoch (Ray re-executes the dataset,
+    # and the local shuffle buffer, for every epoch), each worker its split
+    ds = rlray.read_recordio(files, override_num_blocks=4).randomize_block_order()
+    world = 2
+    its = ds.streaming_split(world, equal=True)
+    workers = [_Worker.remote(r) for r in range(world)]
+    epochs = []
+    for epoch in range(3):
+        per_rank = ray.get([w.epoch.remote(it, 64, local_shuffle_buffer_size=300) for w, it in zip(workers, its)])
+        assert sorted(k for ids in per_rank for k in ids) == list(range(N)), f"epoch {epoch}"
+        assert [len(ids) for ids in per_rank] == [N // world] * world      # equal=True: 950 each
+        epochs.append(per_rank)
+    # a different order every epoch, on every rank, and not file order
+    for rank in range(world):
+        orders = [tuple(e[rank]) for e in epochs]
+        assert len(set(orders)) == 3, f"rank {rank}: an epoch repeated another's order"
+        assert all(list(o) != sorted(o) for o in orders)
+
+
 def test_open_files_shard_in_workers_is_exactly_once(files):
     world = 3
     workers = [_Worker.remote(r) for r in range(world)]
@@ -426,10 +453,10 @@ def test_open_files_shard_in_workers_is_exactly_once(files):
 def test_scale_out_doc_examples_run(tmp_path, cluster):
     """docs/scale_out.md's python blocks, as one script in a subprocess joined
     to this module's cluster (RAY_ADDRESS), with a time limit."""
-    from test_docs import code_blocks
+    from test_docs import _available, code_blocks
     doc = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs", "scale_out.md")
-    blocks = [code for req, code in code_blocks(doc) if req is None]
-    assert len(blocks) >= 3
+    blocks = [code for req, code in code_blocks(doc) if req is None or _available(req)]
+    assert len([req for req, _ in code_blocks(doc) if req is None]) >= 5
     script = tmp_path / "scale_out.py"
     script.write_text("\n\n".join(blocks) + "\nprint('DOC OK')\n")
     env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
@@ -440,3 +467,80 @@ def test_scale_out_doc_examples_run(tmp_path, cluster):
         pytest.fail(f"docs/scale_out.md examples did not finish within 180 s\n{e.stderr}")
     assert out.returncode == 0, f"docs/scale_out.md examples failed:\n{out.stderr[-4000:]}"
     assert "DOC OK" in out.stdout
+
+
+# ------------------------------------------------------------- Ray Train itself
+_TRAIN_SCRIPT = r'''
+import json, os, sys
+import numpy as np
+import ray
+from ray.train import RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+import readerlib.integrations.ray as rlray
+
+files, out = json.loads(sys.argv[1]), sys.argv[2]
+ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False, configure_logging=False)
+ray.data.DataContext.get_current().enable_progress_bars = False
+
+
+def train_loop_per_worker(config):
+    import ray.train
+    import torch.distributed as dist
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    assert dist.is_initialized() and dist.get_world_size() == world    # a real process group
+    shard = ray.train.get_dataset_shard("train")
+    epochs = []
+    for epoch in range(config["epochs"]):
+        ids = []
+        for ident, x, flag, seq, tok in rlray.iter_lod_batches(shard, 64, local_shuffle_buffer_size=300):
+            assert not ident.lod and len(seq.lod[0]) == len(ident) + 1
+            for i, k in enumerate(ident.data.tolist()):           # the rows belong to their ids
+                assert np.array_equal(seq.sequence(i), np.full((k % 7, 2), k, np.int16) + np.arange(2, dtype=np.int16))
+                assert np.array_equal(x.data[i], np.arange(6, dtype=np.float32).reshape(2, 3) + k)
+            padded, lengths = seq.to_padded(0)
+            assert padded.shape[0] == len(ident) and (lengths == np.diff(seq.lod[0])).all()
+            ids.extend(ident.data.tolist())
+        epochs.append(ids)
+        # every rank's count, summed through the process group (what a training step would all-reduce)
+        t = __import__("torch").tensor([len(ids)])
+        dist.all_reduce(t)
+        assert int(t) == config["n"], (int(t), config["n"])
+    with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as f:
+        json.dump(epochs, f)
+
+
+ds = rlray.read_recordio(files, override_num_blocks=4).randomize_block_order()
+result = TorchTrainer(train_loop_per_worker,
+                      train_loop_config={"epochs": 2, "out": out, "n": 1900},
+                      datasets={"train": ds},
+                      scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+                      run_config=RunConfig(storage_path=os.path.join(out, "store"), name="rl")).fit()
+assert result.error is None, result.error
+print("TRAIN OK")
+'''
+
+
+@pytest.mark.slow          # Ray Train's controller and worker actors: 20-60 s here
+def test_ray_train_torch_workers_get_each_record_once_per_epoch(files, tmp_path, cluster):
+    """TorchTrainer (2 workers, gloo process group) on read_recordio: in each
+    epoch the workers' LoD batches hold every record exactly once between
+    them, in a new order.  In a subprocess joined to this module's cluster,
+    with a time limit (Ray Train starts a controller and worker actors)."""
+    pytest.importorskip("ray.train.torch")
+    import json
+    script = tmp_path / "train.py"
+    script.write_text(_TRAIN_SCRIPT)
+    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+    try:
+        out = subprocess.run([sys.executable, "-P", str(script), json.dumps(files), str(tmp_path)],
+                             cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"TorchTrainer did not finish within 240 s\n{e.stderr}")
+    assert out.returncode == 0 and "TRAIN OK" in out.stdout, out.stderr[-4000:]
+    per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for epoch in range(2):
+        ids = [k for rank in per_rank for k in rank[epoch]]
+        assert sorted(ids) == list(range(N)), f"epoch {epoch}"
+        assert all(rank[epoch] for rank in per_rank)
+    assert all(rank[0] != rank[1] for rank in per_rank)        # the order changes between epochs
