@@ -31,8 +31,9 @@ Design:
     millisecond per 100k records) when it reads the window's chunks anyway.
     The first version evaluated a Feistel network per record and looked
     each record up in the chunk cache: 3.6 Mrec/s of 64-byte records from
-    RecordIO in one run here, 8-11 after the change in runs just after it
-    (benchmarks/results/global_shuffle.md has the interleaved figures).
+    RecordIO (0.27x the buffer shuffle) in one run here; 6.4 and 9.2 Mrec/s
+    (0.70x and 1.14x the buffer shuffle, same runs) after
+    (benchmarks/results/global_shuffle.md).
 
     Random access to the shuffled order (`g[i]`, `permutation()`) draws the
     order of i's window into a second table, so it never disturbs the

@@ -540,7 +540,8 @@ cdef class MultiFileReader(FileReader):
     def _units_before(self, int64_t n):
         """(u, records in units [0, u)): the most whole units of this epoch, from the
         start, whose known record counts add up to at most n."""
-        counts = self._plan.epoch_counts(self.epoch)
+        epoch_counts = getattr(self._plan, "epoch_counts", None)
+        counts = epoch_counts(self.epoch) if epoch_counts is not None else []
         u = done = 0
         for k in counts:
             if k is None or done + k > n:
