@@ -35,6 +35,15 @@ Design:
 
     Memory: at most T * QUEUE_BYTES of records in flight (plus the rest of
     the chunks they live in, which they pin).
+
+    Positioning: c_skip at the start of an epoch (set_state) steps over
+    whole units by the plan's record counts and starts the run at the unit
+    the target falls in (`_start(first)`: worker t reads units first + t,
+    first + t + T, ...), so the files before it are not opened; the rest of
+    one unit is read and dropped.  Random access (reader[i], read_many,
+    global_shuffle) goes through MultiFileRecords (readers/_random_access.pyx):
+    one chunk cache per file, indices in the canonical order of the rank's
+    units, independent of the threads.
 """
 import threading
 import time
