@@ -4,33 +4,44 @@
 Design:
     GlobalShuffleReader visits every record of a source with random access
     once per epoch, in a permutation that is a pure function of
-    (seed, epoch, position) -- nothing of size O(records) is stored, and
-    position p's record is computed directly, so set_state is O(1).
+    (seed, epoch) -- nothing of size O(records) is stored, and the record
+    at position p is found from p alone, so set_state is O(1).
 
-    The permutation is made of two bijections, each a keyed Feistel network
-    over the next even power of two >= the domain, with cycle walking (apply
-    again until the value falls inside the domain) -- the construction of
-    Grain's index_shuffle and TF's random_index_shuffle:
-      1. the source's chunks are permuted (key from (seed, epoch));
-      2. consecutive runs of `window_chunks` permuted chunks form windows;
-         within window k, the window's records are permuted (key from
-         (seed, epoch, k)).
-    Position p falls in window k (a binary search over the per-epoch window
-    starts: O(chunks) integers, recomputed per epoch in microseconds) and
-    maps to record `start of its chunk + offset`.  So a window's chunks are
-    read once each (the chunk cache holds window_chunks + 1 of them) and the
-    file is read chunk by chunk in a permuted order: sequential-ish I/O.
-    Records far apart in the file do become neighbours (unlike a buffer
-    shuffle), and every record can land anywhere in the epoch; what the
-    construction gives up against a uniform permutation is that records of
-    one window stay within that window's stretch of the epoch.
+    The permutation has two levels:
+      1. the source's chunks are permuted by a keyed Feistel bijection over
+         the next even power of two >= the chunk count, with cycle walking
+         (Grain's index_shuffle, TF's random_index_shuffle; key from
+         (seed, epoch)); consecutive runs of `window_chunks` permuted chunks
+         form windows;
+      2. the records of window k are permuted among themselves by a
+         Fisher-Yates shuffle drawn from a generator seeded by
+         (seed, epoch, k): a uniform permutation of the window.
+    Position p falls in window k (window starts: O(chunks) integers, per
+    epoch) and maps to record `start of its chunk + offset`.
 
-    Each Feistel evaluation is 4 rounds of a 64-bit mix keyed per round; cycle
-    walking takes < 4 evaluations on average (the domain is < 4x the range).
+    Cost.  Reading window k loads its chunks once each, in file order
+    (sequential-ish I/O: chunks in a permuted order), keeps a description of
+    each (base + stride for fixed-size records packed in one block, else a
+    copy of its record table) and one reference per block, and draws the
+    window's order: 4 bytes a record, one pass.  c_next is then a sequential
+    read of that order, a branch-free chunk lookup (<= 16 chunks) and a
+    pointer computation; it prefetches the record RING positions ahead, since
+    consecutive records come from anywhere in megabytes of chunks.  A
+    restore computes the window's order again (O(window), about a
+    millisecond per 100k records) when it reads the window's chunks anyway.
+    The first version evaluated a Feistel network per record and looked
+    each record up in the chunk cache: 3.6 Mrec/s of 64-byte records from
+    RecordIO (0.27x the buffer shuffle) in one run here; 6.4 and 9.2 Mrec/s
+    (0.70x and 1.14x the buffer shuffle, same runs) after
+    (benchmarks/results/global_shuffle.md).
+
+    Random access to the shuffled order (`g[i]`, `permutation()`) draws the
+    order of i's window into a second table, so it never disturbs the
+    window the sequential path is reading.
 
     WindowShuffleReader (``shuffle(n, mode="window")``, Grain's WindowShuffle)
     permutes each run of `window_size` consecutive items of any reader with
-    the same Feistel bijection, keyed by (seed, epoch, window index).  A
+    the Feistel bijection, keyed by (seed, epoch, window index).  A
     restore skips the windows before the position (c_skip: free over an
     indexed source) and reads one window: at most `window_size` items are
     replayed, wherever the position is in the epoch.
@@ -40,7 +51,7 @@ import os
 import numpy as np
 from libc.stdlib cimport malloc, calloc, realloc, free
 
-from readerlib._typedefs cimport int64_t, uint64_t
+from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
 from readerlib.readers._base cimport (
     ReaderBase, DecoratedReader, rl_record, rl_block, rl_block_incref, rl_block_decref,
     rl_hash3, rl_core_import, ITEM_INSTANCE)
@@ -53,6 +64,23 @@ __all__ = ["GlobalShuffleReader", "WindowShuffleReader"]
 DEF ROUNDS = 4                  # Luby-Rackoff: 4 rounds of a pseudo-random function give a strong PRP
 cdef uint64_t _UNITS = 0x756e697473        # key domains ("units", "window")
 cdef uint64_t _WINDOW = 0x77696e646f77
+DEF RING = 16                   # c_next requests a record's first cache line this many positions ahead
+
+
+cdef extern from *:
+    """
+    #define rl_gs_prefetch(p) __builtin_prefetch((const void *)(p), 0, 0)
+    /* wyrand (Wang Yi): one 128-bit multiply a draw; below(n): Lemire's
+       multiply-shift into [0, n) (bias < n / 2^64, unmeasurable here) */
+    static inline uint64_t rl_gs_below(uint64_t *s, uint64_t n) {
+        *s += 0xa0761d6478bd642fULL;
+        __uint128_t t = (__uint128_t)*s * (*s ^ 0xe7037ed1a0b428dbULL);
+        uint64_t x = (uint64_t)(t >> 64) ^ (uint64_t)t;
+        return (uint64_t)(((__uint128_t)x * n) >> 64);
+    }
+    """
+    void rl_gs_prefetch(const void *p) noexcept nogil
+    uint64_t rl_gs_below(uint64_t *s, uint64_t n) noexcept nogil
 
 
 cdef struct _feistel:
@@ -124,28 +152,87 @@ def _check_seed(seed):
     return int(seed) & 0xFFFFFFFFFFFFFFFF, False
 
 
+cdef struct _wchunk:            # one chunk of the window the sequential path reads
+    rl_block *block             # fixed-size records packed in one block: record o at base + o * stride
+    const char *base
+    int64_t stride
+    rl_record *recs             # otherwise its records (rtab); NULL when strided
+    rl_record *rtab
+    int64_t rcap
+
+
+cdef struct _order:             # one window's order: tab[i] = window-local record at its position i
+    int64_t k                   # the window (-1: none)
+    int64_t n                   # records in it
+    int64_t nch                 # chunks in it
+    int64_t *cum                # window-local record index of chunk j's first record (nch + 1)
+    uint32_t *tab
+    int64_t cap
+
+
+cdef int _order_make(_order *o, int64_t k, int64_t n, int64_t nch, uint64_t key) except -1 nogil:
+    """o.tab = a uniform permutation of [0, n) drawn from `key` (o.cum: the caller's)."""
+    cdef uint32_t *t2
+    cdef uint64_t st = key
+    cdef int64_t i, j
+    o.k = -1
+    if n > <int64_t>0xFFFFFFFF:
+        with gil:
+            raise ValueError(f"global_shuffle: a window of {n} records; use a smaller window_chunks")
+    if n > o.cap:
+        t2 = <uint32_t *>realloc(o.tab, n * sizeof(uint32_t))
+        if t2 == NULL:
+            with gil:
+                raise MemoryError(f"global_shuffle: a window of {n} records")
+        o.tab = t2
+        o.cap = n
+    # inside-out Fisher-Yates: one pass, the table's random accesses independent
+    for i in range(n):
+        j = <int64_t>rl_gs_below(&st, <uint64_t>(i + 1))
+        o.tab[i] = o.tab[j]
+        o.tab[j] = <uint32_t>i
+    o.n = n
+    o.nch = nch
+    o.k = k
+    return 0
+
+
+cdef inline int64_t _order_chunk(const _order *o, int64_t r) noexcept nogil:
+    """The window slot j whose chunk holds window-local record r."""
+    cdef int64_t j = 0, jj
+    if o.nch <= 16:
+        for jj in range(1, o.nch):         # branch-free: records are random, a branch mispredicts
+            j += o.cum[jj] <= r
+        return j
+    while o.cum[j + 1] <= r:
+        j += 1
+    return j
+
+
 # ------------------------------------------------------------------ global
 cdef class GlobalShuffleReader(DecoratedReader):
     """Every record of a random-access source once per epoch, globally shuffled.
 
-    The order is a function of (seed, epoch, position) only (see the module's
-    Design): the same seed gives the same order, each `reset()` starts a new
-    epoch with a new order, and `set_state` jumps to any position without
-    reading what comes before it.  The records are read through a cache of
-    ``window_chunks + 1`` chunks (its own file descriptor): chunks in a
-    permuted order, records permuted within each window of chunks.
+    The order is a function of (seed, epoch) only (see the module's Design):
+    the same seed gives the same order, each `reset()` starts a new epoch
+    with a new order, and `set_state` jumps to any position without reading
+    what comes before it.  Chunks are visited in a permuted order, records
+    are permuted within each window of `window_chunks` chunks; each chunk is
+    loaded once per epoch.
 
     Parameters
     ----------
     reader : ReaderBase
         A source with random access: RecordIOReader, TFRecordReader (its
-        index is built on first use), ArrayReader, RandomDataGenerator.
+        index is built on first use), ArrayReader, RandomDataGenerator,
+        open_files(...) over such files.
     seed : int, optional
         Pass `seed=` to make the order reproducible (required when several
         processes read shards of one order, e.g. DataLoader workers); without
         it a seed is drawn from the OS once and travels in the state.
     window_chunks : int
-        Chunks whose records are mixed together (memory: that many chunks).
+        Chunks whose records are mixed together (memory: that many chunks,
+        plus 4 bytes a record of the window for its order).
 
     Raises
     ------
@@ -167,14 +254,26 @@ cdef class GlobalShuffleReader(DecoratedReader):
     cdef int64_t *wstart            # window k: positions [wstart[k], wstart[k + 1])
     cdef int64_t nwin
     cdef int64_t pos
-    cdef int64_t cur_win            # window whose tables below are ready (-1: none)
-    cdef int64_t *cw_cum            # records before slot j of the current window
-    cdef int64_t cw_n               # chunks in the current window
-    cdef _feistel wperm
     cdef _feistel uperm
+    # the sequential path's window (see _build): its order, chunks and block references
+    cdef _order seq
+    cdef _wchunk *wch               # window_chunks of them
+    cdef rl_block **wblocks         # one reference per run of records from one block
+    cdef int64_t nwb
+    cdef int64_t wbcap
+    cdef rl_record ring[RING]       # the records of the next RING positions, their data prefetched
+    cdef int64_t rnext              # window-local position the ring starts at (-1: refill)
+    # random access (c_read_at, permutation): a second window order, so that g[i]
+    # never invalidates the sequential path's window
+    cdef _order rnd
     cdef readonly uint64_t seed
     cdef readonly int64_t epoch
     cdef readonly bint seed_drawn
+
+    def __cinit__(self):
+        self.seq.k = -1
+        self.rnd.k = -1
+        self.rnext = -1
 
     def __init__(self, reader, seed=None, window_chunks=8):
         _check_reader(reader, "GlobalShuffleReader")
@@ -197,8 +296,11 @@ cdef class GlobalShuffleReader(DecoratedReader):
         self.slot_unit = <int64_t *>malloc(max(self.nunits, 1) * sizeof(int64_t))
         self.nwin = (self.nunits + w - 1) // w
         self.wstart = <int64_t *>malloc((self.nwin + 1) * sizeof(int64_t))
-        self.cw_cum = <int64_t *>malloc((w + 1) * sizeof(int64_t))
-        if not (self.ustart and self.slot_unit and self.wstart and self.cw_cum):
+        self.seq.cum = <int64_t *>malloc((w + 1) * sizeof(int64_t))
+        self.rnd.cum = <int64_t *>malloc((w + 1) * sizeof(int64_t))
+        self.wch = <_wchunk *>calloc(w, sizeof(_wchunk))
+        if not (self.ustart and self.slot_unit and self.wstart and self.seq.cum and self.rnd.cum
+                and self.wch):
             raise MemoryError()
         for i in range(self.nunits + 1):
             self.ustart[i] = starts[i]
@@ -208,9 +310,22 @@ cdef class GlobalShuffleReader(DecoratedReader):
         self._plan()
 
     def __dealloc__(self):
-        free(self.ustart); free(self.slot_unit); free(self.wstart); free(self.cw_cum)
-        self.ustart = self.slot_unit = self.wstart = self.cw_cum = NULL
+        cdef int64_t j
+        self._drop_window()
+        if self.wch != NULL:
+            for j in range(self.window_chunks):
+                free(self.wch[j].rtab)
+            free(self.wch)
+            self.wch = NULL
+        free(self.wblocks)
+        self.wblocks = NULL
+        free(self.seq.tab); free(self.seq.cum); free(self.rnd.tab); free(self.rnd.cum)
+        self.seq.tab = self.rnd.tab = NULL
+        self.seq.cum = self.rnd.cum = NULL
+        free(self.ustart); free(self.slot_unit); free(self.wstart)
+        self.ustart = self.slot_unit = self.wstart = NULL
 
+    # -- the plan: chunk order and windows ------------------------------------
     cdef void _plan(self) noexcept nogil:
         """This epoch's chunk order and window starts (O(chunks))."""
         cdef int64_t s, k, u, acc = 0
@@ -224,48 +339,171 @@ cdef class GlobalShuffleReader(DecoratedReader):
                 u = self.slot_unit[s]
                 acc += self.ustart[u + 1] - self.ustart[u]
         self.wstart[self.nwin] = acc
-        self.cur_win = -1
+        self.rnd.k = -1
+        self._drop_window()
         self.pos = 0
 
-    cdef void _enter(self, int64_t k) noexcept nogil:
-        cdef int64_t j, s0 = k * self.window_chunks, u
-        self.cw_n = min64(self.window_chunks, self.nunits - s0)
-        self.cw_cum[0] = 0
-        for j in range(self.cw_n):
-            u = self.slot_unit[s0 + j]
-            self.cw_cum[j + 1] = self.cw_cum[j] + self.ustart[u + 1] - self.ustart[u]
-        _feistel_init(&self.wperm, rl_hash3(self.seed ^ _WINDOW, <uint64_t>self.epoch, <uint64_t>k),
-                      <uint64_t>self.cw_cum[self.cw_n])
-        self.cur_win = k
-
-    cdef int64_t _index_at(self, int64_t p) noexcept nogil:
-        """The source record at position p (0 <= p < num_records) of this epoch."""
-        cdef int64_t k = self.cur_win, lo, hi, mid, r, j
-        if k < 0 or p < self.wstart[k] or p >= self.wstart[k + 1]:
-            lo = 0
-            hi = self.nwin - 1
-            while lo < hi:                 # the last window starting at or before p
-                mid = (lo + hi + 1) >> 1
-                if self.wstart[mid] <= p:
-                    lo = mid
-                else:
-                    hi = mid - 1
+    cdef int64_t _window_of(self, int64_t p) noexcept nogil:
+        """The window holding position p (0 <= p < num_records)."""
+        cdef int64_t lo = 0, hi = self.nwin - 1, mid
+        if self.seq.k >= 0 and p >= self.wstart[self.seq.k]:
+            lo = self.seq.k                # reading on: this window or one after it
             while lo + 1 < self.nwin and self.wstart[lo + 1] <= p:
-                lo += 1                    # windows of empty chunks share a start
-            self._enter(lo)
-            k = lo
-        r = <int64_t>_permute(&self.wperm, <uint64_t>(p - self.wstart[k]))
-        j = 0
-        while self.cw_cum[j + 1] <= r:
-            j += 1
-        return self.ustart[self.slot_unit[k * self.window_chunks + j]] + (r - self.cw_cum[j])
+                lo += 1
+            return lo
+        while lo < hi:                     # the last window starting at or before p
+            mid = (lo + hi + 1) >> 1
+            if self.wstart[mid] <= p:
+                lo = mid
+            else:
+                hi = mid - 1
+        while lo + 1 < self.nwin and self.wstart[lo + 1] <= p:
+            lo += 1                        # windows of empty chunks share a start
+        return lo
+
+    cdef int _order_of(self, _order *o, int64_t k) except -1 nogil:
+        """Window k's order into o: chunk boundaries and a permutation of its records
+        drawn from (seed, epoch, k)."""
+        cdef int64_t j, s0 = k * self.window_chunks, u, nch
+        nch = min64(self.window_chunks, self.nunits - s0)
+        o.cum[0] = 0
+        for j in range(nch):
+            u = self.slot_unit[s0 + j]
+            o.cum[j + 1] = o.cum[j] + self.ustart[u + 1] - self.ustart[u]
+        return _order_make(o, k, o.cum[nch], nch,
+                           rl_hash3(self.seed ^ _WINDOW, <uint64_t>self.epoch, <uint64_t>k))
+
+    cdef int64_t _index_at(self, int64_t p) except -1 nogil:
+        """The source record at position p (0 <= p < num_records) of this epoch."""
+        cdef int64_t k, r, j
+        cdef _order *o = &self.rnd
+        if o.k < 0 or p < self.wstart[o.k] or p >= self.wstart[o.k + 1]:
+            k = self._window_of(p)
+            if k == self.seq.k:
+                o = &self.seq
+            else:
+                self._order_of(o, k)
+        r = o.tab[p - self.wstart[o.k]]
+        j = _order_chunk(o, r)
+        return self.ustart[self.slot_unit[o.k * self.window_chunks + j]] + (r - o.cum[j])
+
+    # -- the sequential path ----------------------------------------------------
+    cdef void _drop_window(self) noexcept nogil:
+        cdef int64_t i
+        for i in range(self.nwb):
+            rl_block_decref(self.wblocks[i])
+            self.wblocks[i] = NULL
+        self.nwb = 0
+        self.seq.k = -1
+        self.rnext = -1
+
+    cdef int _hold_block(self, rl_block *b) except -1 nogil:
+        cdef rl_block **b2
+        if self.nwb == self.wbcap:
+            b2 = <rl_block **>realloc(self.wblocks, (2 * self.wbcap + 16) * sizeof(rl_block *))
+            if b2 == NULL:
+                with gil:
+                    raise MemoryError()
+            self.wblocks = b2
+            self.wbcap = 2 * self.wbcap + 16
+        rl_block_incref(b)
+        self.wblocks[self.nwb] = b
+        self.nwb += 1
+        return 0
+
+    cdef int _build(self, int64_t k) except -1 nogil:
+        """Window k loaded: its chunks read once each and described, its order drawn.
+
+        Each chunk of the window is read once, in file order (every
+        c_read_at a hit of the cache's current chunk): a chunk of fixed-size
+        records packed in one block is kept as (block, base, stride), any
+        other as a copy of its record table; the window holds a reference on
+        every block it points into, so its records stay valid however the
+        cache evicts.  c_next is then a read of the order table (sequential)
+        and a pointer computation: no per-record lookup.
+        """
+        cdef int64_t j, o, s0, u, base, cnt, i
+        cdef rl_record rec, first
+        cdef rl_block *lastb
+        cdef _wchunk *c
+        cdef rl_record *r2
+        cdef bint strided
+        self._drop_window()
+        s0 = k * self.window_chunks
+        for j in range(min64(self.window_chunks, self.nunits - s0)):
+            c = &self.wch[j]
+            u = self.slot_unit[s0 + j]
+            base = self.ustart[u]
+            cnt = self.ustart[u + 1] - base
+            c.recs = NULL
+            c.stride = 0
+            lastb = NULL
+            strided = True
+            for o in range(cnt):
+                self.ra.c_read_at(base + o, &rec)   # raises (the format's error): nothing is kept
+                if o == 0:
+                    first = rec
+                elif strided and (rec.block != first.block or rec.size != first.size
+                                  or rec.data != first.data + o * first.size):
+                    strided = False        # this chunk needs its table: what came before first
+                    if cnt > c.rcap:
+                        r2 = <rl_record *>realloc(c.rtab, cnt * sizeof(rl_record))
+                        if r2 == NULL:
+                            with gil:
+                                raise MemoryError(f"global_shuffle: a chunk of {cnt} records")
+                        c.rtab = r2
+                        c.rcap = cnt
+                    for i in range(o):
+                        c.rtab[i].block = first.block
+                        c.rtab[i].data = first.data + i * first.size
+                        c.rtab[i].size = first.size
+                if rec.block != lastb:
+                    self._hold_block(rec.block)
+                    lastb = rec.block
+                if not strided:
+                    c.rtab[o] = rec
+            if cnt and strided:
+                c.block = first.block
+                c.base = first.data
+                c.stride = first.size
+            elif cnt:
+                c.recs = c.rtab
+        self._order_of(&self.seq, k)
+        self.rnext = -1
+        return 0
+
+    cdef inline void _rec_at(self, int64_t i, rl_record *out) noexcept nogil:
+        """The record at window-local position i of the loaded window."""
+        cdef int64_t r = self.seq.tab[i]
+        cdef int64_t j = _order_chunk(&self.seq, r)
+        cdef _wchunk *c = &self.wch[j]
+        r -= self.seq.cum[j]
+        if c.recs != NULL:
+            out[0] = c.recs[r]
+        else:
+            out.block = c.block
+            out.data = c.base + r * c.stride
+            out.size = c.stride
 
     cdef int c_next(self, rl_record *out) except -1 nogil:
-        cdef int64_t idx
+        cdef int64_t i, n, q
         if self.pos >= self.num_records:
             return 0
-        idx = self._index_at(self.pos)
-        self.ra.c_read_at(idx, out)       # raises (the format's error): the position stays
+        if self.seq.k < 0 or self.pos >= self.wstart[self.seq.k + 1] or self.pos < self.wstart[self.seq.k]:
+            self._build(self._window_of(self.pos))    # raises (the format's error): the position stays
+        i = self.pos - self.wstart[self.seq.k]
+        n = self.seq.n
+        # records come from anywhere in a window of chunks (MBs): each one's
+        # first cache line is requested RING positions before it is handed out
+        if i != self.rnext:                # entered the window here (a build, a skip)
+            for q in range(i, min64(i + RING, n)):
+                self._rec_at(q, &self.ring[q % RING])
+                rl_gs_prefetch(self.ring[q % RING].data)
+        out[0] = self.ring[i % RING]
+        if i + RING < n:
+            self._rec_at(i + RING, &self.ring[i % RING])
+            rl_gs_prefetch(self.ring[i % RING].data)
+        self.rnext = i + 1
         self.pos += 1
         return 1
 
@@ -299,6 +537,7 @@ cdef class GlobalShuffleReader(DecoratedReader):
         return self.reader.c_reset()
 
     cdef int c_close(self) except -1:
+        self._drop_window()
         self.ra.close()
         self.reader.close()
         return 0
@@ -309,19 +548,20 @@ cdef class GlobalShuffleReader(DecoratedReader):
         cdef int64_t e0 = self.epoch, p
         out = np.empty(self.num_records, np.int64)
         cdef int64_t[::1] o = out
-        if epoch is not None:
+        if epoch is not None and int(epoch) != e0:
             self.epoch = int(epoch)
-            self._plan_keep_pos(e0)
+            self._plan_keep_pos()
         try:
-            for p in range(self.num_records):
-                o[p] = self._index_at(p)
+            with nogil:
+                for p in range(self.num_records):
+                    o[p] = self._index_at(p)
         finally:
-            if epoch is not None:
+            if self.epoch != e0:
                 self.epoch = e0
-                self._plan_keep_pos(e0)
+                self._plan_keep_pos()
         return out
 
-    cdef void _plan_keep_pos(self, int64_t e0) noexcept nogil:
+    cdef void _plan_keep_pos(self) noexcept nogil:
         cdef int64_t p = self.pos
         self._plan()
         self.pos = p

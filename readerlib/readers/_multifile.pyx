@@ -35,6 +35,15 @@ Design:
 
     Memory: at most T * QUEUE_BYTES of records in flight (plus the rest of
     the chunks they live in, which they pin).
+
+    Positioning: c_skip at the start of an epoch (set_state) steps over
+    whole units by the plan's record counts and starts the run at the unit
+    the target falls in (`_start(first)`: worker t reads units first + t,
+    first + t + T, ...), so the files before it are not opened; the rest of
+    one unit is read and dropped.  Random access (reader[i], read_many,
+    global_shuffle) goes through MultiFileRecords (readers/_random_access.pyx):
+    one chunk cache per file, indices in the canonical order of the rank's
+    units, independent of the threads.
 """
 import threading
 import time
@@ -187,6 +196,7 @@ cdef class _Run:
     cdef object plan
     cdef list units
     cdef int64_t nunits
+    cdef int64_t first            # the run starts at this unit (a skip stepped over the ones before)
     cdef int num_threads
     cdef int bare
     cdef list errors
@@ -256,7 +266,7 @@ cdef class _Run:
     def _worker(self, int t):
         cdef ReaderBase rd
         cdef int r
-        cdef int64_t u = t
+        cdef int64_t u = self.first + t
         cdef _packet *p
         cache_path = None
         cache = None
@@ -330,6 +340,7 @@ cdef class MultiFileReader(FileReader):
     cdef object _failure
     cdef int interrupted          # close() from another thread: a waiting read returns
     cdef int64_t cur_unit
+    cdef int64_t first_unit       # the run's first unit (c_skip)
     cdef _packet *hold
     cdef int64_t hold_i
     cdef readonly int64_t limit
@@ -404,7 +415,8 @@ cdef class MultiFileReader(FileReader):
         # (end of stream) within one 100 ms slice, so close() can take the lock
         self.interrupted = 1
 
-    cdef int _start(self) except -1:
+    cdef int _start(self, int64_t first=0) except -1:
+        """Start the epoch's run at unit `first` (c_skip stepped over the ones before)."""
         cdef int t
         cdef _Run run
         if self.failed:
@@ -413,6 +425,7 @@ cdef class MultiFileReader(FileReader):
         run.plan = self._plan
         run.units = list(self._plan.epoch_units(self.epoch))
         run.nunits = len(run.units)
+        run.first = min(max(first, 0), run.nunits)
         run.num_threads = self.num_threads
         run.bare = self.layout.bare
         run.errors = [None] * self.num_threads
@@ -422,10 +435,11 @@ cdef class MultiFileReader(FileReader):
         self.run = run
         self._units = run.units
         self.nunits = run.nunits
-        self.cur_unit = 0
+        self.cur_unit = run.first
+        self.first_unit = run.first
         self.emitted = 0
         self._threads = []
-        for t in range(min(self.num_threads, max(self.nunits, 1))):
+        for t in range(min(self.num_threads, max(self.nunits - run.first, 1))):
             th = threading.Thread(target=run._worker, args=(t,), daemon=True,
                                   name=f"readerlib-open_files-{t}")
             self._threads.append(th)
@@ -501,7 +515,7 @@ cdef class MultiFileReader(FileReader):
                 self.signals_ns = now
                 with gil:
                     PyErr_CheckSignals()
-            t = <int>(self.cur_unit % self.num_threads)
+            t = <int>((self.cur_unit - self.first_unit) % self.num_threads)
             if self._pop(t, &p):
                 return 0                      # closed from another thread
             if p.error:
@@ -510,6 +524,59 @@ cdef class MultiFileReader(FileReader):
                     self._raise_worker_error(t)
             self.hold = p
             self.hold_i = 0
+
+    cdef int64_t c_skip(self, int64_t n) except -1 nogil:
+        # At the start of an epoch (set_state: after c_reset) whole units are
+        # stepped over by their record counts (the plan's chunk tables) and the
+        # run starts at the unit the target falls in: the files before it are
+        # not opened.  At most one unit (a chunk, or a file without a count) is
+        # read and dropped, plus every unit from the first one whose count is
+        # unknown without reading (a whole-file unit).  Mid-epoch (threads
+        # running, records queued) it reads and drops.
+        cdef int64_t done = 0, want = n
+        if n <= 0:
+            return 0
+        if self.failed or self.running or self.hold != NULL or self.emitted != 0:
+            return ReaderBase.c_skip(self, n)
+        if self.limit >= 0 and want > self.limit:
+            want = self.limit
+        with gil:
+            first, done = self._units_before(want)
+            self._start(first)
+            self.emitted = done
+        return done + ReaderBase.c_skip(self, n - done)
+
+    def _units_before(self, int64_t n):
+        """(u, records in units [0, u)): the most whole units of this epoch, from the
+        start, whose known record counts add up to at most n."""
+        epoch_counts = getattr(self._plan, "epoch_counts", None)
+        counts = epoch_counts(self.epoch) if epoch_counts is not None else []
+        u = done = 0
+        for k in counts:
+            if k is None or done + k > n:
+                break
+            done += k
+            u += 1
+        return u, done
+
+    # -- random access (readers/_random_access.pyx, docs/random_access.md) ---------
+    def _open_random_access(self):
+        """Record i of the stream's files in canonical order (MultiFileRecords): file
+        order as given, this rank's chunks, cut at equal_batches' limit."""
+        from readerlib.readers._random_access import open_multi_file_records
+        return open_multi_file_records(self._plan, self.limit)
+
+    def _random_access_size(self):
+        if self._random_access is None:
+            try:
+                self._random_access = self._open_random_access()
+            except TypeError:
+                return -1
+        return self._random_access.c_num_records()
+
+    def _length(self):
+        n = self._random_access_size()
+        return None if n < 0 else int(n)
 
     cdef int c_reset(self) except -1:
         if self.running:

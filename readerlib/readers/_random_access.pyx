@@ -35,7 +35,7 @@ from readerlib.readers._sources cimport _ChunkedSource, ArrayReader
 cnp.import_array()
 rl_core_import()
 
-__all__ = ["open_random_access", "ChunkCache"]
+__all__ = ["open_random_access", "ChunkCache", "MultiFileRecords"]
 
 
 cdef struct _slot:
@@ -324,8 +324,11 @@ def open_random_access(ReaderBase source not None, int slots=2):
     """
     from readerlib.formats._recordio import RecordIOReader
     from readerlib.formats._tfrecord import TFRecordReader, _reopen_tfrecord
+    from readerlib.readers._multifile import MultiFileReader
     cdef _ChunkedSource cs
     name = repr(source)
+    if isinstance(source, MultiFileReader):
+        return source._open_random_access()
     if isinstance(source, ArrayReader) and (<ArrayReader>source).zero_copy:
         return _ArrayRecords(source)
     if isinstance(source, _ChunkedSource):
@@ -357,3 +360,248 @@ def open_random_access(ReaderBase source not None, int slots=2):
         raise ValueError(f"{name}: the chunk table holds {int(starts[-1])} records, the reader "
                          f"{len(source)}")
     return ChunkCache(clone, starts, slots, name)
+
+
+# ------------------------------------------------------------------ many files
+cdef class MultiFileRecords(FileReader):
+    """Record i of an `open_files` stream's files, read through one chunk cache per file.
+
+    Internal: what `open_files(...)[i]`, `read_many` and `global_shuffle`
+    read through (see `open_random_access`).  The records are the rank's
+    units (its share of the files' chunks under ``shard=``) in canonical
+    order -- files in the order given, chunks in file order -- whatever
+    ``shuffle_files`` does to the sequential stream, cut at the
+    ``equal_batches`` limit.  A segment is a run of consecutive records of
+    one file (a unit); the segment of the last read is tried first, then a
+    binary search over the segments' starts.
+
+    Files are opened on first use (each its own descriptor and a 2-chunk
+    cache), at most `max_open` at a time (least recently used closed first).
+    A corrupt chunk raises the format's error (naming file and offset) with
+    a note naming the stream's index; a file that changed since
+    `open_files` planned it raises ValueError naming it.
+    """
+    cdef object plan
+    cdef int64_t nseg
+    cdef int64_t *gstart           # segment s: records [gstart[s], gstart[s + 1]) of the stream
+    cdef int64_t *lstart           # ... = records [lstart[s], ...) of file sfile[s]
+    cdef int64_t *sfile
+    cdef readonly int64_t num_records
+    cdef int64_t cur_seg           # segment of the last read (-1: none)
+    cdef ChunkCache cur            # its file's cache
+    cdef list caches               # per file: ChunkCache or None
+    cdef list lru                  # open file indices, least recently used first
+    cdef int max_open
+    cdef object _chunk_starts
+    cdef dict _expect              # file -> record counts its chunks must have (from the plan)
+    cdef int64_t closed_loads
+
+    def __init__(self, plan, segments, chunk_starts, caches, expect, int max_open=64):
+        cdef int64_t s
+        self.plan = plan
+        self._set_schema(plan.schema, ITEM_INSTANCE)
+        self.layout.bare = bool(plan.bare)
+        self.nseg = len(segments)
+        self.gstart = <int64_t *>malloc((self.nseg + 1) * sizeof(int64_t))
+        self.lstart = <int64_t *>malloc(max(self.nseg, 1) * sizeof(int64_t))
+        self.sfile = <int64_t *>malloc(max(self.nseg, 1) * sizeof(int64_t))
+        if self.gstart == NULL or self.lstart == NULL or self.sfile == NULL:
+            raise MemoryError()
+        acc = 0
+        for s, (f, l0, n) in enumerate(segments):
+            self.gstart[s] = acc
+            self.lstart[s] = l0
+            self.sfile[s] = f
+            acc += n
+        self.gstart[self.nseg] = acc
+        self.num_records = acc
+        self._chunk_starts = np.asarray(chunk_starts, dtype=np.int64)
+        self.caches = list(caches)
+        self.lru = [f for f, c in enumerate(self.caches) if c is not None]
+        self._expect = dict(expect)
+        self.max_open = max(1, max_open)
+        self.cur_seg = -1
+
+    def __dealloc__(self):
+        free(self.gstart); free(self.lstart); free(self.sfile)
+        self.gstart = self.lstart = self.sfile = NULL
+
+    def chunk_starts(self):
+        """Chunk boundaries over the whole stream (every file's chunks, in order)."""
+        return self._chunk_starts.copy()
+
+    @property
+    def chunk_loads(self):
+        """Chunks loaded so far, all files together (a test and benchmark hook)."""
+        return int(self.closed_loads + sum(c.chunk_loads for c in self.caches if c is not None))
+
+    @property
+    def open_file_count(self):
+        return sum(c is not None for c in self.caches)
+
+    cdef int64_t c_num_records(self) except -2:
+        return self.num_records
+
+    cdef int64_t _segment_of(self, int64_t index) noexcept nogil:
+        cdef int64_t lo = 0, hi = self.nseg - 1, mid
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            if self.gstart[mid] <= index:
+                lo = mid
+            else:
+                hi = mid - 1
+        while lo + 1 < self.nseg and self.gstart[lo + 1] <= index:
+            lo += 1                        # empty segments share a start
+        return lo
+
+    cdef int c_read_at(self, int64_t index, rl_record *out) except -1 nogil:
+        cdef int64_t s = self.cur_seg, local
+        cdef _slot *sl
+        if s < 0 or index < self.gstart[s] or index >= self.gstart[s + 1]:
+            if index < 0 or index >= self.num_records:
+                with gil:
+                    raise IndexError(f"open_files ({len(self.caches)} files): index {index} out of "
+                                     f"range for {self.num_records} records")
+            s = self._segment_of(index)
+            with gil:
+                self._switch(s)
+        local = self.lstart[s] + (index - self.gstart[s])
+        sl = &self.cur.slots[self.cur.last]
+        if sl.chunk >= 0 and self.cur.starts[sl.chunk] <= local < self.cur.starts[sl.chunk] + sl.n:
+            _slot_get(sl, local - self.cur.starts[sl.chunk], out)     # the current chunk: no call
+            return 1
+        with gil:
+            return self._read_slow(s, local, index, out)
+
+    cdef int _read_slow(self, int64_t s, int64_t local, int64_t index, rl_record *out) except -1:
+        try:
+            return self.cur.c_read_at(local, out)
+        except BaseException as e:
+            f = self.sfile[s]
+            e.add_note(f"open_files: while reading record {index} of the stream (record {local} "
+                       f"of file {f}, {self.plan.paths[f]!r})")
+            raise
+
+    cdef int _switch(self, int64_t s) except -1:
+        f = self.sfile[s]
+        c = self.caches[f]
+        if c is None:
+            while len(self.lru) >= self.max_open:
+                old = self.lru.pop(0)
+                self.closed_loads += self.caches[old].chunk_loads
+                self.caches[old].close()
+                self.caches[old] = None
+            c = open_file_records(self.plan, f, self._expect.get(f))
+            self.caches[f] = c
+        else:
+            self.lru.remove(f)
+        self.lru.append(f)
+        self.cur = c
+        self.cur_seg = s
+        return 0
+
+    cdef int c_next(self, rl_record *out) except -1 nogil:
+        with gil:
+            raise TypeError("MultiFileRecords is read by index (c_read_at), not sequentially")
+
+    cdef int c_close(self) except -1:
+        for f, c in enumerate(self.caches):
+            if c is not None:
+                self.closed_loads += c.chunk_loads
+                c.close()
+                self.caches[f] = None
+        self.lru = []
+        self.cur = None
+        self.cur_seg = -1
+        return 0
+
+    def __repr__(self):
+        return (f"MultiFileRecords({len(self.caches)} files, {self.num_records} records in "
+                f"{self._chunk_starts.shape[0] - 1} chunks)")
+
+
+def open_file_records(plan, int f, expect=None):
+    """File f of an open_files plan as a ChunkCache (its own descriptor), opened the
+    way the stream opens it (prefixed instances where the stream mixes forms).
+
+    `expect`: the record counts of its chunks the plan was made with; a file
+    whose chunk table now differs raises ValueError naming it.
+    """
+    from readerlib.readers.files import _identity_of
+    path = plan.paths[f]
+    src = plan.open(path)
+    try:
+        ident = _identity_of(src, path)
+        if ident != plan.identities[f]:
+            raise ValueError(f"open_files: {path!r} changed since open_files planned the stream "
+                             f"(its identity {ident} differs from {plan.identities[f]}): reopen the files")
+        try:
+            cache = open_random_access(src, 2)
+        except TypeError as e:
+            raise TypeError(f"open_files: {path!r} has no random access ({e}): reader[i], read_many "
+                            f"and global_shuffle need indexed files (RecordIO, TFRecord)") from None
+    finally:
+        src.close()
+    if not isinstance(cache, ChunkCache) or bool((<ChunkCache>cache).layout.bare) != bool(plan.bare):
+        cache.close()
+        raise ValueError(f"open_files: {path!r} gives another instance form for random access "
+                         f"than the stream does")
+    if expect is not None:
+        got = np.diff(cache.chunk_starts())
+        if got.shape[0] != len(expect) or np.any(got != np.asarray(expect, dtype=np.int64)):
+            cache.close()
+            raise ValueError(f"open_files: {path!r} changed since open_files planned the stream "
+                             f"(its chunk table differs): reopen the files")
+    return cache
+
+
+def open_multi_file_records(plan, int64_t limit=-1):
+    """`MultiFileRecords` over an open_files plan (see there); TypeError naming a
+    file that has no random access."""
+    per_file = {}                          # file -> record counts of its chunks (from the plan)
+    for i, chunks, n in plan.units:
+        if chunks is not None:
+            per_file.setdefault(i, []).append(int(n))
+    local_of = {}
+    for i, counts in per_file.items():
+        acc = 0
+        for c, n in enumerate(counts):
+            local_of[(i, c)] = acc
+            acc += n
+    caches = [None] * len(plan.paths)
+    segments, chunk_lens = [], []
+    try:
+        for i, chunks, n in plan.mine:
+            if chunks is not None:
+                segments.append((i, local_of[(i, int(chunks[0]))], int(n)))
+                chunk_lens.append(int(n))
+            else:                          # a whole-file unit: its chunk table from the file itself
+                if caches[i] is None:
+                    caches[i] = open_file_records(plan, i)
+                st = caches[i].chunk_starts()
+                segments.append((i, 0, int(st[len(st) - 1])))
+                chunk_lens.extend(np.diff(st).tolist())
+    except BaseException:
+        for c in caches:
+            if c is not None:
+                c.close()
+        raise
+    if limit >= 0:                         # equal_batches: the first `limit` records
+        cut, acc = [], 0
+        for f, l0, n in segments:
+            take = min(n, limit - acc)
+            if take <= 0:
+                break
+            cut.append((f, l0, take))
+            acc += take
+        segments = cut
+        lens, acc = [], 0
+        for n in chunk_lens:
+            take = min(n, limit - acc)
+            if take <= 0:
+                break
+            lens.append(take)
+            acc += take
+        chunk_lens = lens
+    starts = np.concatenate([[0], np.cumsum(np.asarray(chunk_lens, dtype=np.int64))]).astype(np.int64)
+    return MultiFileRecords(plan, segments, starts, caches, per_file)

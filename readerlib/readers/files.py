@@ -279,15 +279,23 @@ class FilePlan:
                              f"instances, unlike when the stream was planned")
         return r
 
-    def epoch_units(self, epoch):
-        """[(path, chunks or None)] for this rank and epoch, in reading order."""
+    def _epoch_order(self, epoch):
         units = self.mine
         if self.shuffle_files:
             files = sorted({u[0] for u in units})
             perm = np.random.default_rng([self.seed, epoch]).permutation(len(files))
             rank_of = {files[j]: pos for pos, j in enumerate(perm)}
             units = sorted(units, key=lambda u: rank_of[u[0]])      # stable: chunks stay in order
-        return [(self.paths[i], chunks) for i, chunks, _ in units]
+        return units
+
+    def epoch_units(self, epoch):
+        """[(path, chunks or None)] for this rank and epoch, in reading order."""
+        return [(self.paths[i], chunks) for i, chunks, _ in self._epoch_order(epoch)]
+
+    def epoch_counts(self, epoch):
+        """Record counts of `epoch_units(epoch)`, in that order (None: not known
+        without reading the file; set_state's skip stops there)."""
+        return [n for _, _, n in self._epoch_order(epoch)]
 
     def describe(self):
         """What decides this plan's records and their order (for states): the
