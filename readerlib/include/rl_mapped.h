@@ -113,12 +113,15 @@ static void rl_sigbus_handler(int sig, siginfo_t *si, void *uc) {
     struct sigaction *p = &rl_guard_prev_action;
     if (p->sa_flags & SA_SIGINFO) {
         if (p->sa_sigaction) { p->sa_sigaction(sig, si, uc); return; }
-    } else if (p->sa_handler != SIG_DFL && p->sa_handler != SIG_IGN) {
+    } else if (p->sa_handler == SIG_IGN) {
+        if (si->si_code <= 0) return;          /* sent by kill(): ignored, as before */
+    } else if (p->sa_handler != SIG_DFL) {
         p->sa_handler(sig);
         return;
     }
-    /* default action: reinstall it and return; the fault repeats and kills */
+    /* the default action (terminate, core): for a fault and for kill() alike */
     signal(sig, SIG_DFL);
+    raise(sig);
 }
 
 static int rl_guard_ensure_impl(void) {
