@@ -87,6 +87,7 @@ cdef extern from "rl_mapped.h":
         uint32_t crc
     ctypedef struct rl_mapped_api:
         void (*map_decref)(rl_map *m) noexcept nogil
+        int64_t live
     rl_mapped_api *rl_mapped
     int rl_mapped_import() except -1
     bint rl_record_is_deferred(const rl_record *r) nogil
@@ -192,8 +193,9 @@ def _set_staged_reads(flag):
 
 
 def _live_file_blocks():
-    """Test hook: file blocks of RecordIO readers alive in this process."""
-    return rl_fileblocks_live()
+    """Test hook: file blocks of RecordIO readers alive in this process (and
+    deferred records: descriptors of a file's bytes)."""
+    return rl_fileblocks_live() + rl_mapped.live
 
 def _crc32c_copy(dst, src, uint32_t crc=0):
     """Test and benchmark hook: copy `src` into `dst` (writable, same length)

@@ -90,6 +90,7 @@ typedef struct {
     rl_guard **(*guard_slot)(void);     /* this thread's slot */
     int (*guard_ensure)(void);          /* (re)install the handler: 0 or -1 (errno) */
     void (*map_decref)(rl_map *m);
+    int64_t live;                       /* deferred records alive (a test hook: leaks) */
 } rl_mapped_api;
 
 #define RL_MAPPED_CAPSULE "readerlib._core._C_MAPPED"
@@ -97,6 +98,7 @@ typedef struct {
 #ifdef RL_MAPPED_OWNER
 /* ---------------------------------------------------------- owner side */
 static __thread rl_guard *rl_guard_cur __attribute__((tls_model("initial-exec")));
+static rl_mapped_api rl_mapped_state;      /* defined below */
 static struct sigaction rl_guard_prev_action;
 static int rl_guard_installed = 0;
 
@@ -156,6 +158,7 @@ static void rl_drop_range(uintptr_t lo, uintptr_t hi) {
 
 static void rl_deferred_release_impl(rl_block *b) {
     rl_dchunk *c = (rl_dchunk *)b->ctx;
+    __atomic_sub_fetch(&rl_mapped_state.live, 1, __ATOMIC_RELAXED);
     if (__atomic_sub_fetch(&c->refcnt, 1, __ATOMIC_ACQ_REL) == 0) {
         if (c->map->fd < 0) rl_drop_range(c->lo, c->hi);
         rl_map_decref_impl(c->map);
@@ -165,7 +168,7 @@ static void rl_deferred_release_impl(rl_block *b) {
 }
 
 static rl_mapped_api rl_mapped_state = {
-    rl_deferred_release_impl, rl_guard_slot_impl, rl_guard_ensure_impl, rl_map_decref_impl};
+    rl_deferred_release_impl, rl_guard_slot_impl, rl_guard_ensure_impl, rl_map_decref_impl, 0};
 static rl_mapped_api *rl_mapped = &rl_mapped_state;
 #else
 static rl_mapped_api *rl_mapped = NULL;
@@ -227,6 +230,7 @@ static inline rl_block *rl_deferred_new(rl_dchunk *c, const char *data, int64_t 
     d->index = index;
     d->crc = crc;
     __atomic_add_fetch(&c->refcnt, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&rl_mapped->live, 1, __ATOMIC_RELAXED);
     return &d->b;
 }
 

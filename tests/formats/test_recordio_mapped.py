@@ -319,10 +319,12 @@ else:
 @pytest.mark.parametrize("faulthandler", [False, True])
 def test_truncated_while_read_raises_and_exits_normally(tmp_path, mode, faulthandler):
     fh = "import faulthandler; faulthandler.enable()" if faulthandler else ""
-    res = _child(TRUNCATE.format(mode=mode, faulthandler=fh).replace("sys.argv[1]", repr(str(tmp_path / "t.rio"))))
-    assert res.returncode == 0, (res.returncode, res.stdout, res.stderr[-2000:])
-    assert "RAISED" in res.stdout, res.stdout + res.stderr[-2000:]
-    assert "Fatal Python error" not in res.stderr
+    # which thread meets the cut (the caller or a pool worker) varies: a few runs
+    for _ in range(3 if mode == "mmap" else 1):
+        res = _child(TRUNCATE.format(mode=mode, faulthandler=fh).replace("sys.argv[1]", repr(str(tmp_path / "t.rio"))))
+        assert res.returncode == 0, (res.returncode, res.stdout, res.stderr[-2000:])
+        assert "RAISED" in res.stdout, res.stdout + res.stderr[-2000:]
+        assert "Fatal Python error" not in res.stderr
 
 
 def test_sigbus_not_ours_still_kills(tmp_path):
