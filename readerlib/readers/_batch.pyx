@@ -33,6 +33,17 @@ cdef extern from "rl_mapped.h":
                          const int64_t *len, int nt, int64_t *fault_off) nogil
     int rl_deferred_copy1(const rl_record *r, char *dst, int nt, int64_t *fault_off) nogil
     void rl_map_copied(rl_map *m, const char *p, int64_t n) nogil
+    int rl_stage_reads
+
+
+def _set_staged_deferred_reads(flag):
+    """A/B and test hook: deferred records (pread mode) read through a small
+    cached buffer and the fused CRC + copy (True, the default) or straight
+    into the batch row, CRC-checked there; returns the old setting."""
+    global rl_stage_reads
+    old = bool(rl_stage_reads)
+    rl_stage_reads = bool(flag)
+    return old
 
 rl_mapped_import()
 

@@ -26,13 +26,16 @@ from helpers import assert_checkpoint_equal, assert_exactly_once, canon, unbatch
 SIZE = 40000                      # >= 32 KiB: the big-record path, a block (or descriptor) each
 
 
-@pytest.fixture(params=["pread", "mmap"])
+@pytest.fixture(params=["pread", "pread-unstaged", "mmap"])
 def mode(request):
-    old = R._set_deferred_mode(request.param)
+    from readerlib.readers import _batch
+    old = R._set_deferred_mode(request.param.split("-")[0])
     old_on = R._set_mapped_reads(True)
-    yield request.param
+    old_st = _batch._set_staged_deferred_reads(request.param != "pread-unstaged")
+    yield request.param.split("-")[0]
     R._set_deferred_mode(old)
     R._set_mapped_reads(old_on)
+    _batch._set_staged_deferred_reads(old_st)
 
 
 @pytest.fixture(params=["serial", "parallel"])
