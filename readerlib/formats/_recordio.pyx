@@ -12,7 +12,9 @@ Design:
     RecordIOError (or, for chunks already checked, the data as it was),
     never SIGBUS (as a mapping would) nor unchecked bytes.  Any single
     corrupted or truncated byte fails a check; the error names the file and
-    byte offset.
+    byte offset.  Version-2 big records read for a BatchReader are deferred
+    (include/rl_mapped.h): checked tables, the bytes read and CRC-checked by
+    the batch into the batch, one copy (RECORDIO.md, "Version 2").
 """
 import os
 import warnings
