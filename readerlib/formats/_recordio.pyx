@@ -101,6 +101,7 @@ cdef extern from "rl_mapped.h":
                               int64_t chunk, int64_t index) nogil
     rl_block *rl_deferred_materialize(const rl_record *r, int *code, int64_t *off) nogil
     int rl_map_all_zero(rl_map *m, const char *p, int64_t n, int64_t *fault_off) nogil
+    void rl_map_incref(rl_map *m) nogil
     int RL_DEF_OK, RL_DEF_MISMATCH, RL_DEF_SHRUNK, RL_DEF_NOMEM
 
 rl_mapped_import()
@@ -768,7 +769,7 @@ cdef class RecordIOReader(FileReader):
             m.len = self.fsize
             m.budget = _map_budget
             self.dmap = m
-        self.dmap.refcnt += 1            # under the GIL, before any record holds one
+        rl_map_incref(self.dmap)         # the caller's (records may be let go on other threads)
         return <size_t>self.dmap
 
     cdef int _load_v2_deferred(self, const char *T, int64_t n, int64_t payload_abs,

@@ -342,6 +342,7 @@ static int rl_deferred_read(const rl_record *r, int nf, char *const *dst, const 
                 done += piece;
             }
             free(st);
+            rl_cc_fence();           /* streaming stores: complete before the record is handed on */
             *fault_off = off;
             return c == d->crc ? RL_DEF_OK : RL_DEF_MISMATCH;
         }
