@@ -3,11 +3,19 @@
 Peers, in the same process, interleaved (the order rotates every repeat), best
 and median of ``--repeats``:
 
-* ``rio v2``      readerlib RecordIO, format version 2 (the default writer): a
-                  CRC-32C per record, verified right after its group is read
-* ``rio v2 staged``  the same, each group read into an L2-resident buffer and
-                  copied to the records' blocks by the fused CRC + copy loop with
-                  streaming stores (``_recordio._set_staged_reads(True)``)
+* ``rio v2``      readerlib RecordIO, format version 2 (the default writer), read
+                  the default way: the batch negotiates deferred records and reads
+                  each record straight into its row (pread), checking the row's
+                  CRC-32C -- one copy per byte
+* ``rio v2 mmap`` the same with the file mapped: each record copied from the
+                  mapping into the batch by the fused CRC + copy, SIGBUS-guarded
+                  (``_recordio._set_deferred_mode("mmap")``)
+* ``rio v2 two-copy``  the path before deferred records
+                  (``_recordio._set_mapped_reads(False)``): each record read into a
+                  block of its own and verified there, then copied into the batch
+* ``rio v2 staged``  the two-copy path with each group read into an L2-resident
+                  buffer and copied to the records' blocks by the fused CRC + copy
+                  loop with streaming stores (``_recordio._set_staged_reads(True)``)
 * ``rio v1``      the same data in format version 1 (one CRC per chunk)
 * ``tfrecord``    readerlib's TFRecord reader over the same records
 * ``torch``       a PyTorch DataLoader (shuffle=True, batch_size=256,
@@ -55,7 +63,7 @@ import harness
 import numpy as np
 
 import readerlib as rl
-from readerlib.formats._recordio import _gather_copy, _set_staged_reads
+from readerlib.formats._recordio import _gather_copy, _set_staged_reads, _set_mapped_reads, _set_deferred_mode
 from readerlib.formats._tfrecord import TFRecordReader, TFRecordWriter
 
 SIZE = 65536
@@ -166,13 +174,29 @@ def make_peers(x, schema, paths, torch_batches, with_torch=True):
         return f
 
     def rio_staged(seed):
-        old = _set_staged_reads(True)
+        old, old_m = _set_staged_reads(True), _set_mapped_reads(False)
         try:
             return rio("rio v2")(seed)
         finally:
             _set_staged_reads(old)
+            _set_mapped_reads(old_m)
 
-    peers = {"rio v2": rio("rio v2"), "rio v2 staged": rio_staged, "rio v1": rio("rio v1"), "tfrecord": tfr,
+    def rio_two_copy(seed):
+        old = _set_mapped_reads(False)
+        try:
+            return rio("rio v2")(seed)
+        finally:
+            _set_mapped_reads(old)
+
+    def rio_mmap(seed):
+        old = _set_deferred_mode("mmap")
+        try:
+            return rio("rio v2")(seed)
+        finally:
+            _set_deferred_mode(old)
+
+    peers = {"rio v2": rio("rio v2"), "rio v2 mmap": rio_mmap, "rio v2 two-copy": rio_two_copy,
+             "rio v2 staged": rio_staged, "rio v1": rio("rio v1"), "tfrecord": tfr,
              "torch": torch_dl, "memcpy": memcpy, "memcpy gather": memcpy_gather, "mmap fused": mmap_gather(True),
              "mmap memcpy": mmap_gather(False)}
     if not with_torch:
@@ -207,14 +231,15 @@ emit([n, base])
 """
 
 
-def peak_rss(path):
+def peak_rss(path, **env_extra):
     """(peak MB of the chain's process, its peak after the import alone)."""
-    env = {"PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(rl.__file__)))}
+    env = {"PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(rl.__file__))), **env_extra}
     (res,), peak = harness.run_child(PEAK, [path], timeout=600, env=env, python_flags=("-P",))
     return peak["peak_MB"], res[1]
 
 
-RATIO_PEERS = ("memcpy", "torch", "rio v1", "rio v2 staged", "tfrecord", "mmap fused")
+RATIO_PEERS = ("memcpy", "memcpy gather", "torch", "rio v2 two-copy", "rio v2 mmap", "rio v1", "rio v2 staged",
+               "tfrecord", "mmap fused")
 
 
 def main(argv=None):
@@ -259,12 +284,15 @@ def main(argv=None):
             rep.table(["ratio", "best", "median"],
                       [[f"rio v2 / {peer}", *(f"{r:.2f}" for r in harness.speedup(st, "rio v2", peer))]
                        for peer in RATIO_PEERS if peer in st])
-        mb, base = peak_rss(paths["rio v2"])
         buf = min(BUFFER, args.records) * SIZE / 2**20
-        result["peak_rss_MB"] = {"chain": mb, "import_only": base, "shuffle_buffer": buf}
-        rep.add(f"- peak RSS, default v2 chain in a fresh process: {mb:.0f} MB (import readerlib alone "
-                f"{base:.0f} MB; shuffle buffer {buf:.0f} MB; bound buffer + 64 MB = {buf + 64:.0f} MB "
-                f"above the import: {'within' if mb - base <= buf + 64 else 'OVER'})")
+        result["peak_rss_MB"] = {"shuffle_buffer": buf}
+        for label, env in (("default v2 chain", {}), ("v2 mmap", {"READERLIB_DEFERRED_READS": "mmap"}),
+                           ("v2 two-copy", {"READERLIB_MAPPED_READS": "0"})):
+            mb, base = peak_rss(paths["rio v2"], **env)
+            result["peak_rss_MB"][label] = {"chain": mb, "import_only": base}
+            rep.add(f"- peak RSS, {label} in a fresh process: {mb:.0f} MB (import readerlib alone "
+                    f"{base:.0f} MB; shuffle buffer {buf:.0f} MB; bound buffer + 64 MB = {buf + 64:.0f} MB "
+                    f"above the import: {'within' if mb - base <= buf + 64 else 'OVER'})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -53,6 +53,41 @@ cdef rl_core_state _state
 rl_core_state_init(&_state)
 _C_CORE = PyCapsule_New(&_state, RL_CORE_CAPSULE, NULL)
 
+# The one-copy path's process state (include/rl_mapped.h): the SIGBUS guard's
+# thread-local slot and handler, and the release function that identifies a
+# deferred record.  The handler goes in at import and again (on top of
+# whatever is there then, e.g. faulthandler's) each time a chain negotiates
+# mapped reads, and in a forked child.
+cdef extern from *:
+    """
+    #define RL_MAPPED_OWNER 1
+    """
+
+cdef extern from "rl_mapped.h":
+    ctypedef struct rl_mapped_api:
+        int (*guard_ensure)() noexcept nogil
+    rl_mapped_api rl_mapped_state
+    const char *RL_MAPPED_CAPSULE
+    int rl_guard_installed
+
+_C_MAPPED = PyCapsule_New(&rl_mapped_state, RL_MAPPED_CAPSULE, NULL)
+
+
+def _sigbus_guard_ensure():
+    """(Re)install the SIGBUS guard's handler on top of the current one; True
+    when it is installed (also a test hook)."""
+    import os
+    if rl_mapped_state.guard_ensure() != 0:
+        raise OSError(os.strerror(0), "sigaction(SIGBUS) failed")
+    return bool(rl_guard_installed)
+
+
+_sigbus_guard_ensure()
+import os as _os
+if hasattr(_os, "register_at_fork"):
+    _os.register_at_fork(after_in_child=_sigbus_guard_ensure)
+del _os
+
 __all__ = ["crc32c"]
 
 

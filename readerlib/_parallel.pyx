@@ -140,6 +140,10 @@ cdef extern from *:
         sigset_t all, old;
         if (n - 1 <= rl_pool.n_workers) return rl_pool.n_workers;
         sigfillset(&all);       /* signals stay with Python's threads */
+        /* ...except the synchronous fault signals: one raised in a thread that
+         * blocks it kills the process without running any handler (the SIGBUS
+         * guard of rl_mapped.h, faulthandler) */
+        sigdelset(&all, SIGBUS); sigdelset(&all, SIGSEGV); sigdelset(&all, SIGFPE); sigdelset(&all, SIGILL);
         pthread_sigmask(SIG_BLOCK, &all, &old);
         while (rl_pool.n_workers < n - 1) {
             pthread_t t;

@@ -12,7 +12,9 @@ Design:
     RecordIOError (or, for chunks already checked, the data as it was),
     never SIGBUS (as a mapping would) nor unchecked bytes.  Any single
     corrupted or truncated byte fails a check; the error names the file and
-    byte offset.
+    byte offset.  Version-2 big records read for a BatchReader are deferred
+    (include/rl_mapped.h): checked tables, the bytes read and CRC-checked by
+    the batch into the batch, one copy (RECORDIO.md, "Version 2").
 """
 import os
 import warnings
@@ -20,7 +22,7 @@ import zlib as _pyzlib
 
 import numpy as np
 cimport numpy as cnp
-from libc.stdlib cimport malloc, free, realloc
+from libc.stdlib cimport malloc, free, realloc, calloc
 from libc.string cimport memcpy, memcmp
 from libc.errno cimport errno
 
@@ -67,6 +69,114 @@ cdef extern from "rl_crccopy.h":
 
 rl_cc_init()
 
+# ---- big records in one copy (include/rl_mapped.h, RECORDIO.md "Reading and the checks")
+from posix.mman cimport mmap, munmap, PROT_READ, MAP_SHARED, MAP_FAILED
+
+cdef extern from "rl_mapped.h":
+    ctypedef struct rl_map:
+        int64_t refcnt
+        char *base
+        int64_t len
+        int pull
+        int64_t dirty
+        int64_t budget
+        char *path
+        int fd
+    ctypedef struct rl_dblock:
+        rl_map *map
+        int64_t chunk
+        int64_t index
+        uint32_t crc
+    ctypedef struct rl_mapped_api:
+        void (*map_decref)(rl_map *m) noexcept nogil
+        int64_t live
+    rl_mapped_api *rl_mapped
+    int rl_mapped_import() except -1
+    bint rl_record_is_deferred(const rl_record *r) nogil
+    ctypedef struct rl_dchunk:
+        pass
+    rl_dchunk *rl_dchunk_new(rl_map *m, const char *lo, const char *hi) nogil
+    void rl_dchunk_done(rl_dchunk *c) nogil
+    rl_block *rl_deferred_new(rl_dchunk *c, const char *data, int64_t size, uint32_t crc,
+                              int64_t chunk, int64_t index) nogil
+    rl_block *rl_deferred_materialize(const rl_record *r, int *code, int64_t *off) nogil
+    int rl_map_all_zero(rl_map *m, const char *p, int64_t n, int64_t *fault_off) nogil
+    void rl_map_incref(rl_map *m) nogil
+    int RL_DEF_OK, RL_DEF_MISMATCH, RL_DEF_SHRUNK, RL_DEF_NOMEM
+
+rl_mapped_import()
+
+# Version-2 big records read for a BatchReader (negotiated through shuffle,
+# multi_pass and holder only): the file is mapped and records go out deferred,
+# verified by the batch's fused CRC + copy (one copy per byte instead of two).
+# READERLIB_MAPPED_READS=0 or _set_mapped_reads(False): the pread path (A/B).
+cdef bint _mapped = os.environ.get("READERLIB_MAPPED_READS", "1") != "0"
+# a mapping's pages are dropped (one madvise over the range copied) once this
+# much has been copied out of it since the last drop: the bound on the file
+# pages a mapped chain keeps resident
+cdef int64_t _map_budget = 32 << 20
+# How the batch takes a deferred record's bytes: "pread" (default) reads them
+# with pread(2) straight into its row of the batch and checks the CRC of the
+# row (from cache: the row was just written); "mmap" maps the file and copies
+# with the fused CRC + copy, SIGBUS-guarded.  Measured on the 64 KiB chain
+# (benchmarks/results/big_records.md) the mapping is the slower of the two on
+# this kernel: a fault maps a whole page-cache folio (512 KiB here), and keeping
+# the mapped pages bounded (dropping them) costs more than the kernel copy
+# saves.  READERLIB_DEFERRED_READS=mmap picks the mapping.
+cdef bint _via_pread = os.environ.get("READERLIB_DEFERRED_READS", "pread") != "mmap"
+
+
+def _set_deferred_mode(mode):
+    """A/B and test hook: "pread" or "mmap" (see above) for chains negotiated
+    from now on; returns the old mode."""
+    global _via_pread
+    if mode not in ("pread", "mmap"):
+        raise ValueError(f"mode must be 'pread' or 'mmap', got {mode!r}")
+    old = "pread" if _via_pread else "mmap"
+    _via_pread = mode == "pread"
+    return old
+
+
+def _set_mapped_reads(flag):
+    """Test / benchmark switch: mapped (deferred) reads of v2 big records for
+    chains that end in a batch; returns the old setting.  Chains built
+    afterwards (or reset: each epoch negotiates) take it."""
+    global _mapped
+    old = bool(_mapped)
+    _mapped = bool(flag)
+    return old
+
+
+def _set_map_budget(nbytes):
+    """Test hook: bytes copied out of a mapping between page drops; returns the old value."""
+    global _map_budget
+    old = int(_map_budget)
+    _map_budget = max(1, int(nbytes))
+    return old
+
+
+def _deferred_error(path, chunk, index, code, offset):
+    """The RecordIOError of a deferred record that failed where it was copied
+    (the same messages as the reader's own checks)."""
+    if code == RL_DEF_NOMEM:
+        return MemoryError(f"{path}: out of memory copying record {index} of chunk {chunk}")
+    msg = _CHUNK_ERRORS[CK_SHRUNK if code == RL_DEF_SHRUNK else CK_RECORD_CRC]
+    return RecordIOError(f"{path}: {msg} (record {index} of chunk {chunk}) at byte offset {offset}",
+                         path, offset)
+
+
+cdef object _deferred_error_of(const rl_record *r, int code, int64_t offset):
+    cdef rl_dblock *d = <rl_dblock *>r.block
+    return _deferred_error(d.map.path.decode("utf-8", "surrogateescape"), d.chunk, d.index, code, offset)
+
+
+def _deferred_error_py(size_t block, int code, int64_t offset):
+    """_deferred_error for a deferred record's block (its address), for the
+    modules that copy deferred records (the batch, the shuffle)."""
+    cdef rl_record r
+    r.block = <rl_block *>block
+    return _deferred_error_of(&r, code, offset)
+
 # Version-2 big records: (False, the default) read a group straight into the
 # records' blocks and CRC each there, still in cache; or (True) read it into a
 # cache-resident staging buffer and copy each record to its block with the
@@ -86,8 +196,9 @@ def _set_staged_reads(flag):
 
 
 def _live_file_blocks():
-    """Test hook: file blocks of RecordIO readers alive in this process."""
-    return rl_fileblocks_live()
+    """Test hook: file blocks of RecordIO readers alive in this process (and
+    deferred records: descriptors of a file's bytes)."""
+    return rl_fileblocks_live() + rl_mapped.live
 
 def _crc32c_copy(dst, src, uint32_t crc=0):
     """Test and benchmark hook: copy `src` into `dst` (writable, same length)
@@ -592,6 +703,9 @@ cdef class RecordIOReader(FileReader):
     cdef readonly int64_t _bytes_verified   # test hook: record bytes CRC-checked on their own (v2)
     cdef const char *_ptrs[RL_MAX_FIELDS]     # scratch of _v2_check's parse
     cdef int64_t _rows[RL_MAX_FIELDS]
+    cdef rl_map *dmap                  # the file mapped for a negotiated batch (NULL: none)
+    cdef int64_t cur_chunk             # the chunk _load_chunk is loading
+    cdef readonly int64_t _records_deferred  # test hook: records handed out deferred
 
     def __cinit__(self):
         self.fd = -1
@@ -618,6 +732,7 @@ cdef class RecordIOReader(FileReader):
 
     def __dealloc__(self):
         self._release_cur()
+        self._unmap()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -645,6 +760,117 @@ cdef class RecordIOReader(FileReader):
                     rl_block_decref(self.cur_blocks[i])
                     self.cur_blocks[i] = NULL
             self.cur_per_record = False
+
+    cdef void _unmap(self) noexcept nogil:
+        # the mapping lives on while deferred records (or the batch) hold it
+        if self.dmap != NULL:
+            rl_mapped.map_decref(self.dmap)
+            self.dmap = NULL
+
+    def _mapped_negotiate(self):
+        """A BatchReader over this reader (through decorators that only move
+        items) asks for deferred records: maps the file (once) and returns the
+        mapping's address with a reference for the caller, or 0 (no: mapped
+        reads off, version 1, sequence fields, on_error="skip", closed)."""
+        cdef void *p
+        cdef rl_map *m
+        if (not _mapped or self.version != 2 or self.layout.n_lod != 0 or self.skip_errors
+                or self.fd < 0 or self.fsize <= 0):
+            return 0
+        if self.dmap == NULL:
+            if _via_pread:
+                p = <void *>(<size_t>1 << 40)    # never dereferenced: offsets only
+            else:
+                p = mmap(NULL, <size_t>self.fsize, PROT_READ, MAP_SHARED, self.fd, 0)
+                if p == MAP_FAILED:
+                    return 0                 # e.g. a file system without mmap: the pread path
+            m = <rl_map *>calloc(1, sizeof(rl_map))
+            path = self.path.encode("utf-8", "surrogateescape")
+            if m != NULL:
+                m.path = <char *>malloc(len(path) + 1)
+            if m == NULL or m.path == NULL:
+                free(m)
+                if not _via_pread:
+                    munmap(p, <size_t>self.fsize)
+                raise MemoryError()
+            m.fd = os.dup(self.fd) if _via_pread else -1
+            memcpy(m.path, <const char *>path, len(path) + 1)
+            m.refcnt = 1
+            m.base = <char *>p
+            m.len = self.fsize
+            m.budget = _map_budget
+            self.dmap = m
+        rl_map_incref(self.dmap)         # the caller's (records may be let go on other threads)
+        return <size_t>self.dmap
+
+    cdef int _load_v2_deferred(self, const char *T, int64_t n, int64_t payload_abs,
+                               bint aligned) noexcept nogil:
+        """The records of a checked v2 table (sizes, CRCs; layout checked) as
+        deferred records over the mapping: the size against the schema and the
+        padding (zero) are checked here, each record's CRC by the batch's
+        fused copy.  The record bytes are not read."""
+        cdef int64_t k, pos = 0, pad, size_i, foff = 0
+        cdef int z
+        cdef rl_block *blk
+        cdef rl_dchunk *dc
+        cdef int code = CK_OK
+        if self._fresh_cur_blocks(n) != 0:
+            return CK_NOMEM
+        self.cur_n = n
+        self.cur_i = 0
+        self.cur_per_record = True
+        dc = rl_dchunk_new(self.dmap, self.dmap.base + payload_abs,
+                           self.dmap.base + payload_abs + self._v2_payload_len(T, n, payload_abs, aligned))
+        if dc == NULL:
+            return CK_NOMEM
+        code = self._v2_deferred_records(dc, T, n, payload_abs, aligned)
+        rl_dchunk_done(dc)                # the records hold the chunk from here on
+        if code != CK_OK:
+            self._release_cur()
+            self.cur_n = 0
+            return code
+        self._records_deferred += n
+        return CK_OK
+
+    cdef int64_t _v2_payload_len(self, const char *T, int64_t n, int64_t payload_abs,
+                                 bint aligned) noexcept nogil:
+        cdef int64_t k, pos = 0
+        for k in range(n):
+            if aligned:
+                pos += (-(payload_abs + pos)) & (PAGE - 1)
+            pos += rl_load_u32(T + 4 * k)
+        return pos
+
+    cdef int _v2_deferred_records(self, rl_dchunk *dc, const char *T, int64_t n, int64_t payload_abs,
+                                  bint aligned) noexcept nogil:
+        cdef int64_t k, pos = 0, pad, size_i, got
+        cdef rl_block *blk
+        cdef char padbuf[PAGE]
+        for k in range(n):
+            pad = ((-(payload_abs + pos)) & (PAGE - 1)) if aligned else 0
+            size_i = rl_load_u32(T + 4 * k)
+            if pad:
+                # read, not mapped: a page faulted in here would stay until its chunk is done
+                got = rl_pread_full(self.fd, padbuf, pad, payload_abs + pos)
+                if got != pad:
+                    self.err_record = k
+                    return self._read_failed(got, payload_abs + pos)
+                if not rl_all_zero(padbuf, pad):
+                    self.err_record = k
+                    self.err_off = payload_abs + pos
+                    return CK_PADDING
+            pos += pad
+            if size_i != self.layout.fixed_size:
+                self.err_record = k
+                self.err_off = payload_abs + pos
+                return CK_RECORD
+            blk = rl_deferred_new(dc, self.dmap.base + payload_abs + pos, size_i,
+                                  rl_load_u32(T + 4 * (n + k)), self.cur_chunk, k)
+            if blk == NULL:
+                return CK_NOMEM
+            self.cur_blocks[k] = blk
+            pos += size_i
+        return CK_OK
 
     cdef int _zbuf_reserve(self, int64_t n) noexcept nogil:
         """Make the scratch buffer (zlib input, v2 tables) hold n bytes; -1 when
@@ -878,6 +1104,7 @@ cdef class RecordIOReader(FileReader):
         cdef int64_t payload_abs, size_i
         self.err_off = off
         self.err_record = -1
+        self.cur_chunk = c
         if limit - off < CHUNK_HEADER:
             return CK_TRUNC_HEADER
         got = rl_pread_full(self.fd, hbuf, CHUNK_HEADER, off)
@@ -1160,6 +1387,9 @@ cdef class RecordIOReader(FileReader):
         code = self._v2_layout(T, n, stored, payload_abs, aligned)
         if code != CK_OK:
             return code
+        if (self.dmap != NULL and self.dmap.pull and self.layout.n_lod == 0
+                and off + CHUNK_HEADER + stored <= self.dmap.len):
+            return self._load_v2_deferred(T, n, payload_abs, aligned)
         if aligned and self.padbuf == NULL:
             self.padbuf = <char *>malloc(GROUP_RECORDS * PAGE)
             if self.padbuf == NULL:
@@ -1336,6 +1566,8 @@ cdef class RecordIOReader(FileReader):
             out.data = out.block.data
             out.size = out.block.size
             self.cur_i += 1
+            if self.dmap != NULL and not self.dmap.pull and rl_record_is_deferred(out):
+                self._materialize(out)   # not for the negotiated batch: verified here
             return 1
         s = rl_load_u32(self.cur_sizes + 4 * self.cur_i)
         if self.cur_aligned:
@@ -1346,6 +1578,27 @@ cdef class RecordIOReader(FileReader):
         self.cur_pos += s
         self.cur_i += 1
         return 1
+
+    cdef int _materialize(self, rl_record *out) except -1 nogil:
+        """A deferred record of the current chunk pulled by a consumer other
+        than the negotiated batch: replaced by a verified copy (or an error;
+        the record is then dropped, as the pread path drops a chunk)."""
+        cdef int code
+        cdef int64_t off
+        cdef int64_t i = self.cur_i - 1
+        cdef rl_block *nb = rl_deferred_materialize(out, &code, &off)
+        if nb == NULL:
+            with gil:
+                err = _deferred_error_of(out, code, off)
+                rl_block_decref(self.cur_blocks[i])
+                self.cur_blocks[i] = NULL
+                raise err
+        rl_block_decref(self.cur_blocks[i])
+        self.cur_blocks[i] = nb
+        out.block = nb
+        out.data = nb.data
+        out.size = nb.size
+        return 0
 
     cdef int _chunk_error(self, int code, int64_t c) except -1:
         msg = _CHUNK_ERRORS.get(code, f"chunk error {code}")
@@ -1412,6 +1665,7 @@ cdef class RecordIOReader(FileReader):
 
     cdef int c_close(self) except -1:
         self._release_cur()                  # blocks still held downstream stay valid
+        self._unmap()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -4,7 +4,9 @@
  * pointers into a read-only mapping of the file, which turned a file
  * truncated while being read into SIGBUS and let a same-size rewrite change
  * bytes after their checksum was checked.  Every chunk (or big record) is now
- * read with pread(2) into one of these blocks and checked there. */
+ * read with pread(2) into one of these blocks and checked there.  (The one
+ * place a file may be mapped again is the optional mmap mode of deferred
+ * records, include/rl_mapped.h, behind its SIGBUS guard.) */
 #ifndef READERLIB_RL_MMAP_H
 #define READERLIB_RL_MMAP_H
 #include <sys/mman.h>

@@ -17,7 +17,62 @@ from readerlib.tensor import LoDTensor
 
 rl_core_import()
 
+# ---- deferred records (include/rl_mapped.h): big records of a mapped v2
+# RecordIO file, verified here by the fused CRC + copy into the batch
+cdef extern from "rl_mapped.h":
+    ctypedef struct rl_map:
+        int pull
+    ctypedef struct rl_mapped_api:
+        void (*map_decref)(rl_map *m) noexcept nogil
+    ctypedef struct rl_dblock:
+        rl_map *map
+    rl_mapped_api *rl_mapped
+    int rl_mapped_import() except -1
+    bint rl_record_is_deferred(const rl_record *r) nogil
+    int rl_deferred_copy(const rl_record *r, int nf, char **dst, const int64_t *src_off,
+                         const int64_t *len, int nt, int64_t *fault_off) nogil
+    int rl_deferred_copy1(const rl_record *r, char *dst, int nt, int64_t *fault_off) nogil
+    void rl_map_copied(rl_map *m, const char *p, int64_t n) nogil
+    int rl_stage_reads
+
+
+def _set_staged_deferred_reads(flag):
+    """A/B and test hook: deferred records (pread mode) read through a small
+    cached buffer and the fused CRC + copy (True, the default) or straight
+    into the batch row, CRC-checked there; returns the old setting."""
+    global rl_stage_reads
+    old = bool(rl_stage_reads)
+    rl_stage_reads = bool(flag)
+    return old
+
+rl_mapped_import()
+
 __all__ = ["BatchReader"]
+
+
+def _pass_through_types():
+    # decorators that only move items (never read a record's bytes): a batch
+    # above them may take deferred records from the file reader below
+    from readerlib.readers._shuffle import ShuffleReader
+    from readerlib.readers._passes import MultiPassReader
+    from readerlib.readers._base import ReaderHolder
+    return (ShuffleReader, MultiPassReader, ReaderHolder)
+
+
+cdef object _mapped_source(object reader):
+    """The RecordIOReader at the bottom of a chain of pass-through decorators, or None."""
+    from readerlib.formats._recordio import RecordIOReader
+    through = _pass_through_types()
+    while True:
+        if type(reader) is RecordIOReader:
+            return reader
+        if type(reader) not in through:
+            return None
+        reader = reader.reader
+
+
+cdef inline void _copied(const rl_record *r) noexcept nogil:
+    rl_map_copied((<rl_dblock *>r.block).map, r.data, r.size)
 
 
 # Batch block: int64 header [n, nfields, (rows, data_off, lod_off) * nfields],
@@ -31,13 +86,19 @@ cdef struct _copy_fixed_job:
     char *dst
     rl_record *recs
     int64_t rb
+    int *codes                    # deferred records: RL_DEF_* of each copy (NULL: none deferred)
+    int64_t *offs
 
 
 cdef void _copy_fixed_records(void *ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
     cdef _copy_fixed_job *j = <_copy_fixed_job *>ctx
     cdef int64_t i
     for i in range(begin, end):
-        rl_copy_big(j.dst + i * j.rb, j.recs[i].data, j.rb)
+        if j.codes != NULL and rl_record_is_deferred(&j.recs[i]):
+            # fused CRC + copy from the mapping (SIGBUS-guarded on this thread)
+            j.codes[i] = rl_deferred_copy1(&j.recs[i], j.dst + i * j.rb, 1, &j.offs[i])
+        else:
+            rl_copy_big(j.dst + i * j.rb, j.recs[i].data, j.rb)
     rl_copy_fence()   # streaming stores: each copying thread fences its own
 
 
@@ -103,6 +164,9 @@ cdef class BatchReader(DecoratedReader):
     cdef rl_block *hold
     cdef const char **parsed_ptrs
     cdef int64_t *parsed_rows
+    cdef rl_map *dmap             # negotiated: the file reader below hands out deferred records
+    cdef int *dcodes              # per record of a parallel copy: RL_DEF_* (deferred records)
+    cdef int64_t *doffs
 
     def __init__(self, reader, batch_size, drop_last=False):
         _check_reader(reader, "BatchReader")
@@ -125,6 +189,50 @@ cdef class BatchReader(DecoratedReader):
             self.parsed_rows = <int64_t *>calloc(bs * self.layout.nfields, sizeof(int64_t))
             if self.parsed_ptrs == NULL or self.parsed_rows == NULL:
                 raise MemoryError()
+        self.dcodes = <int *>calloc(bs, sizeof(int))
+        self.doffs = <int64_t *>calloc(bs, sizeof(int64_t))
+        if self.dcodes == NULL or self.doffs == NULL:
+            raise MemoryError()
+        self._negotiate()
+
+    def _negotiate(self):
+        """Ask the source chain for deferred records (mapped reads of big v2
+        RecordIO records, verified by this batch's copy): only through
+        decorators that only move items, only for fixed-size schemas.  Every
+        epoch asks again (the switch, a holder's new reader)."""
+        cdef size_t addr = 0
+        if self.layout.n_lod == 0:
+            src = _mapped_source(self.reader)
+            if src is not None:
+                addr = src._mapped_negotiate()
+        if self.dmap != NULL:
+            rl_mapped.map_decref(self.dmap)
+            self.dmap = NULL
+        if addr:
+            from readerlib._core import _sigbus_guard_ensure
+            self.dmap = <rl_map *>addr
+            _sigbus_guard_ensure()       # on top of any handler installed since (faulthandler)
+
+    @property
+    def _mapped(self):
+        """Test hook: True when this batch takes deferred records."""
+        return self.dmap != NULL
+
+    cdef inline int _pull(self, rl_record *rec) except -1 nogil:
+        """The upstream's next item; deferred records may come only in this call."""
+        cdef int r
+        if self.dmap == NULL:
+            return self.reader.c_next(rec)
+        self.dmap.pull = 1
+        try:
+            r = self.reader.c_next(rec)
+        finally:
+            self.dmap.pull = 0
+        return r
+
+    cdef object _deferred_error(self, const rl_record *r, int code, int64_t off):
+        from readerlib.formats._recordio import _deferred_error_py
+        return _deferred_error_py(<size_t>r.block, code, off)
 
     cdef void _release(self) noexcept nogil:
         cdef int64_t i
@@ -143,6 +251,8 @@ cdef class BatchReader(DecoratedReader):
     def __dealloc__(self):
         free(self.parsed_ptrs)
         free(self.parsed_rows)
+        free(self.dcodes)
+        free(self.doffs)
         if self.recs != NULL:
             self._drop_partial()
             free(self.recs)
@@ -150,6 +260,9 @@ cdef class BatchReader(DecoratedReader):
         if self.hold != NULL:
             rl_block_decref(self.hold)
             self.hold = NULL
+        if self.dmap != NULL:
+            rl_mapped.map_decref(self.dmap)
+            self.dmap = NULL
 
     cdef int c_next(self, rl_record *out) except -1 nogil:
         cdef rl_record rec
@@ -209,15 +322,28 @@ cdef class BatchReader(DecoratedReader):
         # an interrupted parallel batch holds records (nrecs > 0): it goes on there
         if self.nrecs > 0 or (n == 0 and nf == 1 and rb >= 32768 and threads_for(B * rb) > 1):
             return self._next_fixed_parallel(out, b, doff[0], pos)
+        cdef char *dsts[RL_MAX_FIELDS]
+        cdef int code
+        cdef int64_t foff
         while n < B:
-            r = self.reader.c_next(&rec)  # may raise: pend / pend_n keep the rows so far
+            r = self._pull(&rec)          # may raise: pend / pend_n keep the rows so far
             if r == 0:
                 break
             if rec.size != L.fixed_size:
                 with gil:
                     raise _record_schema_error("BatchReader", self.schema,
                                                rec.data[:rec.size], L.bare, index=n)
-            if nf == 1:
+            if self.dmap != NULL and rl_record_is_deferred(&rec):
+                # verified as it is copied; a record that fails is dropped (its row is reused)
+                for f in range(nf):
+                    dsts[f] = base + doff[f] + n * L.row_bytes[f]
+                code = rl_deferred_copy(&rec, nf, dsts, L.fixed_offset, L.row_bytes, 1, &foff)
+                if code != 0:
+                    rl_copy_fence()
+                    with gil:
+                        raise self._deferred_error(&rec, code, foff)
+                _copied(&rec)
+            elif nf == 1:
                 rl_copy_big(base + doff[0] + n * rb, rec.data, rb)
             else:
                 for f in range(nf):
@@ -252,7 +378,7 @@ cdef class BatchReader(DecoratedReader):
         cdef rl_record rec
         cdef char *base = b.data
         while n < B:
-            r = self.reader.c_next(&rec)  # may raise: pend and recs[:nrecs] stay held
+            r = self._pull(&rec)          # may raise: pend and recs[:nrecs] stay held
             if r == 0:
                 break
             if rec.size != rb:
@@ -272,8 +398,19 @@ cdef class BatchReader(DecoratedReader):
         job.dst = base + doff
         job.recs = self.recs
         job.rb = rb
+        job.codes = self.dcodes if self.dmap != NULL else NULL
+        job.offs = self.doffs
+        if job.codes != NULL:
+            for i in range(n):
+                job.codes[i] = 0
         parallel_for(threads_for(n * rb), n, _copy_fixed_records, &job)
         rl_copy_fence()
+        if job.codes != NULL:
+            for i in range(n):
+                if job.codes[i] != 0:
+                    self._deferred_failed(i, b)     # raises; the batch goes on without record i
+                if rl_record_is_deferred(&self.recs[i]):
+                    _copied(&self.recs[i])
         # Then let the records go (low_memory: one madvise each), on this thread
         # after the copies: a madvise while another thread of the process runs
         # sends it a TLB-shootdown interrupt, 256 per batch if done in the loop.
@@ -290,6 +427,22 @@ cdef class BatchReader(DecoratedReader):
         out.size = size
         self.hold = b
         return 1
+
+    cdef int _deferred_failed(self, int64_t i, rl_block *b) except -1 nogil:
+        """Record i of a parallel copy failed its check: raise its error, and
+        keep the batch being filled (pend) with the records around it, so that
+        reading on loses only that record (the next call copies them again)."""
+        cdef int64_t k
+        cdef rl_record bad = self.recs[i]
+        with gil:
+            err = self._deferred_error(&bad, self.dcodes[i], self.doffs[i])
+        for k in range(i + 1, self.nrecs):
+            self.recs[k - 1] = self.recs[k]
+        self.nrecs -= 1
+        self.pend = b
+        rl_block_decref(bad.block)
+        with gil:
+            raise err
 
     cdef int _assemble(self, int64_t n, rl_record *out) except -1 nogil:
         """Sequence schemas: parse each held record once, size the batch, copy."""
@@ -370,7 +523,9 @@ cdef class BatchReader(DecoratedReader):
             rl_block_decref(self.hold)
             self.hold = NULL
         self._drop_partial()
-        return self.reader.c_reset()
+        self.reader.c_reset()
+        self._negotiate()
+        return 0
 
     cdef int c_close(self) except -1:
         # what it holds pins the upstream's blocks (and so a file's mapping)
@@ -379,6 +534,9 @@ cdef class BatchReader(DecoratedReader):
             self.hold = NULL
         self._drop_partial()
         self.reader.close()
+        if self.dmap != NULL:
+            rl_mapped.map_decref(self.dmap)
+            self.dmap = NULL
         return 0
 
     cdef int64_t c_skip(self, int64_t n) except -1 nogil:
@@ -390,7 +548,13 @@ cdef class BatchReader(DecoratedReader):
         if self.hold != NULL:
             rl_block_decref(self.hold)
             self.hold = NULL
-        got = self.reader.c_skip(n * B)
+        if self.dmap != NULL:
+            self.dmap.pull = 1           # skipped items are dropped, never read
+        try:
+            got = self.reader.c_skip(n * B)
+        finally:
+            if self.dmap != NULL:
+                self.dmap.pull = 0
         if got % B and not self.drop_last:
             return got // B + 1
         return got // B

@@ -17,6 +17,18 @@ from readerlib.readers._base import _check_positive_int, _check_reader
 
 rl_core_import()
 
+# Deferred records (include/rl_mapped.h: mapped big records that only the batch
+# that asked for them may copy, verifying them) are moved like any other; one
+# that would go to another consumer of this shuffle is verified first.  Compaction
+# never copies one: a deferred record is alone in its block (bytes == block size).
+cdef extern from "rl_mapped.h":
+    int rl_mapped_import() except -1
+    bint rl_record_is_deferred(const rl_record *r) nogil
+    bint rl_deferred_may_go_out(const rl_record *r) nogil
+    rl_block *rl_deferred_materialize(const rl_record *r, int *code, int64_t *off) nogil
+
+rl_mapped_import()
+
 __all__ = ["ShuffleReader"]
 
 # Compaction (see ShuffleReader's design note).  Module-level so that tests can
@@ -384,6 +396,8 @@ cdef class ShuffleReader(DecoratedReader):
             # next call emits this same slot (the order is the one the
             # failed record's absence gives, and nothing is lost or repeated)
             self.next_j = <int64_t>j
+        if rl_record_is_deferred(&self.slots[j]) and not rl_deferred_may_go_out(&self.slots[j]):
+            self._verify_slot(j)
         # Refill first, emit after.  c_next is `except -1`: an exception jumps
         # straight out of this function, so nothing may be half-moved when it
         # is called (the buffer keeps every record it holds, `hold` is empty).
@@ -409,6 +423,31 @@ cdef class ShuffleReader(DecoratedReader):
         self.slot_ref[j] = self.slot_ref[self.count]
         self._draw_ahead()
         return 1
+
+    cdef int _verify_slot(self, int64_t j) except -1 nogil:
+        """Slot j holds a deferred record and the caller is not the batch that
+        asked for it: a verified copy replaces it (or, failing, the slot is
+        dropped and the error raised: reading on loses only that record)."""
+        cdef int code
+        cdef int64_t off, size = self.slots[j].size
+        cdef rl_block *nb = rl_deferred_materialize(&self.slots[j], &code, &off)
+        if nb == NULL:
+            with gil:
+                from readerlib.formats._recordio import _deferred_error_py
+                err = _deferred_error_py(<size_t>self.slots[j].block, code, off)
+            self._release(self.slot_ref[j], size)
+            self.count -= 1
+            self.slots[j] = self.slots[self.count]
+            self.slot_ref[j] = self.slot_ref[self.count]
+            self.next_j = -1
+            with gil:
+                raise err
+        self._release(self.slot_ref[j], size)
+        self.slot_ref[j] = self._acquire(nb, size)
+        rl_block_decref(nb)               # the buffer's reference is the one left
+        self.slots[j].block = nb
+        self.slots[j].data = nb.data
+        return 0
 
     cdef inline void _draw_ahead(self) noexcept nogil:
         # Same draws in the same order as drawing on demand; doing it now lets

@@ -1,0 +1,439 @@
+/* rl_mapped.h -- big records in one copy: deferred records and the SIGBUS guard.
+ *
+ * Design:
+ *   A RecordIO reader whose chain ends in a BatchReader (through decorators
+ *   that only move items: shuffle, multi_pass, holder) maps the file
+ *   read-only and, for version-2 uncompressed chunks of big records, hands
+ *   out *deferred* records instead of pread-ing them: an rl_dblock whose
+ *   data points into the mapping, with the record's expected CRC-32C (from
+ *   the chunk's checked CRC table), its chunk and index.  The batch copies
+ *   it into the batch with the fused CRC + copy (rl_crccopy.h), so each byte
+ *   is read once, and compares the CRC of the bytes it stored: nothing
+ *   unverified ever leaves the batch copy.  Every other consumer gets either
+ *   pread records (the file reader hands out deferred records only while
+ *   its map's `pull` flag is set, i.e. during a pull made by the negotiated
+ *   batch) or, for a deferred record already buffered that reaches another
+ *   consumer, a verified copy (rl_deferred_materialize).
+ *
+ *   A file truncated while mapped makes an access past its new end raise
+ *   SIGBUS.  Every read of a mapping is done inside a guard: a thread-local
+ *   pointer (readerlib._core's, initial-exec TLS: no allocation in the
+ *   handler) to an rl_guard on the copying function's stack, holding a
+ *   sigjmp_buf (sigsetjmp(.., 0): no syscall) and the address range it
+ *   covers.  readerlib._core installs one SIGBUS handler per process
+ *   (SA_SIGINFO | SA_NODEFER) that jumps back to the guard when the fault is
+ *   inside the armed range, and otherwise hands the signal to the previous
+ *   handler (faulthandler's, or the default action).  rl_guard_ensure()
+ *   (re)installs it on top of whatever handler is there now (called when a
+ *   chain negotiates, and after fork).
+ *
+ * The state (TLS slot, handler, the deferred blocks' release function, whose
+ * address identifies a deferred record) exists once per process, in
+ * readerlib._core (RL_MAPPED_OWNER); other modules call rl_mapped_import()
+ * at init.
+ */
+#ifndef READERLIB_RL_MAPPED_H
+#define READERLIB_RL_MAPPED_H
+#include <setjmp.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+#include "rl_core.h"
+#include "rl_crccopy.h"
+
+/* One mapping of a file, shared by the reader and every deferred record. */
+typedef struct rl_map {
+    int64_t refcnt;
+    char *base;
+    int64_t len;
+    int pull;                   /* 1 while the negotiated batch pulls: deferred records may go out */
+    int64_t dirty;              /* bytes copied since the last page drop */
+    int64_t budget;             /* drop the copied records' pages once `dirty` passes it */
+    uintptr_t *ranges;          /* [lo, hi) pairs of the records copied since (RL_MAP_RANGES) */
+    int nranges;
+    char *path;                 /* for error messages (UTF-8, owned) */
+    int fd;                     /* >= 0: no mapping; records are read (pread) straight into
+                                   the batch (base is then the file offset 0, never dereferenced) */
+    int64_t off0;
+} rl_map;
+
+/* The deferred records of one chunk: when the last is released, the chunk's
+ * pages leave this process (one madvise; its records' pages were faulted in
+ * together, by fault-around, so dropping them together wastes none). */
+typedef struct rl_dchunk {
+    int64_t refcnt;
+    rl_map *map;
+    uintptr_t lo, hi;           /* the chunk's records */
+} rl_dchunk;
+
+/* A deferred record: b.data points into map, b.size bytes, b.ctx == its chunk. */
+typedef struct rl_dblock {
+    rl_block b;
+    rl_map *map;
+    int64_t chunk;
+    int64_t index;              /* record index within its chunk */
+    uint32_t crc;               /* expected CRC-32C (from the checked table) */
+} rl_dblock;
+
+typedef struct rl_guard {
+    sigjmp_buf jb;
+    uintptr_t lo, hi;           /* faults inside [lo, hi) are this guard's */
+    volatile uintptr_t fault;   /* set by the handler */
+    struct rl_guard *prev;
+} rl_guard;
+
+typedef struct {
+    void (*deferred_release)(rl_block *b);
+    rl_guard **(*guard_slot)(void);     /* this thread's slot */
+    int (*guard_ensure)(void);          /* (re)install the handler: 0 or -1 (errno) */
+    void (*map_decref)(rl_map *m);
+    int64_t live;                       /* deferred records alive (a test hook: leaks) */
+} rl_mapped_api;
+
+#define RL_MAPPED_CAPSULE "readerlib._core._C_MAPPED"
+
+#ifdef RL_MAPPED_OWNER
+/* ---------------------------------------------------------- owner side */
+static __thread rl_guard *rl_guard_cur __attribute__((tls_model("initial-exec")));
+static rl_mapped_api rl_mapped_state;      /* defined below */
+static struct sigaction rl_guard_prev_action;
+static int rl_guard_installed = 0;
+
+static rl_guard **rl_guard_slot_impl(void) { return &rl_guard_cur; }
+
+static void rl_sigbus_handler(int sig, siginfo_t *si, void *uc) {
+    rl_guard *g = rl_guard_cur;
+    uintptr_t a = (uintptr_t)si->si_addr;
+    if (g && a >= g->lo && a < g->hi) {
+        g->fault = a;
+        siglongjmp(g->jb, 1);
+    }
+    /* not ours: the previous handler's, as if we were not here */
+    struct sigaction *p = &rl_guard_prev_action;
+    if (p->sa_flags & SA_SIGINFO) {
+        if (p->sa_sigaction) { p->sa_sigaction(sig, si, uc); return; }
+    } else if (p->sa_handler == SIG_IGN) {
+        if (si->si_code <= 0) return;          /* sent by kill(): ignored, as before */
+    } else if (p->sa_handler != SIG_DFL) {
+        p->sa_handler(sig);
+        return;
+    }
+    /* the default action (terminate, core): for a fault and for kill() alike */
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+static int rl_guard_ensure_impl(void) {
+    struct sigaction cur, sa;
+    if (sigaction(SIGBUS, NULL, &cur) != 0) return -1;
+    if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == rl_sigbus_handler) return 0;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = rl_sigbus_handler;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(SIGBUS, &sa, &rl_guard_prev_action) != 0) return -1;
+    rl_guard_installed = 1;
+    return 0;
+}
+
+static void rl_map_decref_impl(rl_map *m) {
+    if (m && __atomic_sub_fetch(&m->refcnt, 1, __ATOMIC_ACQ_REL) == 0) {
+        if (m->fd >= 0) close(m->fd);
+        else if (m->base && m->len > 0) munmap(m->base, (size_t)m->len);
+        free(m->ranges);
+        free(m->path);
+        free(m);
+    }
+}
+
+static void rl_drop_range(uintptr_t lo, uintptr_t hi) {
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    lo &= ~(page - 1);
+    hi = (hi + page - 1) & ~(page - 1);
+    if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);   /* file pages: they refault from the page cache */
+}
+
+static void rl_deferred_release_impl(rl_block *b) {
+    rl_dchunk *c = (rl_dchunk *)b->ctx;
+    __atomic_sub_fetch(&rl_mapped_state.live, 1, __ATOMIC_RELAXED);
+    if (__atomic_sub_fetch(&c->refcnt, 1, __ATOMIC_ACQ_REL) == 0) {
+        if (c->map->fd < 0) rl_drop_range(c->lo, c->hi);
+        rl_map_decref_impl(c->map);
+        free(c);
+    }
+    free(b);
+}
+
+static rl_mapped_api rl_mapped_state = {
+    rl_deferred_release_impl, rl_guard_slot_impl, rl_guard_ensure_impl, rl_map_decref_impl, 0};
+static rl_mapped_api *rl_mapped = &rl_mapped_state;
+#else
+static rl_mapped_api *rl_mapped = NULL;
+/* At module init, under the GIL: 0, or -1 with a Python exception set. */
+static int rl_mapped_import(void) {
+    if (rl_mapped) return 0;
+    rl_mapped = (rl_mapped_api *)PyCapsule_Import(RL_MAPPED_CAPSULE, 0);
+    return rl_mapped ? 0 : -1;
+}
+#endif
+
+/* ---------------------------------------------------------- both sides */
+static inline int rl_record_is_deferred(const rl_record *r) {
+    return r->block != NULL && r->block->release == rl_mapped->deferred_release;
+}
+
+static inline int rl_deferred_may_go_out(const rl_record *r) {
+    return __atomic_load_n(&((rl_dblock *)r->block)->map->pull, __ATOMIC_RELAXED);
+}
+
+static inline void rl_map_incref(rl_map *m) { __atomic_add_fetch(&m->refcnt, 1, __ATOMIC_RELAXED); }
+
+/* The chunk of deferred records over [lo, hi) of m (one reference, for the
+ * loader: rl_dchunk_done drops it; takes a map reference). */
+static inline rl_dchunk *rl_dchunk_new(rl_map *m, const char *lo, const char *hi) {
+    rl_dchunk *c = (rl_dchunk *)malloc(sizeof(rl_dchunk));
+    if (!c) return NULL;
+    c->refcnt = 1;
+    c->map = m;
+    c->lo = (uintptr_t)lo;
+    c->hi = (uintptr_t)hi;
+    rl_map_incref(m);
+    return c;
+}
+
+/* The loader lets go of the chunk (its records hold it from here on). */
+static inline void rl_dchunk_done(rl_dchunk *c) {
+    if (__atomic_sub_fetch(&c->refcnt, 1, __ATOMIC_ACQ_REL) == 0) {
+        rl_mapped->map_decref(c->map);
+        free(c);
+    }
+}
+
+/* A deferred record over [data, data + size) of chunk c's mapping (refcnt 1;
+ * takes a chunk reference). */
+static inline rl_block *rl_deferred_new(rl_dchunk *c, const char *data, int64_t size, uint32_t crc,
+                                        int64_t chunk, int64_t index) {
+    rl_dblock *d = (rl_dblock *)malloc(sizeof(rl_dblock));
+    if (!d) return NULL;
+    d->b.refcnt = 1;
+    d->b.release = rl_mapped->deferred_release;
+    d->b.consumed = NULL;
+    d->b.data = (char *)data;
+    d->b.size = size;
+    d->b.ctx = c;
+    d->b.aux = 0;
+    d->map = c->map;
+    d->chunk = chunk;
+    d->index = index;
+    d->crc = crc;
+    __atomic_add_fetch(&c->refcnt, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&rl_mapped->live, 1, __ATOMIC_RELAXED);
+    return &d->b;
+}
+
+static int rl_range_cmp(const void *a, const void *b) {
+    uintptr_t x = *(const uintptr_t *)a, y = *(const uintptr_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Drop the pages of the records copied since the last drop: sorted, runs
+ * merged, one madvise per run.  Each range is widened to the 64 KiB windows
+ * a fault maps at once (fault-around), so no page a copy faulted in stays. */
+static void rl_map_drop_copied(rl_map *m) {
+    int i, k = 0;
+    if (m->nranges == 0) { m->dirty = 0; return; }
+    qsort(m->ranges, (size_t)m->nranges, 2 * sizeof(uintptr_t), rl_range_cmp);
+    uintptr_t lo = m->ranges[0], hi = m->ranges[1];
+    for (i = 1; i < m->nranges; i++) {
+        uintptr_t a = m->ranges[2 * i], z = m->ranges[2 * i + 1];
+        if (a <= hi) { if (z > hi) hi = z; continue; }
+        madvise((void *)lo, hi - lo, MADV_DONTNEED);
+        k++;
+        lo = a; hi = z;
+    }
+    madvise((void *)lo, hi - lo, MADV_DONTNEED);
+    m->nranges = 0;
+    m->dirty = 0;
+}
+
+#define RL_MAP_RANGES 4096
+#define RL_MAP_WINDOW ((uintptr_t)65536)
+
+/* The copies were made: count them against the map's budget, and drop their
+ * pages once they pass it (rl_map_drop_copied).  Called by the consumer's
+ * thread after its copies are done (never while another thread copies from
+ * the same map: one chain reads one map at a time). */
+static inline void rl_map_copied(rl_map *m, const char *p, int64_t n) {
+    if (m->fd >= 0) return;
+    uintptr_t a = (uintptr_t)p, z = a + (uintptr_t)n;
+    uintptr_t base = (uintptr_t)m->base, end = base + (uintptr_t)m->len;
+    if (!m->ranges) {
+        m->ranges = (uintptr_t *)malloc(2 * RL_MAP_RANGES * sizeof(uintptr_t));
+        if (!m->ranges) return;            /* no dropping: only more memory */
+    }
+    a = base + ((a - base) & ~(RL_MAP_WINDOW - 1));
+    z = base + ((z - base + RL_MAP_WINDOW - 1) & ~(RL_MAP_WINDOW - 1));
+    if (z > end) z = end;
+    {
+        uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+        z = (z + page - 1) & ~(page - 1);
+    }
+    m->ranges[2 * m->nranges] = a;
+    m->ranges[2 * m->nranges + 1] = z;
+    m->nranges++;
+    m->dirty += n;
+    if (m->dirty >= m->budget || m->nranges == RL_MAP_RANGES) rl_map_drop_copied(m);
+}
+
+/* Error codes of a guarded read. */
+#define RL_DEF_OK 0
+#define RL_DEF_MISMATCH 1
+#define RL_DEF_SHRUNK 2
+#define RL_DEF_NOMEM 3
+
+/* Copy deferred record r's bytes to dst (r->size bytes; fields at the given
+ * offsets and lengths, in order, to their destinations: nf pieces covering
+ * the record exactly), fused CRC + copy with streaming stores (plain stores
+ * when nt == 0), inside the SIGBUS guard.  Returns RL_DEF_OK / MISMATCH /
+ * SHRUNK; *fault_off: the file offset of the fault or of the record. */
+#include <sys/uio.h>
+#include <errno.h>
+/* pread mode, one piece (a single-field record): through a 64 KiB buffer that
+ * stays in cache, then the fused CRC + copy with streaming stores (measured
+ * 4-8% faster than reading straight into the row and CRC-ing it there:
+ * benchmarks/results/big_records.md).  0: straight into the row. */
+#define RL_STAGE_BYTES 65536
+static int rl_stage_reads = 1;
+static int rl_deferred_read(const rl_record *r, int nf, char *const *dst, const int64_t *src_off,
+                            const int64_t *len, int64_t *fault_off) {
+    rl_dblock *d = (rl_dblock *)r->block;
+    struct iovec iov[64];
+    int64_t off = (int64_t)(r->data - d->map->base), got = 0, want = 0;
+    uint32_t c = 0;
+    int cnt = 0;
+    for (int f = 0; f < nf && f < 64; f++) {
+        iov[cnt].iov_base = dst[f];
+        iov[cnt].iov_len = (size_t)len[f];
+        want += len[f];
+        cnt++;
+    }
+    (void)src_off;           /* fields are contiguous, in order */
+    if (rl_stage_reads && nf == 1) {
+        /* read a piece into a small buffer that stays in this core's cache, then
+         * the fused CRC + copy into the batch with streaming stores: the batch's
+         * lines are never read in (no read-for-ownership) and there is no
+         * separate CRC pass */
+        char *st = (char *)malloc(RL_STAGE_BYTES);
+        if (st) {
+            int64_t done = 0;
+            while (done < want) {
+                int64_t piece = want - done < RL_STAGE_BYTES ? want - done : RL_STAGE_BYTES;
+                int64_t g = 0;
+                while (g < piece) {
+                    ssize_t k = pread(d->map->fd, st + g, (size_t)(piece - g), (off_t)(off + done + g));
+                    if (k < 0 && errno == EINTR) continue;
+                    if (k <= 0) { free(st); rl_cc_fence(); *fault_off = off + done + g; return RL_DEF_SHRUNK; }
+                    g += k;
+                }
+                c = rl_crc32c_copy_nt(c, dst[0] + done, st, (size_t)piece);
+                done += piece;
+            }
+            free(st);
+            rl_cc_fence();           /* streaming stores: complete before the record is handed on */
+            *fault_off = off;
+            return c == d->crc ? RL_DEF_OK : RL_DEF_MISMATCH;
+        }
+    }
+    while (got < want) {
+        ssize_t k;
+        /* resume after a short read */
+        int i = 0;
+        int64_t skip = got;
+        struct iovec v[64];
+        int n = 0;
+        for (i = 0; i < cnt; i++) {
+            if (skip >= (int64_t)iov[i].iov_len) { skip -= (int64_t)iov[i].iov_len; continue; }
+            v[n].iov_base = (char *)iov[i].iov_base + skip;
+            v[n].iov_len = iov[i].iov_len - (size_t)skip;
+            skip = 0;
+            n++;
+        }
+        k = preadv(d->map->fd, v, n, (off_t)(off + got));
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) { *fault_off = off + got; return RL_DEF_SHRUNK; }
+        got += k;
+    }
+    for (int f = 0; f < nf; f++) c = rl_crc32c(c, dst[f], (size_t)len[f]);
+    *fault_off = off;
+    return c == d->crc ? RL_DEF_OK : RL_DEF_MISMATCH;
+}
+
+static int rl_deferred_copy(const rl_record *r, int nf, char *const *dst, const int64_t *src_off,
+                            const int64_t *len, int nt, int64_t *fault_off) {
+    rl_dblock *d = (rl_dblock *)r->block;
+    if (d->map->fd >= 0) return rl_deferred_read(r, nf, dst, src_off, len, fault_off);
+    rl_guard g;
+    rl_guard **slot = rl_mapped->guard_slot();
+    volatile uint32_t crc = 0;
+    g.lo = (uintptr_t)d->map->base;
+    g.hi = g.lo + (uintptr_t)d->map->len;
+    g.fault = 0;
+    g.prev = *slot;
+    if (sigsetjmp(g.jb, 0)) {
+        *slot = g.prev;
+        *fault_off = (int64_t)(g.fault - (uintptr_t)d->map->base);
+        return RL_DEF_SHRUNK;
+    }
+    *slot = &g;
+    {
+        uint32_t c = 0;
+        for (int f = 0; f < nf; f++)
+            c = nt ? rl_crc32c_copy_nt(c, dst[f], r->data + src_off[f], (size_t)len[f])
+                   : rl_crc32c_copy(c, dst[f], r->data + src_off[f], (size_t)len[f]);
+        crc = c;
+    }
+    *slot = g.prev;
+    *fault_off = (int64_t)(r->data - d->map->base);
+    return crc == d->crc ? RL_DEF_OK : RL_DEF_MISMATCH;
+}
+
+/* One piece (the whole record) to dst. */
+static inline int rl_deferred_copy1(const rl_record *r, char *dst, int nt, int64_t *fault_off) {
+    int64_t zero = 0, n = r->size;
+    return rl_deferred_copy(r, 1, &dst, &zero, &n, nt, fault_off);
+}
+
+/* 1 if [p, p + n) of map m is all zero, 0 if not, -1 on a fault (*fault_off). */
+static int rl_map_all_zero(rl_map *m, const char *p, int64_t n, int64_t *fault_off) {
+    rl_guard g;
+    rl_guard **slot = rl_mapped->guard_slot();
+    volatile int ok = 1;
+    g.lo = (uintptr_t)m->base;
+    g.hi = g.lo + (uintptr_t)m->len;
+    g.fault = 0;
+    g.prev = *slot;
+    if (sigsetjmp(g.jb, 0)) {
+        *slot = g.prev;
+        *fault_off = (int64_t)(g.fault - (uintptr_t)m->base);
+        return -1;
+    }
+    *slot = &g;
+    for (int64_t i = 0; i < n; i++)
+        if (p[i]) { ok = 0; break; }
+    *slot = g.prev;
+    return ok;
+}
+
+/* A verified copy of deferred record r in a block of its own (refcnt 1), for
+ * a consumer that is not the fused batch copy; NULL with *code and *off set. */
+static rl_block *rl_deferred_materialize(const rl_record *r, int *code, int64_t *off) {
+    rl_block *b = rl_block_new(r->size);
+    if (!b) { *code = RL_DEF_NOMEM; *off = 0; return NULL; }
+    *code = rl_deferred_copy1(r, b->data, 0, off);
+    if (*code != RL_DEF_OK) { rl_block_decref(b); return NULL; }
+    return b;
+}
+#endif

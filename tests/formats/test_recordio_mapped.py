@@ -1,0 +1,431 @@
+"""Big records in one copy: deferred records of RecordIO v2 files (issue 16 item 1).
+
+A BatchReader over a RecordIOReader (through shuffle / multi_pass / holder)
+negotiates deferred records: the reader checks the tables, sizes and padding
+and hands out descriptors; the batch reads each record's bytes straight into
+its row ("pread" mode, the default) or copies them from a mapping of the file
+with the fused CRC + copy ("mmap" mode, SIGBUS-guarded), and checks the CRC of
+the bytes stored.  Every test runs in both modes; the reference is the pread
+path of today (`_set_mapped_reads(False)`).
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import readerlib as rl
+from readerlib import _parallel
+from readerlib.formats import _recordio as R
+from readerlib.readers import _shuffle
+
+from helpers import assert_checkpoint_equal, assert_exactly_once, canon, unbatch
+
+SIZE = 40000                      # >= 32 KiB: the big-record path, a block (or descriptor) each
+
+
+@pytest.fixture(params=["pread", "pread-unstaged", "mmap"])
+def mode(request):
+    from readerlib.readers import _batch
+    old = R._set_deferred_mode(request.param.split("-")[0])
+    old_on = R._set_mapped_reads(True)
+    old_st = _batch._set_staged_deferred_reads(request.param != "pread-unstaged")
+    yield request.param.split("-")[0]
+    R._set_deferred_mode(old)
+    R._set_mapped_reads(old_on)
+    _batch._set_staged_deferred_reads(old_st)
+
+
+@pytest.fixture(params=["serial", "parallel"])
+def copy_path(request):
+    """The batch's serial copy (one thread) or its parallel copy (records
+    gathered, then copied on the pool's threads)."""
+    old_n = rl.get_num_threads()
+    if request.param == "serial":
+        rl.set_num_threads(1)
+        old_min = None
+    else:
+        rl.set_num_threads(2)
+        old_min = _parallel._set_min_bytes_per_thread(1)
+        _parallel._reset_backoff()
+    yield request.param
+    rl.set_num_threads(old_n)
+    if old_min is not None:
+        _parallel._set_min_bytes_per_thread(old_min)
+
+
+def _fixed_schema(two_fields=False):
+    fields = [rl.Field("x", "uint8", (SIZE,))]
+    if two_fields:
+        fields.append(rl.Field("y", "int64", ()))
+    return rl.Schema(fields)
+
+
+def _write(path, n=60, two_fields=False, seed=0, chunk_size=1 << 18):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 256, size=(n, SIZE), dtype=np.uint8)
+    cols = {"x": x}
+    if two_fields:
+        cols["y"] = np.arange(n, dtype=np.int64) * 7 + seed
+    with rl.RecordIOWriter(path, _fixed_schema(two_fields), chunk_size=chunk_size) as w:
+        w.write_batch(cols)
+    want = [canon(tuple(cols[k][i] for k in cols)) for i in range(n)]
+    return x, want
+
+
+def _batches(chain):
+    out = []
+    for b in chain:
+        out.append([canon(i) for i in unbatch(b)])
+    return out
+
+
+def _reference(make_chain):
+    old = R._set_mapped_reads(False)
+    try:
+        c = make_chain()
+        assert not c._mapped
+        got = _batches(c)
+        c.close()
+    finally:
+        R._set_mapped_reads(old)
+    return got
+
+
+CHAINS = {
+    "batch": lambda p: rl.RecordIOReader(p).batch(8),
+    "shuffle-batch": lambda p: rl.RecordIOReader(p).shuffle(25, seed=3).batch(8),
+    "multipass-shuffle-batch": lambda p: rl.RecordIOReader(p).multi_pass(2).shuffle(25, seed=3).batch(7),
+    "holder-shuffle-batch": lambda p: rl.ReaderHolder(rl.RecordIOReader(p)).shuffle(25, seed=3).batch(8),
+}
+
+
+@pytest.mark.parametrize("chain", sorted(CHAINS))
+@pytest.mark.parametrize("two_fields", [False, True])
+def test_deferred_chain_is_bitwise_the_pread_path(tmp_path, mode, copy_path, chain, two_fields):
+    p = str(tmp_path / "big.rio")
+    _, want = _write(p, two_fields=two_fields)
+    make = lambda: CHAINS[chain](p)
+    ref = _reference(make)
+    c = make()
+    assert c._mapped, "the batch took deferred records"
+    got = _batches(c)
+    src = c
+    while not isinstance(src, rl.RecordIOReader):
+        src = src.reader
+    assert src._records_deferred > 0
+    c.close()
+    assert got == ref                         # same batches, same order, bit for bit
+    flat = [i for b in got for i in b]
+    passes = 2 if "multipass" in chain else 1
+    assert_exactly_once(flat, want * passes)
+
+
+def test_sequence_schema_keeps_the_pread_path(tmp_path, mode):
+    p = str(tmp_path / "seq.rio")
+    schema = rl.Schema([rl.Field("s", "uint8", (4000,), lod_level=1)])
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(0, 256, size=(int(k), 4000), dtype=np.uint8) for k in rng.integers(9, 12, 30)]
+    with rl.RecordIOWriter(p, schema) as w:
+        w.write_batch({"s": seqs})
+    make = lambda: rl.RecordIOReader(p).shuffle(10, seed=0).batch(4)
+    ref = _reference(make)
+    c = make()
+    assert not c._mapped                     # deferral is for fixed-size schemas only
+    assert _batches(c) == ref
+    assert c.reader.reader._records_deferred == 0
+    c.close()
+
+
+def test_other_consumers_never_negotiate(tmp_path, mode):
+    p = str(tmp_path / "big.rio")
+    _write(p, n=20)
+    r = rl.RecordIOReader(p)
+    for chain in (r.map(lambda x: x).batch(4), r.prefetch(2).batch(4), r.filter(lambda x: True).batch(4)):
+        assert not chain._mapped
+    assert rl.RecordIOReader(p).batch(4)._mapped
+
+
+def test_switch_off_gives_todays_path(tmp_path, mode):
+    p = str(tmp_path / "big.rio")
+    _, want = _write(p, n=30)
+    old = R._set_mapped_reads(False)
+    try:
+        r = rl.RecordIOReader(p)
+        c = r.shuffle(10, seed=1).batch(4)
+        assert not c._mapped
+        got = [i for b in _batches(c) for i in b]
+        assert r._records_deferred == 0 and r._bytes_verified == 30 * SIZE
+    finally:
+        R._set_mapped_reads(old)
+    assert_exactly_once(got, want)
+    # and on again: the next epoch negotiates again
+    c.reset()
+    assert c._mapped
+    assert_exactly_once([i for b in _batches(c) for i in b], want)
+    assert r._records_deferred == 30
+
+
+def test_resume_is_exact(tmp_path, mode):
+    p = str(tmp_path / "big.rio")
+    _write(p, n=24)
+    assert_checkpoint_equal(lambda: rl.RecordIOReader(p).shuffle(9, seed=5).batch(5), epochs=2)
+
+
+def test_compaction_never_copies_a_deferred_record(tmp_path, mode):
+    p = str(tmp_path / "big.rio")
+    _, want = _write(p, n=40)
+    old = _shuffle._compaction_settings(enabled=True, slack_bytes=0, factor=1.0, fill=1.0)
+    try:
+        c = rl.RecordIOReader(p).shuffle(30, seed=2).batch(4)
+        got = [i for b in _batches(c) for i in b]
+        assert c.reader._memory_stats()["copied_records"] == 0
+    finally:
+        _shuffle._compaction_settings(**old)
+    assert_exactly_once(got, want)
+
+
+def _flip(path, x, k, at=1234):
+    """Flip one byte of record k's payload in the file; returns its record offset."""
+    data = bytearray(open(path, "rb").read())
+    off = data.find(x[k].tobytes())
+    assert off > 0
+    data[off + at] ^= 0x40
+    with open(path, "wb") as f:
+        f.write(data)
+    return off
+
+
+def _record_position(path, off):
+    """(chunk, record index in chunk) of the record at file offset off."""
+    offs, counts = rl.RecordIOReader(path).chunk_table()
+    c = int(np.searchsorted(offs, off, side="right") - 1)
+    return c
+
+
+def test_flipped_byte_caught_at_the_batch_with_file_and_offset(tmp_path, mode, copy_path):
+    p = str(tmp_path / "big.rio")
+    x, want = _write(p, n=40)
+    off = _flip(p, x, 17)
+    c = rl.RecordIOReader(p).shuffle(12, seed=4).batch(6)
+    assert c._mapped
+    got, errors = [], []
+    while True:
+        try:
+            b = c.read_next()
+        except rl.RecordIOError as e:
+            errors.append(e)
+            continue
+        if b is None:
+            break
+        got.extend(canon(i) for i in unbatch(b))
+    assert len(errors) == 1, errors
+    msg = str(errors[0])
+    chunk = _record_position(p, off)
+    assert msg.startswith(f"{p}: record checksum mismatch (record ")
+    assert f"of chunk {chunk}) at byte offset {off}" in msg
+    assert errors[0].path == p and errors[0].offset == off
+    # reading on lost only that record
+    assert_exactly_once(got, want[:17] + want[18:])
+
+
+def test_flipped_byte_reaching_another_consumer_is_caught_there(tmp_path, mode):
+    p = str(tmp_path / "big.rio")
+    x, want = _write(p, n=40)
+    # the file reader read directly: the pread path (not deferred), caught by the reader
+    q = str(tmp_path / "bad.rio")
+    open(q, "wb").write(open(p, "rb").read())
+    off = _flip(q, x, 21)
+    r = rl.RecordIOReader(q)
+    with pytest.raises(rl.RecordIOError, match=f"record checksum mismatch .* at byte offset {off}"):
+        while r.read_next() is not None:
+            pass
+    assert r._records_deferred == 0
+    # a shuffle that a batch filled with deferred records, then read directly:
+    # each record it hands out is verified first.  The byte flips (in place)
+    # after the buffer filled, in a record still in it.
+    s = rl.RecordIOReader(p).shuffle(40, seed=0)
+    b = s.batch(2)
+    assert b._mapped
+    seen = [canon(i) for i in unbatch(b.read_next())]   # the whole file is in the buffer now
+    k = next(i for i in range(40) if canon((x[i],)) not in seen)
+    data = open(p, "rb").read()
+    off = data.find(x[k].tobytes())
+    with open(p, "r+b") as f:
+        f.seek(off + 99)
+        f.write(bytes([data[off + 99] ^ 1]))
+    errors = []
+    while True:
+        try:
+            item = s.read_next()
+        except rl.RecordIOError as e:
+            errors.append(str(e))
+            continue
+        if item is None:
+            break
+        seen.append(canon(item))
+    assert len(errors) == 1 and f"record checksum mismatch" in errors[0] and f"at byte offset {off}" in errors[0]
+    assert len(seen) == 39 and set(seen) == set(want) - {canon((x[k],))}
+
+
+def test_reader_read_directly_between_batches_gets_verified_copies(tmp_path, mode):
+    p = str(tmp_path / "big.rio")
+    x, want = _write(p, n=30)
+    r = rl.RecordIOReader(p)
+    b = r.batch(3)
+    got = [canon(i) for i in unbatch(b.read_next())]      # a deferred chunk is current
+    while True:
+        item = r.read_next()
+        if item is None:
+            break
+        got.append(canon(item))
+    assert got == want
+
+
+def _child(code, timeout=120):
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(rl.__file__))))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+TRUNCATE = """
+import os, sys
+{faulthandler}
+import numpy as np, readerlib as rl
+from readerlib import _parallel
+from readerlib.formats import _recordio as R
+R._set_deferred_mode({mode!r})
+rl.set_num_threads(2); _parallel._set_min_bytes_per_thread(1)
+p = sys.argv[1]
+schema = rl.Schema([rl.Field("x", "uint8", (40000,))])
+with rl.RecordIOWriter(p, schema, chunk_size=1 << 18) as w:
+    w.write_batch({{"x": np.ones((200, 40000), np.uint8)}})
+c = rl.RecordIOReader(p).shuffle(300, seed=0).batch(16)
+assert c._mapped
+it = iter(c)
+next(it)                       # every record is in the buffer: the copies are what meet the cut
+os.truncate(p, os.path.getsize(p) // 3)
+try:
+    for b in it:
+        pass
+except rl.RecordIOError as e:
+    assert "the file is shorter than when it was opened" in str(e), e
+    assert str(e).startswith(p) and "of chunk" in str(e) and "at byte offset" in str(e), e
+    print("RAISED", e)
+else:
+    print("NO ERROR")
+"""
+
+
+@pytest.mark.parametrize("faulthandler", [False, True])
+def test_truncated_while_read_raises_and_exits_normally(tmp_path, mode, faulthandler):
+    fh = "import faulthandler; faulthandler.enable()" if faulthandler else ""
+    # which thread meets the cut (the caller or a pool worker) varies: a few runs
+    for _ in range(3 if mode == "mmap" else 1):
+        res = _child(TRUNCATE.format(mode=mode, faulthandler=fh).replace("sys.argv[1]", repr(str(tmp_path / "t.rio"))))
+        assert res.returncode == 0, (res.returncode, res.stdout, res.stderr[-2000:])
+        assert "RAISED" in res.stdout, res.stdout + res.stderr[-2000:]
+        assert "Fatal Python error" not in res.stderr
+
+
+def test_sigbus_not_ours_still_kills(tmp_path):
+    res = _child("import os, signal, readerlib\nos.kill(os.getpid(), signal.SIGBUS)")
+    assert res.returncode == -7, (res.returncode, res.stderr)
+    res = _child("import faulthandler, os, signal, readerlib\nfaulthandler.enable()\n"
+                 "from readerlib.formats import _recordio\n"
+                 "os.kill(os.getpid(), signal.SIGBUS)")
+    assert res.returncode == -7 and "Bus error" in res.stderr, (res.returncode, res.stderr)
+
+
+def test_rewritten_in_place_gives_errors_or_valid_data(tmp_path, mode):
+    p = str(tmp_path / "a.rio")
+    q = str(tmp_path / "b.rio")
+    _, want_a = _write(p, n=40, seed=1)
+    _, want_b = _write(q, n=40, seed=2)
+    assert os.path.getsize(p) == os.path.getsize(q)
+    c = rl.RecordIOReader(p).shuffle(10, seed=0).batch(4)
+    assert c._mapped
+    got = [canon(i) for i in unbatch(c.read_next())]
+    with open(q, "rb") as f:
+        new = f.read()
+    with open(p, "r+b") as f:                # same inode, same size, other bytes
+        f.write(new)
+    errors = 0
+    while True:
+        try:
+            b = c.read_next()
+        except rl.RecordIOError:
+            errors += 1
+            if errors > 100:
+                break
+            continue
+        if b is None:
+            break
+        got.extend(canon(i) for i in unbatch(b))
+    assert set(got) <= set(want_a) | set(want_b)      # never unverified bytes
+    assert errors > 0 or len(got) == 40
+
+
+def test_forked_child_reads(tmp_path, mode):
+    p = str(tmp_path / "f.rio")
+    code = f"""
+    import os, numpy as np, readerlib as rl
+    from readerlib.formats import _recordio as R
+    R._set_deferred_mode({mode!r})
+    p = {p!r}
+    x = np.random.default_rng(0).integers(0, 256, (50, 40000), dtype=np.uint8)
+    with rl.RecordIOWriter(p, rl.Schema([rl.Field("x", "uint8", (40000,))]), chunk_size=1 << 18) as w:
+        w.write_batch({{"x": x}})
+    want = sorted(r.tobytes() for r in x)
+    c = rl.RecordIOReader(p).shuffle(20, seed=0).batch(5)
+    it = iter(c)
+    first = [r.tobytes() for r in np.asarray(next(it)[0].data)]
+    pid = os.fork()
+    if pid == 0:
+        ok = True
+        try:
+            rest = [r.tobytes() for (t,) in it for r in np.asarray(t.data)]   # the inherited chain
+            ok = sorted(first + rest) == want
+            fresh = [r.tobytes() for (t,) in rl.RecordIOReader(p).batch(7) for r in np.asarray(t.data)]
+            ok = ok and sorted(fresh) == want
+        except BaseException as e:
+            print("child", repr(e)); ok = False
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    rest = [r.tobytes() for (t,) in it for r in np.asarray(t.data)]
+    assert sorted(first + rest) == want
+    print("STATUS", os.waitstatus_to_exitcode(status))
+    """
+    res = _child(code)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "STATUS 0" in res.stdout, res.stdout + res.stderr[-2000:]
+
+
+def test_mapped_pages_are_bounded(tmp_path):
+    """mmap mode: the pages copied out of the mapping are dropped once the
+    budget has been copied (and each chunk's when its last record goes)."""
+    p = str(tmp_path / "big.rio")
+    _write(p, n=200)
+    code = f"""
+    import readerlib as rl
+    from readerlib.formats import _recordio as R
+    R._set_deferred_mode("mmap"); R._set_map_budget(1 << 20)
+    def rss_file():
+        for l in open("/proc/self/status"):
+            if l.startswith("RssFile"):
+                return int(l.split()[1]) * 1024
+    base = rss_file(); peak = 0
+    c = rl.RecordIOReader({p!r}).shuffle(150, seed=0).batch(4)
+    assert c._mapped
+    for b in c:
+        peak = max(peak, rss_file() - base)
+    print("PEAK", peak)
+    """
+    res = _child(code)
+    assert res.returncode == 0, res.stderr[-2000:]
+    peak = int(res.stdout.split("PEAK")[1])
+    # 200 x 40 kB = 8 MB of file; a fault maps up to a page-cache folio (512 KiB
+    # here) around the record: without dropping nearly all of it stays resident
+    assert peak < 6 << 20, peak
