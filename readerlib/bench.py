@@ -237,22 +237,29 @@ def run(kinds=("small", "large", "seq"), scale=1.0, epochs=1, workdir=None, prog
                 schema, payload = make_dataset(path, kind, total, seed=seed, progress=bar)
             size = os.path.getsize(path)
             per_rec = payload / total
-            time_readerlib(path, seed=seed, epochs=1)          # warm the page cache
-            rates = []
-            with Progress(total * epochs * repeats, f"readerlib {kind}", progress) as bar:
+            # Untimed warm-up of each contender (the page cache, and each one's
+            # own heap), then the rounds interleaved: readerlib, Python,
+            # readerlib, ... so that both run in the same conditions (load,
+            # memory state left by the other) rather than one after the other.
+            time_readerlib(path, seed=seed, epochs=1)
+            if python_baseline:
+                time_python(path, schema, seed=seed, limit=limit)
+            rates, prates = [], []
+            work = total * epochs * repeats + (limit * repeats if python_baseline else 0)
+            label = f"{kind}: readerlib" + (" + Python" if python_baseline else "")
+            with Progress(work, label, progress) as bar:
                 for rep in range(repeats):
                     n, dt = time_readerlib(path, seed=seed + rep, epochs=epochs, progress=bar)
                     rates.append(n / dt)
+                    if python_baseline:
+                        pn, pdt = time_python(path, schema, seed=seed + rep, limit=limit,
+                                              progress=bar)
+                        prates.append(pn / pdt)
             med, lo, hi = _spread(rates)
             row = {"dataset": kind, "records": total, "file_bytes": size, "repeats": repeats,
                    "readerlib_rec_s": med, "readerlib_rec_s_min": lo, "readerlib_rec_s_max": hi,
                    "readerlib_GB_s": med * per_rec / 1e9}
             if python_baseline:
-                prates = []
-                with Progress(limit * repeats, f"plain Python {kind}", progress) as bar:
-                    for rep in range(repeats):
-                        pn, pdt = time_python(path, schema, seed=seed + rep, limit=limit, progress=bar)
-                        prates.append(pn / pdt)
                 pmed, plo, phi = _spread(prates)
                 row.update({"python_records": pn, "python_rec_s": pmed, "python_rec_s_min": plo,
                             "python_rec_s_max": phi, "python_GB_s": pmed * per_rec / 1e9,
