@@ -8,9 +8,13 @@ Design:
   4 or 8 bytes are copied as one machine word instead (a ``memcpy`` call per
   element would dominate), and short rows that are a multiple of 32 bytes
   (up to 1 KiB) as inlined 32-byte moves (libc's call and size dispatch per
-  256-byte row cost ~12%).  The loop over ``n`` runs on readerlib's pool
-  (``readerlib._parallel.parallel_for``, contiguous ranges); every range
-  writes a disjoint block of ``y``.  Traffic: ``len(idx) * row_bytes``
+  256-byte row cost ~12%).  Outputs of ``STREAM_MIN_BYTES`` or more (rows a
+  multiple of 16 bytes, output 16-byte aligned) are written with streaming
+  stores instead.  Both of these loops (include/rl_gather.h) prefetch the
+  source row ``PREFETCH_ROWS`` indices ahead: the reads are at random rows,
+  which the hardware prefetchers cannot predict.  The loop over ``n`` runs
+  on readerlib's pool (``readerlib._parallel.parallel_for``, contiguous
+  ranges); every range writes a disjoint block of ``y``.  Traffic: ``len(idx) * row_bytes``
   read + the same written, the minimum for a gather.
 
   Backward, ``dx[k] = sum(dy[n] for idx[n] == k)``.  Scattering with atomics
@@ -120,55 +124,43 @@ cdef extern from *:
     #endif
     }
 
-    /* Forward copy of one row with streaming (non-temporal) stores: the output
-       bypasses the caches, so its lines are not read before being written
-       (no read-for-ownership: 2 bytes of traffic per byte copied instead of 3)
-       and do not evict the source.  Consecutive rows are consecutive in the
-       output, so the write-combining buffers still see whole lines.
-       Needs a 16-byte aligned `d` and `n % 16 == 0`; the caller fences. */
-    #if defined(__SSE2__) || defined(_M_X64)
-    #include <emmintrin.h>
-    #define RL_HAVE_STREAM 1
-    static inline void rl_stream_row(char* d, const char* s, Py_ssize_t n) {
-        Py_ssize_t c = 0;
-        for (; c + 64 <= n; c += 64) {
-            __m128i a0 = _mm_loadu_si128((const __m128i*)(s + c));
-            __m128i a1 = _mm_loadu_si128((const __m128i*)(s + c + 16));
-            __m128i a2 = _mm_loadu_si128((const __m128i*)(s + c + 32));
-            __m128i a3 = _mm_loadu_si128((const __m128i*)(s + c + 48));
-            _mm_stream_si128((__m128i*)(d + c), a0);
-            _mm_stream_si128((__m128i*)(d + c + 16), a1);
-            _mm_stream_si128((__m128i*)(d + c + 32), a2);
-            _mm_stream_si128((__m128i*)(d + c + 48), a3);
-        }
-        for (; c < n; c += 16)
-            _mm_stream_si128((__m128i*)(d + c), _mm_loadu_si128((const __m128i*)(s + c)));
-    }
-    static inline void rl_stream_fence(void) { _mm_sfence(); }
-    #else
-    #define RL_HAVE_STREAM 0
-    static inline void rl_stream_row(char* d, const char* s, Py_ssize_t n) { memcpy(d, s, n); }
-    static inline void rl_stream_fence(void) {}
-    #endif
     """
-    int RL_HAVE_STREAM
-    void rl_stream_row(char* d, const char* s, intp_t n) noexcept nogil
-    void rl_stream_fence() noexcept nogil
     void rl_prefetch_row(const void* p, intp_t nbytes) noexcept nogil
     float rl_half_to_float(uint16_t h) noexcept nogil
     uint16_t rl_float_to_half(float value) noexcept nogil
+
+# The forward's row loops (cached and streaming, with prefetch).
+cdef extern from "rl_gather.h":
+    int RL_GATHER_SSE2
+    void rl_gather_cached_i32(const char* src, intp_t rb, const int32_t* idx, intp_t b,
+                              intp_t e, char* dst, intp_t pf) noexcept nogil
+    void rl_gather_cached_i64(const char* src, intp_t rb, const int64_t* idx, intp_t b,
+                              intp_t e, char* dst, intp_t pf) noexcept nogil
+    void rl_gather_stream_i32(const char* src, intp_t rb, const int32_t* idx, intp_t b,
+                              intp_t e, char* dst, intp_t pf) noexcept nogil
+    void rl_gather_stream_i64(const char* src, intp_t rb, const int64_t* idx, intp_t b,
+                              intp_t e, char* dst, intp_t pf) noexcept nogil
+
 
 
 # Rows up to this size (and a multiple of 32 bytes) are copied with inlined moves.
 cdef enum:
     SHORT_ROW_BYTES = 1024
 
-# The forward's streaming path prefetches the source row this many indices ahead.
-cdef enum:
-    PREFETCH_ROWS = 8
+#: The forward prefetches the source row this many indices ahead (rl_gather.h).
+PREFETCH_ROWS = 16
+cdef intp_t _prefetch_rows = PREFETCH_ROWS
+
+
+def _set_prefetch_rows(n):
+    """Change the forward's prefetch distance (benchmarks' sweep; returns the old value)."""
+    global _prefetch_rows
+    old = _prefetch_rows
+    _prefetch_rows = max(0, int(n))
+    return old
 
 #: Outputs at least this big are written with streaming stores (see
-#: rl_stream_row); smaller ones stay in the caches, where the caller will read
+#: rl_gather.h); smaller ones stay in the caches, where the caller will read
 #: them next.  Measured with benchmarks/bench_kernels_cpu.py --sweep-stream.
 #: (one thread, output and source both this big, cached vs streaming: 256-byte
 #: rows 1.06x at 8 MiB, 2.3x at 16 MiB; 8 KiB rows 0.83x at 8, 1.5x at 16).
@@ -261,38 +253,13 @@ cdef inline void _gather_bytes(const char* src, intp_t row_bytes, const index_t*
         memcpy(dst + i * row_bytes, src + <intp_t> idx[i] * row_bytes, row_bytes)
 
 
-cdef inline void _gather_chunks(const char* src, intp_t row_bytes, const index_t* idx,
-                                intp_t begin, intp_t end, char* dst) noexcept nogil:
-    """Rows that are a multiple of 32 bytes and short: copy 32-byte chunks
-    with a constant-size memcpy (inlined as two 16-byte or one 32-byte move)
-    instead of a libc call per row, whose dispatch dominates 256-byte rows."""
-    cdef intp_t i, c
-    cdef const char* s
-    cdef char* d
-    for i in range(begin, end):
-        s = src + <intp_t> idx[i] * row_bytes
-        d = dst + i * row_bytes
-        for c in range(0, row_bytes, 32):
-            memcpy(d + c, s + c, 32)
-
-
-cdef inline void _gather_stream(const char* src, intp_t row_bytes, const index_t* idx,
-                                intp_t begin, intp_t end, char* dst) noexcept nogil:
-    """Rows of 16k bytes into a 16-byte aligned output too big for the caches:
-    streaming stores, and the source rows a few indices ahead prefetched (the
-    gather's reads are random: no hardware prefetcher predicts them)."""
-    cdef intp_t i
-    for i in range(begin, end):
-        if i + PREFETCH_ROWS < end:
-            rl_prefetch_row(src + <intp_t> idx[i + PREFETCH_ROWS] * row_bytes, row_bytes)
-        rl_stream_row(dst + i * row_bytes, src + <intp_t> idx[i] * row_bytes, row_bytes)
-    rl_stream_fence()
-
-
 cdef inline void _gather_range(const char* src, intp_t row_bytes, const index_t* idx,
                                intp_t begin, intp_t end, char* dst, bint stream) noexcept nogil:
     if stream:
-        _gather_stream(src, row_bytes, idx, begin, end, dst)
+        if index_t is int32_t:
+            rl_gather_stream_i32(src, row_bytes, idx, begin, end, dst, _prefetch_rows)
+        else:
+            rl_gather_stream_i64(src, row_bytes, idx, begin, end, dst, _prefetch_rows)
     elif row_bytes == 1:
         _gather_words(<const uint8_t*> src, idx, begin, end, <uint8_t*> dst)
     elif row_bytes == 2:
@@ -302,7 +269,10 @@ cdef inline void _gather_range(const char* src, intp_t row_bytes, const index_t*
     elif row_bytes == 8:
         _gather_words(<const uint64_t*> src, idx, begin, end, <uint64_t*> dst)
     elif row_bytes % 32 == 0 and row_bytes <= SHORT_ROW_BYTES:
-        _gather_chunks(src, row_bytes, idx, begin, end, dst)
+        if index_t is int32_t:
+            rl_gather_cached_i32(src, row_bytes, idx, begin, end, dst, _prefetch_rows)
+        else:
+            rl_gather_cached_i64(src, row_bytes, idx, begin, end, dst, _prefetch_rows)
     else:
         _gather_bytes(src, row_bytes, idx, begin, end, dst)
 
@@ -335,7 +305,7 @@ cdef int _gather_rows(const char* src, intp_t n_src, intp_t row_bytes, const ind
     j.idx = idx
     j.idx32 = index_t is int32_t
     j.dst = dst
-    j.stream = (RL_HAVE_STREAM and n * row_bytes >= _stream_min_bytes and row_bytes % 16 == 0
+    j.stream = (RL_GATHER_SSE2 and n * row_bytes >= _stream_min_bytes and row_bytes % 16 == 0
                 and (<size_t> dst) % 16 == 0)
     parallel_for(n_threads, n, _gather_body, &j)
     return OK
