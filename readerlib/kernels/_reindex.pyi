@@ -12,8 +12,9 @@ from typing_extensions import Self
 from readerlib.tensor import Field, LoDTensor, Schema
 
 
-__all__ = ['STREAM_MIN_BYTES', 'MSG_NEGATIVE', 'MSG_TOO_LARGE', 'openmp_enabled', 'CACHED_OUTPUT_BYTES', 'empty_output', 'cached_bytes', 'release_cached_outputs', 'gather_rows', 'copy_segments', 'scatter_add_rows']
+__all__ = ['PREFETCH_ROWS', 'STREAM_MIN_BYTES', 'MSG_NEGATIVE', 'MSG_TOO_LARGE', 'openmp_enabled', 'CACHED_OUTPUT_BYTES', 'empty_output', 'cached_bytes', 'release_cached_outputs', 'gather_rows', 'copy_segments', 'scatter_add_rows']
 
+PREFETCH_ROWS: int
 STREAM_MIN_BYTES: int
 MSG_NEGATIVE: str
 MSG_TOO_LARGE: str
