@@ -623,3 +623,85 @@ def test_prefetch_setting_is_clamped_and_restored():
     finally:
         _reindex._set_prefetch_rows(old)
     assert _reindex.PREFETCH_ROWS == old
+
+
+# -- the compiled fast path (issue 16: small calls) --------------------------------
+
+class _Sub(np.ndarray):
+    pass
+
+
+def test_fast_path_common_cases(monkeypatch):
+    calls = []
+    real = _reindex.gather_fast
+
+    def spy(*args):
+        r = real(*args)
+        calls.append(r is not None)
+        return r
+
+    monkeypatch.setattr(_reindex, "gather_fast", spy)
+    rng = np.random.default_rng(11)
+    for dtype in DTYPES:
+        for shape in [(7,), (7, 3), (7, 2, 64), (0, 4)]:
+            x = random_array(rng, shape, dtype)
+            for idx_dtype in (np.int32, np.int64):
+                idx = rng.integers(0, max(shape[0], 1), 9 if shape[0] else 0).astype(idx_dtype)
+                for nt in (None, 1, 3, 1000):
+                    calls.clear()
+                    y = batch_reindex(x, idx, num_threads=nt)
+                    assert calls == [True]
+                    assert y.shape == (len(idx),) + shape[1:] and y.dtype == x.dtype
+                    assert y.flags.c_contiguous and y.flags.writeable and y.flags.owndata
+                    np.testing.assert_array_equal(bits(y), bits(x[idx]))
+                    out = np.empty_like(y)
+                    calls.clear()
+                    assert batch_reindex(x, idx, out=out, num_threads=nt) is out
+                    assert calls == [True]
+                    np.testing.assert_array_equal(bits(out), bits(x[idx]))
+
+
+def test_fast_path_declines_everything_else():
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    idx = np.array([3, 0, 3])
+    out = np.empty((3, 3), np.float32)
+    declined = [
+        (x.tolist(), idx, None, None), (x, idx.tolist(), None, None),
+        (x.view(_Sub), idx, None, None), (x, idx.view(_Sub), None, None),
+        (x[:, ::2], idx, None, None), (np.asfortranarray(x), idx, None, None),
+        (x.astype(">f4"), idx, None, None), (x.astype(bool), idx, None, None),
+        (x.astype(np.uint16), idx, None, None), (np.float32(1), idx, None, None),
+        (x, idx.astype(np.uint16), None, None), (x, idx.astype(">i8"), None, None),
+        (x, idx.astype(np.float64), None, None), (x, idx.reshape(3, 1), None, None),
+        (x, np.stack([idx, idx], 1)[:, 0], None, None),
+        (x, idx, np.empty((3, 4), np.float32), None), (x, idx, np.empty((3, 3)), None),
+        (x, idx, np.empty((3, 3, 1), np.float32), None), (x, idx, np.empty((3, 6), np.float32)[:, ::2], None),
+        (x, idx, out.view(_Sub), None), (x, idx, [[0] * 3] * 3, None),
+        (x, idx, x[:3], None),                                   # overlaps x
+        (x, idx, out, 0), (x, idx, out, -1), (x, idx, out, True), (x, idx, out, 2.0),
+        (x, idx, out, np.int64(2)),
+    ]
+    ro = out.copy()
+    ro.flags.writeable = False
+    declined.append((x, idx, ro, None))
+    for args in declined:
+        assert _reindex.gather_fast(*args) is None, args
+    # and the full path still answers them as before
+    with pytest.raises(ValueError, match="must not overlap"):
+        batch_reindex(x, idx, out=x[:3])
+    with pytest.raises(ValueError, match="writeable C-contiguous"):
+        batch_reindex(x, idx, out=ro)
+    with pytest.raises(ValueError, match="num_threads"):
+        batch_reindex(x, idx, num_threads=0)
+    with pytest.raises(TypeError, match="not supported"):
+        batch_reindex(x.astype(">f4"), idx)
+    np.testing.assert_array_equal(batch_reindex(x, idx, num_threads=np.int64(2)), x[idx])
+    np.testing.assert_array_equal(batch_reindex(x[:, ::2], idx), x[:, ::2][idx])
+
+
+def test_fast_path_bad_index_messages():
+    x = np.zeros((5, 2), np.float32)
+    for bad, msg in [([0, -1, 2], NEG), ([0, 5], BIG), ([7, -3], BIG)]:
+        for idx_dtype in (np.int32, np.int64):
+            with pytest.raises(IndexError, match=f"^{re.escape(msg)}$"):
+                _reindex.gather_fast(x, np.array(bad, idx_dtype), None, None)
