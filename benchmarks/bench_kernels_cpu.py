@@ -34,6 +34,7 @@ efficiency figure that time slices lost to other processes do not distort
 """
 from __future__ import annotations
 
+import os
 import platform
 import time
 
@@ -343,6 +344,10 @@ def main(argv=None):
     only = set(args.only or ["ctc", "fwd", "bwd"])
     tf = harness.try_import("tensorflow") if "ctc" in only and harness.want(args, "tf") else None
     torch = harness.try_import("torch") if harness.want(args, "torch") else None
+    if torch is not None and not args.cpu_time:
+        # harness sets MKL_NUM_THREADS=1 (for NumPy's BLAS), from which torch takes
+        # 1 intra-op thread; give it its own default, one per CPU, like readerlib
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
     if args.cpu_time:
         CLOCK, ONE_THREAD, NT = time.process_time, True, 1
         if torch is not None:
