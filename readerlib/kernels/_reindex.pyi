@@ -12,13 +12,14 @@ from typing_extensions import Self
 from readerlib.tensor import Field, LoDTensor, Schema
 
 
-__all__ = ['PREFETCH_ROWS', 'STREAM_MIN_BYTES', 'MSG_NEGATIVE', 'MSG_TOO_LARGE', 'openmp_enabled', 'CACHED_OUTPUT_BYTES', 'empty_output', 'cached_bytes', 'release_cached_outputs', 'gather_rows', 'gather_fast', 'copy_segments', 'scatter_add_rows']
+__all__ = ['PREFETCH_ROWS', 'STREAM_MIN_BYTES', 'MSG_NEGATIVE', 'MSG_TOO_LARGE', 'openmp_enabled', 'CHUNK_BYTES', 'CACHED_OUTPUT_BYTES', 'empty_output', 'cached_bytes', 'release_cached_outputs', 'gather_rows', 'gather_fast', 'copy_segments', 'scatter_add_rows']
 
 PREFETCH_ROWS: int
 STREAM_MIN_BYTES: int
 MSG_NEGATIVE: str
 MSG_TOO_LARGE: str
 def openmp_enabled() -> Any: ...
+CHUNK_BYTES: int
 CACHED_OUTPUT_BYTES: int
 def empty_output(shape: Any, dtype: Any) -> Any: ...
 def cached_bytes() -> Any: ...

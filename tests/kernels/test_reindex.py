@@ -705,3 +705,22 @@ def test_fast_path_bad_index_messages():
         for idx_dtype in (np.int32, np.int64):
             with pytest.raises(IndexError, match=f"^{re.escape(msg)}$"):
                 _reindex.gather_fast(x, np.array(bad, idx_dtype), None, None)
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, 1, 100, 256, 4096, 1 << 30])
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_gather_chunked_claims_cover_every_row(store_kind, chunk_bytes, threads):
+    # chunks of one row, of a few rows with a short last chunk, of more rows
+    # than there are (the pool's static shares), and none at all
+    rng = np.random.default_rng(chunk_bytes + threads)
+    old = _reindex._set_chunk_bytes(chunk_bytes)
+    try:
+        for row_bytes, n in [(256, 1), (256, 37), (48, 1001), (8, 513), (1040, 77)]:
+            x = rng.integers(0, 256, (53, row_bytes), dtype=np.uint8)
+            idx = rng.integers(0, 53, n).astype(np.int32 if n % 2 else np.int64)
+            out = np.full((n, row_bytes), 3, np.uint8)
+            batch_reindex(x, idx, out=out, num_threads=threads)
+            np.testing.assert_array_equal(out, x[idx])
+    finally:
+        _reindex._set_chunk_bytes(old)
+    assert _reindex._set_chunk_bytes(-1) == old and _reindex._set_chunk_bytes(old) == 0
