@@ -13,8 +13,9 @@ Design:
   stores instead.  Both of these loops (include/rl_gather.h) prefetch the
   source row ``PREFETCH_ROWS`` indices ahead: the reads are at random rows,
   which the hardware prefetchers cannot predict.  The loop over ``n`` runs
-  on readerlib's pool (``readerlib._parallel.parallel_for``, contiguous
-  ranges); every range writes a disjoint block of ``y``.  Traffic: ``len(idx) * row_bytes``
+  on readerlib's pool (``readerlib._parallel.parallel_for``); on 2+ threads
+  every thread claims the next ``CHUNK_BYTES`` of rows with an atomic add
+  (see _gather_body), and every chunk writes a disjoint block of ``y``.  Traffic: ``len(idx) * row_bytes``
   read + the same written, the minimum for a gather.
 
   Backward, ``dx[k] = sum(dy[n] for idx[n] == k)``.  Scattering with atomics
