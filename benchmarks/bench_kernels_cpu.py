@@ -15,10 +15,16 @@ timing.  The small CTC shape (50, 1, 29) is a single streaming utterance; its
 peers are the loops a user writes (NumPy per utterance, torch argmax +
 unique_consecutive) and tf.nn.ctc_greedy_decoder.
 
-``--sweep`` adds the measurements behind two thresholds: CTC on 1 vs 2
-threads as the logits grow (``readerlib._parallel.MIN_BYTES_PER_THREAD``)
-and the reindex forward with and without streaming stores as the output
-grows (``readerlib.kernels._reindex.STREAM_MIN_BYTES``).
+``--sweep`` adds the measurements behind three settings: CTC on 1 vs 2
+threads as the logits grow (``readerlib._parallel.MIN_BYTES_PER_THREAD``),
+the reindex forward with and without streaming stores as the output grows
+(``readerlib.kernels._reindex.STREAM_MIN_BYTES``), and its prefetch distance
+(``readerlib.kernels._reindex.PREFETCH_ROWS``).
+
+The forward table ends each shape with the machine's bound for the same
+bytes, timed in the same rounds (np.copyto of ``len(idx)`` contiguous rows
+into the reused buffer), and the target ratio: the faster of np.take /
+torch.index_select over readerlib, fresh outputs, best and median.
 
 ``--cpu-time`` runs every contender on one thread (readerlib num_threads=1,
 torch.set_num_threads(1), TF intra/inter-op pools of 1) and reports CPU
@@ -28,6 +34,7 @@ efficiency figure that time slices lost to other processes do not distort
 """
 from __future__ import annotations
 
+import os
 import platform
 import time
 
@@ -45,6 +52,8 @@ CTC_SHAPES = [(50, 1, 29), (500, 32, 1025), (200, 128, 129), (1000, 16, 5001)]
 #: The shape whose 2-thread bandwidth is compared with the machine's read bandwidth.
 CTC_BW_SHAPE = (1000, 16, 5001)
 REINDEX_SHAPES = [(4096, 8192, 2048), (65536, 65536, 64), (256, 512, 150528)]
+#: The forward table's bound: the same bytes copied contiguously (np.copyto).
+BOUND = "(bound: np.copyto of the same bytes, contiguous)"
 
 
 CLOCK = time.perf_counter
@@ -189,6 +198,30 @@ def sweep(rounds):
                         f"streaming (streaming from {_reindex.STREAM_MIN_BYTES >> 20} MiB of output)",
                         ["rows", "output MiB", "cached ms", "streaming ms", "streaming speed-up"],
                         rows)
+    rows = []
+    dists = (0, 4, 8, 16, 32, 64)
+    for inner, mib in ((64, 2), (64, 16), (2048, 16)):
+        n = (mib << 20) // (inner * 4)
+        x = rng.standard_normal((n, inner), dtype=np.float32)
+        idx = rng.integers(0, n, n).astype(np.int64)
+        buf = np.empty((n, inner), np.float32)
+
+        def at(d):
+            def run():
+                old = _reindex._set_prefetch_rows(d)
+                try:
+                    batch_reindex(x, idx, out=buf, num_threads=1)
+                finally:
+                    _reindex._set_prefetch_rows(old)
+            return run
+
+        res = interleaved({d: at(d) for d in dists}, rounds * 3)
+        kind = "streaming" if n * inner * 4 >= _reindex.STREAM_MIN_BYTES else "cached"
+        rows.append([f"{inner * 4} B rows", f"{mib} ({kind})"]
+                    + [f"{res[d][0] * 1e3:.3f}" for d in dists])
+    out += "\n" + table("Sweep: reindex forward, one thread, `out=` reused, best ms by prefetch "
+                        f"distance in rows (default {_reindex.PREFETCH_ROWS})",
+                        ["rows", "output MiB"] + [f"{d} ahead" for d in dists], rows)
     return out
 
 
@@ -215,9 +248,13 @@ def bench_reindex_fwd(rounds, torch):
         fns["np.take out="] = lambda: np.take(x, idx, axis=0, out=buf)
         if torch is not None:
             fns["torch.index_select out="] = lambda: torch.index_select(xt, 0, it, out=tbuf)
+        # the machine's bound for the same bytes, in the same rounds: one contiguous
+        # copy of len(idx) rows (no gather), cached stores, into the reused buffer
+        fns[BOUND] = lambda: np.copyto(buf, x[:N])
         res = interleaved(fns, rounds)
         for group in ("", "out="):
-            peers = [k for k in res if not k.startswith("readerlib") and (group in k) == bool(group)]
+            peers = [k for k in res if not k.startswith(("readerlib", "("))
+                     and ("out=" in k) == bool(group)]
             if peers:
                 fastest = min(peers, key=lambda k: res[k][0])
                 res[fastest] = res[fastest] + ("fastest peer",)
@@ -227,6 +264,11 @@ def bench_reindex_fwd(rounds, torch):
             rows.append([f"({N}, {M}, {inner})", k, f"{best * 1e3:.2f}", f"{med * 1e3:.2f}",
                          f"{gb / best:.1f}",
                          f"{best / base:.2f}x" + (" (fastest peer)" if len(v) > 2 else "")])
+        if res:
+            peer = min((res[k][0], res[k][1]) for k in res if len(res[k]) > 2 and "out=" not in k)
+            mine = res["readerlib"]
+            rows.append([f"({N}, {M}, {inner})", "**faster peer / readerlib (fresh output)**",
+                         "", "", "", f"best {peer[0] / mine[0]:.2f}x, median {peer[1] / mine[1]:.2f}x"])
     return table("batch_reindex forward, float32: y[N, inner] = x[M, inner][idx] "
                  "(fresh output per call, then `out=` a reused buffer; ratios within each group)",
                  ["(N, M, inner)", "contender", "best ms", "median ms",
@@ -302,6 +344,10 @@ def main(argv=None):
     only = set(args.only or ["ctc", "fwd", "bwd"])
     tf = harness.try_import("tensorflow") if "ctc" in only and harness.want(args, "tf") else None
     torch = harness.try_import("torch") if harness.want(args, "torch") else None
+    if torch is not None and not args.cpu_time:
+        # harness sets MKL_NUM_THREADS=1 (for NumPy's BLAS), from which torch takes
+        # 1 intra-op thread; give it its own default, one per CPU, like readerlib
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
     if args.cpu_time:
         CLOCK, ONE_THREAD, NT = time.process_time, True, 1
         if torch is not None:

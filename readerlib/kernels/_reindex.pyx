@@ -8,9 +8,14 @@ Design:
   4 or 8 bytes are copied as one machine word instead (a ``memcpy`` call per
   element would dominate), and short rows that are a multiple of 32 bytes
   (up to 1 KiB) as inlined 32-byte moves (libc's call and size dispatch per
-  256-byte row cost ~12%).  The loop over ``n`` runs on readerlib's pool
-  (``readerlib._parallel.parallel_for``, contiguous ranges); every range
-  writes a disjoint block of ``y``.  Traffic: ``len(idx) * row_bytes``
+  256-byte row cost ~12%).  Outputs of ``STREAM_MIN_BYTES`` or more (rows a
+  multiple of 16 bytes, output 16-byte aligned) are written with streaming
+  stores instead.  Both of these loops (include/rl_gather.h) prefetch the
+  source row ``PREFETCH_ROWS`` indices ahead: the reads are at random rows,
+  which the hardware prefetchers cannot predict.  The loop over ``n`` runs
+  on readerlib's pool (``readerlib._parallel.parallel_for``); on 2+ threads
+  every thread claims the next ``CHUNK_BYTES`` of rows with an atomic add
+  (see _gather_body), and every chunk writes a disjoint block of ``y``.  Traffic: ``len(idx) * row_bytes``
   read + the same written, the minimum for a gather.
 
   Backward, ``dx[k] = sum(dy[n] for idx[n] == k)``.  Scattering with atomics
@@ -52,7 +57,7 @@ import numpy as np
 
 from readerlib._typedefs cimport (float32_t, float64_t, index_t, int32_t, int64_t,
                                   intp_t, uint8_t, uint16_t, uint32_t, uint64_t)
-from readerlib._parallel cimport parallel_for
+from readerlib._parallel cimport parallel_for, threads_for
 from readerlib._parallel import threads_enabled
 
 cnp.import_array()
@@ -120,55 +125,43 @@ cdef extern from *:
     #endif
     }
 
-    /* Forward copy of one row with streaming (non-temporal) stores: the output
-       bypasses the caches, so its lines are not read before being written
-       (no read-for-ownership: 2 bytes of traffic per byte copied instead of 3)
-       and do not evict the source.  Consecutive rows are consecutive in the
-       output, so the write-combining buffers still see whole lines.
-       Needs a 16-byte aligned `d` and `n % 16 == 0`; the caller fences. */
-    #if defined(__SSE2__) || defined(_M_X64)
-    #include <emmintrin.h>
-    #define RL_HAVE_STREAM 1
-    static inline void rl_stream_row(char* d, const char* s, Py_ssize_t n) {
-        Py_ssize_t c = 0;
-        for (; c + 64 <= n; c += 64) {
-            __m128i a0 = _mm_loadu_si128((const __m128i*)(s + c));
-            __m128i a1 = _mm_loadu_si128((const __m128i*)(s + c + 16));
-            __m128i a2 = _mm_loadu_si128((const __m128i*)(s + c + 32));
-            __m128i a3 = _mm_loadu_si128((const __m128i*)(s + c + 48));
-            _mm_stream_si128((__m128i*)(d + c), a0);
-            _mm_stream_si128((__m128i*)(d + c + 16), a1);
-            _mm_stream_si128((__m128i*)(d + c + 32), a2);
-            _mm_stream_si128((__m128i*)(d + c + 48), a3);
-        }
-        for (; c < n; c += 16)
-            _mm_stream_si128((__m128i*)(d + c), _mm_loadu_si128((const __m128i*)(s + c)));
-    }
-    static inline void rl_stream_fence(void) { _mm_sfence(); }
-    #else
-    #define RL_HAVE_STREAM 0
-    static inline void rl_stream_row(char* d, const char* s, Py_ssize_t n) { memcpy(d, s, n); }
-    static inline void rl_stream_fence(void) {}
-    #endif
     """
-    int RL_HAVE_STREAM
-    void rl_stream_row(char* d, const char* s, intp_t n) noexcept nogil
-    void rl_stream_fence() noexcept nogil
     void rl_prefetch_row(const void* p, intp_t nbytes) noexcept nogil
     float rl_half_to_float(uint16_t h) noexcept nogil
     uint16_t rl_float_to_half(float value) noexcept nogil
+
+# The forward's row loops (cached and streaming, with prefetch).
+cdef extern from "rl_gather.h":
+    int RL_GATHER_SSE2
+    void rl_gather_cached_i32(const char* src, intp_t rb, const int32_t* idx, intp_t b,
+                              intp_t e, char* dst, intp_t pf) noexcept nogil
+    void rl_gather_cached_i64(const char* src, intp_t rb, const int64_t* idx, intp_t b,
+                              intp_t e, char* dst, intp_t pf) noexcept nogil
+    void rl_gather_stream_i32(const char* src, intp_t rb, const int32_t* idx, intp_t b,
+                              intp_t e, char* dst, intp_t pf) noexcept nogil
+    void rl_gather_stream_i64(const char* src, intp_t rb, const int64_t* idx, intp_t b,
+                              intp_t e, char* dst, intp_t pf) noexcept nogil
+
 
 
 # Rows up to this size (and a multiple of 32 bytes) are copied with inlined moves.
 cdef enum:
     SHORT_ROW_BYTES = 1024
 
-# The forward's streaming path prefetches the source row this many indices ahead.
-cdef enum:
-    PREFETCH_ROWS = 8
+#: The forward prefetches the source row this many indices ahead (rl_gather.h).
+PREFETCH_ROWS = 16
+cdef intp_t _prefetch_rows = PREFETCH_ROWS
+
+
+def _set_prefetch_rows(n):
+    """Change the forward's prefetch distance (benchmarks' sweep; returns the old value)."""
+    global _prefetch_rows
+    old = _prefetch_rows
+    _prefetch_rows = max(0, int(n))
+    return old
 
 #: Outputs at least this big are written with streaming stores (see
-#: rl_stream_row); smaller ones stay in the caches, where the caller will read
+#: rl_gather.h); smaller ones stay in the caches, where the caller will read
 #: them next.  Measured with benchmarks/bench_kernels_cpu.py --sweep-stream.
 #: (one thread, output and source both this big, cached vs streaming: 256-byte
 #: rows 1.06x at 8 MiB, 2.3x at 16 MiB; 8 KiB rows 0.83x at 8, 1.5x at 16).
@@ -261,38 +254,13 @@ cdef inline void _gather_bytes(const char* src, intp_t row_bytes, const index_t*
         memcpy(dst + i * row_bytes, src + <intp_t> idx[i] * row_bytes, row_bytes)
 
 
-cdef inline void _gather_chunks(const char* src, intp_t row_bytes, const index_t* idx,
-                                intp_t begin, intp_t end, char* dst) noexcept nogil:
-    """Rows that are a multiple of 32 bytes and short: copy 32-byte chunks
-    with a constant-size memcpy (inlined as two 16-byte or one 32-byte move)
-    instead of a libc call per row, whose dispatch dominates 256-byte rows."""
-    cdef intp_t i, c
-    cdef const char* s
-    cdef char* d
-    for i in range(begin, end):
-        s = src + <intp_t> idx[i] * row_bytes
-        d = dst + i * row_bytes
-        for c in range(0, row_bytes, 32):
-            memcpy(d + c, s + c, 32)
-
-
-cdef inline void _gather_stream(const char* src, intp_t row_bytes, const index_t* idx,
-                                intp_t begin, intp_t end, char* dst) noexcept nogil:
-    """Rows of 16k bytes into a 16-byte aligned output too big for the caches:
-    streaming stores, and the source rows a few indices ahead prefetched (the
-    gather's reads are random: no hardware prefetcher predicts them)."""
-    cdef intp_t i
-    for i in range(begin, end):
-        if i + PREFETCH_ROWS < end:
-            rl_prefetch_row(src + <intp_t> idx[i + PREFETCH_ROWS] * row_bytes, row_bytes)
-        rl_stream_row(dst + i * row_bytes, src + <intp_t> idx[i] * row_bytes, row_bytes)
-    rl_stream_fence()
-
-
 cdef inline void _gather_range(const char* src, intp_t row_bytes, const index_t* idx,
                                intp_t begin, intp_t end, char* dst, bint stream) noexcept nogil:
     if stream:
-        _gather_stream(src, row_bytes, idx, begin, end, dst)
+        if index_t is int32_t:
+            rl_gather_stream_i32(src, row_bytes, idx, begin, end, dst, _prefetch_rows)
+        else:
+            rl_gather_stream_i64(src, row_bytes, idx, begin, end, dst, _prefetch_rows)
     elif row_bytes == 1:
         _gather_words(<const uint8_t*> src, idx, begin, end, <uint8_t*> dst)
     elif row_bytes == 2:
@@ -302,9 +270,36 @@ cdef inline void _gather_range(const char* src, intp_t row_bytes, const index_t*
     elif row_bytes == 8:
         _gather_words(<const uint64_t*> src, idx, begin, end, <uint64_t*> dst)
     elif row_bytes % 32 == 0 and row_bytes <= SHORT_ROW_BYTES:
-        _gather_chunks(src, row_bytes, idx, begin, end, dst)
+        if index_t is int32_t:
+            rl_gather_cached_i32(src, row_bytes, idx, begin, end, dst, _prefetch_rows)
+        else:
+            rl_gather_cached_i64(src, row_bytes, idx, begin, end, dst, _prefetch_rows)
     else:
         _gather_bytes(src, row_bytes, idx, begin, end, dst)
+
+
+cdef extern from *:
+    """
+    static inline int64_t rl_reindex_claim(int64_t* next) {
+        return __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+    }
+    """
+    int64_t rl_reindex_claim(int64_t* next) noexcept nogil
+
+
+#: With more than one thread, the forward's rows are handed out in chunks of
+#: about this many output bytes, one atomic claim each, instead of the pool's
+#: 4 static shares per thread (see _gather_body).  0: the pool's shares.
+CHUNK_BYTES = 256 << 10
+cdef int64_t _chunk_bytes = CHUNK_BYTES
+
+
+def _set_chunk_bytes(n):
+    """Change the forward's chunk size (benchmarks, tests; returns the old value)."""
+    global _chunk_bytes
+    old = _chunk_bytes
+    _chunk_bytes = max(0, int(n))
+    return old
 
 
 cdef struct _gather_job:
@@ -314,14 +309,39 @@ cdef struct _gather_job:
     bint idx32
     bint stream
     char* dst
+    int64_t n               # rows
+    int64_t chunk           # rows per claim; 0: [begin, end) as the pool gives it
+    int64_t next            # next chunk to claim (atomic)
 
 
-cdef void _gather_body(void* ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
-    cdef _gather_job* j = <_gather_job*> ctx
+cdef inline void _gather_job_range(_gather_job* j, int64_t begin, int64_t end) noexcept nogil:
     if j.idx32:
         _gather_range(j.src, j.row_bytes, <const int32_t*> j.idx, begin, end, j.dst, j.stream)
     else:
         _gather_range(j.src, j.row_bytes, <const int64_t*> j.idx, begin, end, j.dst, j.stream)
+
+
+cdef void _gather_body(void* ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
+    """The pool's share [begin, end); or, chunked, claim chunks until none is left.
+
+    Chunked: the loop runs as one share per thread, and every thread claims
+    the next ``chunk`` rows with one atomic add.  A worker that wakes late or
+    is descheduled by a competing process leaves the rest to the caller, and
+    the caller can only be kept waiting for the one chunk that worker is in
+    (~30-100 us of work here) rather than a static share (an eighth of the
+    call).  Results do not depend on who copies which rows.
+    """
+    cdef _gather_job* j = <_gather_job*> ctx
+    cdef int64_t c, b
+    if j.chunk == 0:
+        _gather_job_range(j, begin, end)
+        return
+    while True:
+        c = rl_reindex_claim(&j.next)
+        b = c * j.chunk
+        if b >= j.n:
+            return
+        _gather_job_range(j, b, b + j.chunk if b + j.chunk < j.n else j.n)
 
 
 cdef int _gather_rows(const char* src, intp_t n_src, intp_t row_bytes, const index_t* idx,
@@ -335,9 +355,18 @@ cdef int _gather_rows(const char* src, intp_t n_src, intp_t row_bytes, const ind
     j.idx = idx
     j.idx32 = index_t is int32_t
     j.dst = dst
-    j.stream = (RL_HAVE_STREAM and n * row_bytes >= _stream_min_bytes and row_bytes % 16 == 0
+    j.stream = (RL_GATHER_SSE2 and n * row_bytes >= _stream_min_bytes and row_bytes % 16 == 0
                 and (<size_t> dst) % 16 == 0)
-    parallel_for(n_threads, n, _gather_body, &j)
+    j.n = n
+    j.next = 0
+    j.chunk = 0
+    if n_threads > 1 and _chunk_bytes > 0:
+        j.chunk = max(<int64_t> 1, _chunk_bytes // row_bytes)
+    if j.chunk > 0 and j.chunk < n:
+        parallel_for(n_threads, n_threads, _gather_body, &j)
+    else:
+        j.chunk = 0
+        parallel_for(n_threads, n, _gather_body, &j)
     return OK
 
 
@@ -496,6 +525,87 @@ def gather_rows(cnp.ndarray x, cnp.ndarray idx, cnp.ndarray out, int n_threads):
             rc = _gather_rows(src, n_src, row_bytes, <const int64_t*> pidx, n, dst, n_threads)
     _raise_for(rc)
     return out
+
+
+cdef inline bint _reindex_dtype_ok(cnp.ndarray a) noexcept:
+    """A dtype batch_reindex accepts (kernels.REINDEX_DTYPES), native byte order."""
+    cdef int t = cnp.PyArray_TYPE(a)
+    return ((t == cnp.NPY_FLOAT16 or t == cnp.NPY_FLOAT32 or t == cnp.NPY_FLOAT64
+             or t == cnp.NPY_INT32 or t == cnp.NPY_INT64 or t == cnp.NPY_UINT8)
+            and cnp.PyArray_ISNOTSWAPPED(a))
+
+
+#: The most threads one loop may use (readerlib._parallel.MAX_THREADS).
+cdef int _MAX_THREADS = 256
+
+
+def gather_fast(x, idx, out, num_threads):
+    """``batch_reindex`` for the common case in one compiled call, or None.
+
+    The common case: ``x`` an ndarray (exact type) of a supported dtype,
+    C-contiguous, ndim >= 1; ``idx`` a 1-D contiguous int32/int64 ndarray;
+    ``out`` None or a writeable C-contiguous ndarray of the right shape and
+    dtype that does not overlap ``x``; ``num_threads`` None or an int >= 1.
+    Anything else returns None before doing anything, and the caller takes
+    the full path (conversions, foreign arrays, the error messages).  The
+    thread count, output allocation and gather are those of the full path;
+    a bad index raises the same IndexError.  (At (256, 512, 64) float32 the
+    full path's Python checks cost ~15 us against ~5 us for the gather.)
+    """
+    cdef cnp.ndarray xa, ia, oa
+    cdef int nd, k, nt
+    cdef intp_t n, nbytes
+    cdef cnp.npy_intp dims[32]
+    cdef char* o0
+    cdef char* x0
+    if not (cnp.PyArray_CheckExact(x) and cnp.PyArray_CheckExact(idx)):
+        return None
+    xa = <cnp.ndarray> x
+    ia = <cnp.ndarray> idx
+    nd = cnp.PyArray_NDIM(xa)
+    if (nd < 1 or nd > 32 or not cnp.PyArray_IS_C_CONTIGUOUS(xa) or not _reindex_dtype_ok(xa)
+            or cnp.PyArray_NDIM(ia) != 1 or not cnp.PyArray_IS_C_CONTIGUOUS(ia)
+            or not cnp.PyArray_ISNOTSWAPPED(ia)
+            or (cnp.PyArray_TYPE(ia) != cnp.NPY_INT32 and cnp.PyArray_TYPE(ia) != cnp.NPY_INT64)):
+        return None
+    n = cnp.PyArray_DIM(ia, 0)
+    dims[0] = n
+    nbytes = n * cnp.PyArray_ITEMSIZE(xa)
+    for k in range(1, nd):
+        dims[k] = cnp.PyArray_DIM(xa, k)
+        nbytes *= dims[k]
+    if num_threads is None:
+        nt = -1
+    elif type(num_threads) is int and num_threads >= 1:
+        nt = <int> min(num_threads, _MAX_THREADS)
+    else:
+        return None
+    if out is None:
+        if nbytes >= CACHED_OUTPUT_BYTES:
+            oa = empty_output(tuple([dims[k] for k in range(nd)]), xa.dtype)
+        else:
+            oa = cnp.PyArray_EMPTY(nd, dims, cnp.PyArray_TYPE(xa), 0)
+    else:
+        if not cnp.PyArray_CheckExact(out):
+            return None
+        oa = <cnp.ndarray> out
+        if (cnp.PyArray_NDIM(oa) != nd or cnp.PyArray_TYPE(oa) != cnp.PyArray_TYPE(xa)
+                or not cnp.PyArray_ISNOTSWAPPED(oa) or not cnp.PyArray_IS_C_CONTIGUOUS(oa)
+                or not cnp.PyArray_ISWRITEABLE(oa)):
+            return None
+        for k in range(nd):
+            if cnp.PyArray_DIM(oa, k) != dims[k]:
+                return None
+        o0 = <char*> cnp.PyArray_DATA(oa)
+        x0 = <char*> cnp.PyArray_DATA(xa)
+        if nbytes and cnp.PyArray_NBYTES(xa) and (o0 < x0 + cnp.PyArray_NBYTES(xa)
+                                                   and x0 < o0 + nbytes):
+            return None                          # overlap: the full path raises
+    if nt < 0:
+        nt = threads_for(2 * nbytes)
+    if n == 0:
+        return oa
+    return gather_rows(xa, ia, oa, nt)
 
 
 cdef struct _segments_job:

@@ -537,3 +537,190 @@ def test_big_fresh_outputs_reuse_released_blocks():
     assert _reindex.cached_bytes() == 0
     # small outputs stay plain NumPy arrays
     assert batch_reindex(x, [0, 1]).base is None
+
+
+# -- the forward's row loops: every branch, prefetch distances, alignment (issue 16) ---
+
+@pytest.fixture(params=["cached", "stream"])
+def store_kind(request):
+    old = _reindex._set_stream_min_bytes(0 if request.param == "stream" else 1 << 62)
+    yield request.param
+    _reindex._set_stream_min_bytes(old)
+
+
+# each side of every branch of _gather_range: machine words (1, 2, 4, 8), the
+# memcpy loop (12, 20, 40, 1040: not a multiple of 32 / longer than 1 KiB),
+# 32-byte moves (32 .. 1024), streaming (multiples of 16)
+ROW_BYTES = [1, 2, 4, 8, 12, 16, 20, 24, 32, 40, 48, 64, 96, 256, 272, 1008, 1024, 1040, 1056, 4096]
+
+
+@pytest.mark.parametrize("row_bytes", ROW_BYTES)
+@pytest.mark.parametrize("prefetch", [0, 1, 16, 500])
+def test_gather_loops_bitwise(store_kind, row_bytes, prefetch):
+    rng = np.random.default_rng(row_bytes * 7 + prefetch)
+    old = _reindex._set_prefetch_rows(prefetch)
+    try:
+        for n_src, n in [(1, 1), (5, 3), (61, 203)]:
+            # source rows at an odd address: the loops load unaligned
+            raw = rng.integers(0, 256, n_src * row_bytes + 1, dtype=np.uint8)
+            x = raw[1:].reshape(n_src, row_bytes)
+            assert x.flags.c_contiguous and x.ctypes.data % 2 == 1
+            for idx_dtype in (np.int32, np.int64):
+                idx = rng.integers(0, n_src, n).astype(idx_dtype)
+                idx[-1] = n_src - 1                  # the last row, read last
+                want = x[idx]
+                for threads in (1, 2):
+                    np.testing.assert_array_equal(batch_reindex(x, idx, num_threads=threads), want)
+                    # into outputs at every alignment: 16-byte aligned ones may stream,
+                    # others take the cached loops; the bytes around are untouched
+                    for shift in (0, 1, 8, 16):
+                        buf = np.full(n * row_bytes + 64, 0xA5, np.uint8)
+                        base = (-buf.ctypes.data) % 16 + shift
+                        out = buf[base:base + n * row_bytes].reshape(n, row_bytes)
+                        batch_reindex(x, idx, out=out, num_threads=threads)
+                        np.testing.assert_array_equal(out, want)
+                        assert np.all(buf[:base] == 0xA5) and np.all(buf[base + n * row_bytes:] == 0xA5)
+    finally:
+        _reindex._set_prefetch_rows(old)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_gather_loops_float_bits(store_kind, dtype):
+    # NaN payloads, -0.0, subnormals go through the row loops as bytes
+    rng = np.random.default_rng(3)
+    x = random_array(rng, (33, 64), dtype)
+    idx = rng.integers(0, 33, 130)
+    np.testing.assert_array_equal(bits(batch_reindex(x, idx, num_threads=2)), bits(x[idx]))
+
+
+@pytest.mark.parametrize("row_bytes", [8, 48, 256, 1040])
+@pytest.mark.parametrize("where", [0, 17, -1])
+@pytest.mark.parametrize("bad, msg", [(-1, NEG), (61, BIG), (2**40, BIG)])
+def test_gather_loops_bad_index_writes_nothing(store_kind, row_bytes, where, bad, msg):
+    # a bad index anywhere (also past the prefetch distance, and the last one)
+    # raises Caffe's message before any row is written, on every loop
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 256, (61, row_bytes), dtype=np.uint8)
+    for idx_dtype in (np.int32, np.int64):
+        if idx_dtype is np.int32 and bad > 2**31:
+            continue
+        idx = rng.integers(0, 61, 64).astype(idx_dtype)
+        idx[where] = bad
+        out = np.full((64, row_bytes), 7, np.uint8)
+        for threads in (1, 2):
+            with pytest.raises(IndexError, match=f"^{re.escape(msg)}$"):
+                batch_reindex(x, idx, out=out, num_threads=threads)
+            assert np.all(out == 7)
+            with pytest.raises(IndexError, match=f"^{re.escape(msg)}$"):
+                batch_reindex(x, idx, num_threads=threads)
+
+
+def test_prefetch_setting_is_clamped_and_restored():
+    old = _reindex._set_prefetch_rows(-5)                 # negative: no prefetch
+    try:
+        assert _reindex._set_prefetch_rows(3) == 0
+        assert _reindex._set_prefetch_rows(old) == 3
+    finally:
+        _reindex._set_prefetch_rows(old)
+    assert _reindex.PREFETCH_ROWS == old
+
+
+# -- the compiled fast path (issue 16: small calls) --------------------------------
+
+class _Sub(np.ndarray):
+    pass
+
+
+def test_fast_path_common_cases(monkeypatch):
+    calls = []
+    real = _reindex.gather_fast
+
+    def spy(*args):
+        r = real(*args)
+        calls.append(r is not None)
+        return r
+
+    monkeypatch.setattr(_reindex, "gather_fast", spy)
+    rng = np.random.default_rng(11)
+    for dtype in DTYPES:
+        for shape in [(7,), (7, 3), (7, 2, 64), (0, 4)]:
+            x = random_array(rng, shape, dtype)
+            for idx_dtype in (np.int32, np.int64):
+                idx = rng.integers(0, max(shape[0], 1), 9 if shape[0] else 0).astype(idx_dtype)
+                for nt in (None, 1, 3, 1000):
+                    calls.clear()
+                    y = batch_reindex(x, idx, num_threads=nt)
+                    assert calls == [True]
+                    assert y.shape == (len(idx),) + shape[1:] and y.dtype == x.dtype
+                    assert y.flags.c_contiguous and y.flags.writeable and y.flags.owndata
+                    np.testing.assert_array_equal(bits(y), bits(x[idx]))
+                    out = np.empty_like(y)
+                    calls.clear()
+                    assert batch_reindex(x, idx, out=out, num_threads=nt) is out
+                    assert calls == [True]
+                    np.testing.assert_array_equal(bits(out), bits(x[idx]))
+
+
+def test_fast_path_declines_everything_else():
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    idx = np.array([3, 0, 3])
+    out = np.empty((3, 3), np.float32)
+    declined = [
+        (x.tolist(), idx, None, None), (x, idx.tolist(), None, None),
+        (x.view(_Sub), idx, None, None), (x, idx.view(_Sub), None, None),
+        (x[:, ::2], idx, None, None), (np.asfortranarray(x), idx, None, None),
+        (x.astype(">f4"), idx, None, None), (x.astype(bool), idx, None, None),
+        (x.astype(np.uint16), idx, None, None), (np.float32(1), idx, None, None),
+        (x, idx.astype(np.uint16), None, None), (x, idx.astype(">i8"), None, None),
+        (x, idx.astype(np.float64), None, None), (x, idx.reshape(3, 1), None, None),
+        (x, np.stack([idx, idx], 1)[:, 0], None, None),
+        (x, idx, np.empty((3, 4), np.float32), None), (x, idx, np.empty((3, 3)), None),
+        (x, idx, np.empty((3, 3, 1), np.float32), None), (x, idx, np.empty((3, 6), np.float32)[:, ::2], None),
+        (x, idx, out.view(_Sub), None), (x, idx, [[0] * 3] * 3, None),
+        (x, idx, x[:3], None),                                   # overlaps x
+        (x, idx, out, 0), (x, idx, out, -1), (x, idx, out, True), (x, idx, out, 2.0),
+        (x, idx, out, np.int64(2)),
+    ]
+    ro = out.copy()
+    ro.flags.writeable = False
+    declined.append((x, idx, ro, None))
+    for args in declined:
+        assert _reindex.gather_fast(*args) is None, args
+    # and the full path still answers them as before
+    with pytest.raises(ValueError, match="must not overlap"):
+        batch_reindex(x, idx, out=x[:3])
+    with pytest.raises(ValueError, match="writeable C-contiguous"):
+        batch_reindex(x, idx, out=ro)
+    with pytest.raises(ValueError, match="num_threads"):
+        batch_reindex(x, idx, num_threads=0)
+    with pytest.raises(TypeError, match="not supported"):
+        batch_reindex(x.astype(">f4"), idx)
+    np.testing.assert_array_equal(batch_reindex(x, idx, num_threads=np.int64(2)), x[idx])
+    np.testing.assert_array_equal(batch_reindex(x[:, ::2], idx), x[:, ::2][idx])
+
+
+def test_fast_path_bad_index_messages():
+    x = np.zeros((5, 2), np.float32)
+    for bad, msg in [([0, -1, 2], NEG), ([0, 5], BIG), ([7, -3], BIG)]:
+        for idx_dtype in (np.int32, np.int64):
+            with pytest.raises(IndexError, match=f"^{re.escape(msg)}$"):
+                _reindex.gather_fast(x, np.array(bad, idx_dtype), None, None)
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, 1, 100, 256, 4096, 1 << 30])
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_gather_chunked_claims_cover_every_row(store_kind, chunk_bytes, threads):
+    # chunks of one row, of a few rows with a short last chunk, of more rows
+    # than there are (the pool's static shares), and none at all
+    rng = np.random.default_rng(chunk_bytes + threads)
+    old = _reindex._set_chunk_bytes(chunk_bytes)
+    try:
+        for row_bytes, n in [(256, 1), (256, 37), (48, 1001), (8, 513), (1040, 77)]:
+            x = rng.integers(0, 256, (53, row_bytes), dtype=np.uint8)
+            idx = rng.integers(0, 53, n).astype(np.int32 if n % 2 else np.int64)
+            out = np.full((n, row_bytes), 3, np.uint8)
+            batch_reindex(x, idx, out=out, num_threads=threads)
+            np.testing.assert_array_equal(out, x[idx])
+    finally:
+        _reindex._set_chunk_bytes(old)
+    assert _reindex._set_chunk_bytes(-1) == old and _reindex._set_chunk_bytes(old) == 0
