@@ -694,7 +694,25 @@ cdef class ReaderBase:
                 self._epoch_snapshot = self._chain_epoch_state()
                 self._position = 0
         state = {"version": STATE_VERSION, "position": int(self._position)}
-        state.update(_nest([dict(d) for d in self._epoch_snapshot]))
+        flat = [dict(d) for d in self._epoch_snapshot]
+        readers = self._walk()
+        live = [k for k, r in enumerate(readers) if hasattr(r, "_resume_state")]
+        if live and len(readers) == len(flat):
+            # live parts: what a reader needs to take up its position without
+            # replaying (a buffer shuffle's buffer), given the readers above it;
+            # background readers (prefetch) stop between items while they are read
+            paused = []
+            try:
+                for r in readers:
+                    f = getattr(r, "_pause_for_state", None)
+                    if f is not None:
+                        paused.append((r, f()))
+                for k in live:
+                    flat[k].update(readers[k]._resume_state(readers[:k]))
+            finally:
+                for r, token in reversed(paused):
+                    r._resume_after_state(token)
+        state.update(_nest(flat))
         return state
 
     def set_state(self, state):

@@ -606,6 +606,19 @@ cdef class PrefetchReader(DecoratedReader):
                 f"within {join_timeout:g} s; it is stuck inside the chain {self.reader!r}.  "
                 f"Call reset()")
 
+    def _pause_for_state(self):
+        """get_state: stop the thread between items (the item it was making lands
+        in the ring), so the chain below can be looked at; _resume_after_state
+        starts it again over the ring.  Returns whether it stopped a run."""
+        if self.st == NULL or self.pump is None or self.reset_pending:
+            return False
+        self._stop_for_skip()
+        return True
+
+    def _resume_after_state(self, token):
+        if token and self.pump is not None:
+            self._resume_run()
+
     def _resume_run(self):
         """Start the stopped run's thread again over the items left in its ring."""
         cdef pf_state *st = self.st
