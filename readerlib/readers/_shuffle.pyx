@@ -140,6 +140,23 @@ cdef struct _bref:
     int64_t next_free
     int64_t bytes        # payload of those records
     int64_t mark         # compaction pass `gen`: +gen copy out, -gen keep (0: not looked at)
+    int64_t bigsize      # the size of its one record of >= 4 GiB (slot size BIG)
+
+
+# A buffered record: 16 bytes (a 1M buffer's table is 16 MB).  Its block is
+# btab[ref].block; a record of 4 GiB or more has size BIG and its own entry,
+# which holds the size.
+cdef struct _slot:
+    const char *data
+    uint32_t size
+    uint32_t ref
+
+cdef extern from *:
+    """
+    #define RL_SHUFFLE_BIG ((int64_t)0xFFFFFFFFu)
+    """
+    const int64_t BIG "RL_SHUFFLE_BIG"
+DEF MAX_BUFFER = 1 << 31                   # ref is 32 bits: at most this + 2 table entries
 
 
 cdef class ShuffleReader(DecoratedReader):
@@ -182,8 +199,7 @@ cdef class ShuffleReader(DecoratedReader):
     # holds a reference) and drops its reference to the old block.  Slots
     # keep their positions and the random draws are untouched, so the order is
     # exactly the one without compaction.  Big records stay referenced.
-    cdef rl_record *slots
-    cdef int64_t *slot_ref
+    cdef _slot *slots
     cdef int64_t scap            # allocated slots (grows up to cap)
     cdef _bref *btab
     cdef int64_t btab_free
@@ -233,6 +249,8 @@ cdef class ShuffleReader(DecoratedReader):
     def __init__(self, reader, buffer_size, seed=None):
         _check_reader(reader, "ShuffleReader")
         cap = _check_positive_int(buffer_size, "buffer_size")
+        if cap > MAX_BUFFER:
+            raise ValueError(f"buffer_size must be <= {MAX_BUFFER}, got {cap}")
         self.seed_drawn = seed is None
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little")
@@ -267,22 +285,16 @@ cdef class ShuffleReader(DecoratedReader):
         """Room for n buffered items (the buffer grows as it fills: a huge
         buffer_size over a small dataset costs only what is used)."""
         cdef int64_t i, old = self.scap
-        cdef rl_record *s2
-        cdef int64_t *r2
+        cdef _slot *s2
         cdef uint32_t *p2
         cdef _bref *b2
         if n <= old:
             return 0
-        s2 = <rl_record *>realloc(self.slots, n * sizeof(rl_record))
+        s2 = <_slot *>realloc(self.slots, n * sizeof(_slot))
         if s2 == NULL:
             with gil:
                 raise MemoryError(f"shuffle buffer of {n} items")
         self.slots = s2
-        r2 = <int64_t *>realloc(self.slot_ref, n * sizeof(int64_t))
-        if r2 == NULL:
-            with gil:
-                raise MemoryError(f"shuffle buffer of {n} items")
-        self.slot_ref = r2
         if self.track:
             p2 = <uint32_t *>realloc(self.slot_pos, n * sizeof(uint32_t))
             if p2 == NULL:
@@ -314,7 +326,7 @@ cdef class ShuffleReader(DecoratedReader):
         cdef int64_t i = self.btab_last
         self.payload += size
         self.since += 1
-        if i >= 0 and self.btab[i].block == b:
+        if i >= 0 and self.btab[i].block == b and size < BIG:
             self.btab[i].count += 1
             self.btab[i].bytes += size
             return i
@@ -323,6 +335,7 @@ cdef class ShuffleReader(DecoratedReader):
         self.btab[i].count = 1
         self.btab[i].bytes = size
         self.btab[i].mark = 0
+        self.btab[i].bigsize = size
         rl_block_incref(b)
         self.btab_last = i
         self.pinned += b.size
@@ -330,6 +343,20 @@ cdef class ShuffleReader(DecoratedReader):
                 and 4 * self.since >= self.cap):
             self.due = True
         return i
+
+    cdef inline void _put(self, int64_t s, const rl_record *rec, int64_t ref) noexcept nogil:
+        self.slots[s].data = rec.data
+        self.slots[s].size = <uint32_t>(rec.size if rec.size < BIG else BIG)
+        self.slots[s].ref = <uint32_t>ref
+
+    cdef inline int64_t _size(self, int64_t s) noexcept nogil:
+        cdef int64_t z = self.slots[s].size
+        return z if z != BIG else self.btab[self.slots[s].ref].bigsize
+
+    cdef inline void _get(self, int64_t s, rl_record *out) noexcept nogil:
+        out.block = self.btab[self.slots[s].ref].block
+        out.data = self.slots[s].data
+        out.size = self._size(s)
 
     cdef inline void _release(self, int64_t i, int64_t size) noexcept nogil:
         cdef rl_block *b
@@ -380,6 +407,7 @@ cdef class ShuffleReader(DecoratedReader):
         self.btab[i].count = 1
         self.btab[i].bytes = size
         self.btab[i].mark = -self.gen      # its records are not copied again in this pass
+        self.btab[i].bigsize = 0
         rl_block_incref(self.arena)
         self.pinned += self.arena.size
         self.arena_e = i
@@ -388,16 +416,15 @@ cdef class ShuffleReader(DecoratedReader):
     cdef void _compact(self) noexcept nogil:
         """One compaction pass over the buffer (see the design note).  Every
         step leaves a consistent buffer: a failed allocation ends the pass."""
-        cdef int64_t s, e, a
+        cdef int64_t s, e, a, size
         cdef rl_block *b
-        cdef rl_record *r
         cdef char *p
         self.due = False
         self.since = 0
         self.gen += 1
         self.n_passes += 1
         for s in range(self.count):
-            e = self.slot_ref[s]
+            e = self.slots[s].ref
             if self.btab[e].mark != self.gen:
                 if self.btab[e].mark == -self.gen:
                     continue
@@ -410,25 +437,24 @@ cdef class ShuffleReader(DecoratedReader):
                 else:
                     self.btab[e].mark = -self.gen
                     continue
-            r = &self.slots[s]
-            if r.size >= COMPACT_MAX_RECORD:
+            size = self._size(s)
+            if size >= COMPACT_MAX_RECORD:
                 continue
-            p = self._arena_alloc(r.size)
+            p = self._arena_alloc(size)
             if p == NULL:
                 return
-            memcpy(p, r.data, <size_t>r.size)
-            a = self._arena_take(r.size)
-            r.block = self.arena
-            r.data = p
-            self.slot_ref[s] = a
+            memcpy(p, self.slots[s].data, <size_t>size)
+            a = self._arena_take(size)
+            self.slots[s].data = p
+            self.slots[s].ref = <uint32_t>a
             self.n_copied += 1
-            self.n_copied_bytes += r.size
-            self._release(e, r.size)
+            self.n_copied_bytes += size
+            self._release(e, size)
 
     cdef void _drop(self) noexcept nogil:
         cdef int64_t i
         for i in range(self.count):
-            self._release(self.slot_ref[i], self.slots[i].size)
+            self._release(self.slots[i].ref, self._size(i))
         self.count = 0
         if self.hold >= 0:
             self._release(self.hold, self.hold_size)
@@ -452,10 +478,9 @@ cdef class ShuffleReader(DecoratedReader):
         self.base_rng = self.rng
 
     def __dealloc__(self):
-        if self.slots != NULL and self.slot_ref != NULL and self.btab != NULL:
+        if self.slots != NULL and self.btab != NULL:
             self._drop()
         free(self.slots)
-        free(self.slot_ref)
         free(self.btab)
         free(self.slot_pos)
         free(self.ring_a)
@@ -464,7 +489,6 @@ cdef class ShuffleReader(DecoratedReader):
         self.ring_a = NULL
         self.ring_s = NULL
         self.slots = NULL
-        self.slot_ref = NULL
         self.btab = NULL
 
     cdef int c_next(self, rl_record *out) except -1 nogil:
@@ -492,8 +516,7 @@ cdef class ShuffleReader(DecoratedReader):
                     self.upstream_done = True
                     self.done_at = self.emitted
                     break
-                self.slot_ref[self.count] = self._acquire(rec.block, rec.size)
-                self.slots[self.count] = rec
+                self._put(self.count, &rec, self._acquire(rec.block, rec.size))
                 if self.track:
                     self._took(self.count)
                 self.count += 1
@@ -516,15 +539,14 @@ cdef class ShuffleReader(DecoratedReader):
             r = self.reader.c_next(&rec)
             self.in_upstream = False
             self.next_j = -1
-            out[0] = self.slots[j]
-            self.hold = self.slot_ref[j]    # the slot's reference moves to `hold`
+            self._get(j, out)
+            self.hold = self.slots[j].ref   # the slot's reference moves to `hold`
             self.hold_size = out.size
             if self.track:
                 self.ring_a[self.emitted & RING_MASK] = self.slot_pos[j]
             self.emitted += 1
             if r == 1:
-                self.slot_ref[j] = self._acquire(rec.block, rec.size)
-                self.slots[j] = rec
+                self._put(j, &rec, self._acquire(rec.block, rec.size))
                 if self.track:
                     self._took(j)
                 self._draw_ahead()
@@ -533,15 +555,14 @@ cdef class ShuffleReader(DecoratedReader):
             self.done_at = self.emitted - 1
         else:
             self.next_j = -1
-            out[0] = self.slots[j]
-            self.hold = self.slot_ref[j]
+            self._get(j, out)
+            self.hold = self.slots[j].ref
             self.hold_size = out.size
             if self.track:
                 self.ring_a[self.emitted & RING_MASK] = self.slot_pos[j]
             self.emitted += 1
         self.count -= 1
         self.slots[j] = self.slots[self.count]
-        self.slot_ref[j] = self.slot_ref[self.count]
         if self.track:
             self.slot_pos[j] = self.slot_pos[self.count]
         self._draw_ahead()
@@ -679,21 +700,15 @@ cdef class ShuffleReader(DecoratedReader):
                              f"buffer needs {src}")
         if self.scap < cn:
             self._grow(cn)
-        order = np.argsort(pos_a[:cn], kind="stable")
+        order = np.argsort(pos_a[:cn], kind="stable")      # file order: each chunk loaded once
         self.count = 0
         try:
-            for i in range(cn):
-                s_ = order[i]
-                with nogil:
-                    self.reader.c_read_at(pos[s_], &rec)
-                self.slots[s_] = rec
-                self.slot_ref[s_] = self._acquire(rec.block, rec.size)
-                self.slot_pos[s_] = <uint32_t>pos[s_]
-                self.count += 1             # (slots not in order: _drop below releases by order)
+            with nogil:
+                self._fill_by_index(&pos[0], &order[0] if cn > 0 else NULL, cn)
         except BaseException:
-            for i in range(self.count):
+            for i in range(self.count):     # slots filled so far, in `order`
                 s_ = order[i]
-                self._release(self.slot_ref[s_], self.slots[s_].size)
+                self._release(self.slots[s_].ref, self._size(s_))
             self.count = 0
             raise
         self._close_random_access()
@@ -713,6 +728,19 @@ cdef class ShuffleReader(DecoratedReader):
         self.track_ok = True
         self.restores += 1
         return n
+
+    cdef int _fill_by_index(self, const int64_t *pos, const int64_t *order, int64_t cn) except -1 nogil:
+        # slot order[i] <- the source's record pos[order[i]]; self.count counts
+        # the slots filled (in `order`), for the caller's cleanup on an error
+        cdef int64_t i, s_
+        cdef rl_record rec
+        for i in range(cn):
+            s_ = order[i]
+            self.reader.c_read_at(pos[s_], &rec)
+            self._put(s_, &rec, self._acquire(rec.block, rec.size))
+            self.slot_pos[s_] = <uint32_t>pos[s_]
+            self.count += 1
+        return 0
 
     def _close_random_access(self):
         # the buffer holds references to the records it took; the chunk cache

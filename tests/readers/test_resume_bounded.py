@@ -416,3 +416,39 @@ def test_state_from_another_chain_is_refused():
     bad["buffer"] = [1, 2]
     with pytest.raises(ValueError, match="must be a dict"):
         _src().shuffle(50, seed=2).set_state(bad)
+
+
+def test_a_corrupt_chunk_in_the_buffer_raises_and_releases(tmp_path):
+    # the restore reads the buffer's records: a corrupt chunk among them is the
+    # format's error, and the records taken before it are let go
+    n = 20000
+    os.mkdir(tmp_path / "good")
+    os.mkdir(tmp_path / "bad")
+    path = str(tmp_path / "good" / "f.rio")
+    with rl.RecordIOWriter(path, I64, chunk_size=4096) as w:
+        w.write_batch({"x": np.arange(n, dtype=np.int64)})
+    r0 = rl.RecordIOReader(path)
+    offs, nrec = r0.chunk_table()
+    r0.close()
+    starts = np.concatenate([[0], np.cumsum(nrec)])
+    make = lambda p: rl.RecordIOReader(p).shuffle(500, seed=3)
+    c = make(path)
+    it = iter(c)
+    for _ in range(10000):
+        next(it)
+    state = json.loads(json.dumps(c.get_state()))
+    c.close()
+    c = int(np.searchsorted(starts, 10400, side="right") - 1)     # the chunk the source is in
+    assert 4096 < offs[c] < offs[-1] - 8192
+    bad = str(tmp_path / "bad" / "f.rio")
+    data = bytearray(open(path, "rb").read())
+    data[int(offs[c]) + 60] ^= 0x01
+    open(bad, "wb").write(bytes(data))
+    other = make(bad)
+    with pytest.raises(rl.RecordIOError, match="f.rio"):
+        other.set_state(state)
+    assert other._memory_stats()["blocks"] == 0 and other._memory_stats()["payload_bytes"] == 0
+    other.close()
+    good = make(path)
+    good.set_state(state)
+    assert _shuffle_of(good).restores == 1 and len(_rest(good)) == n - 10000
