@@ -88,7 +88,7 @@ def _settle(chain, timeout=2.0):
     """A prefetcher starts reading when it is built: let its thread fill its ring
     first, so that the timing below is the restore's, not the construction's
     read-ahead (which set_state's reset waits for)."""
-    pf = [r for r in chain._walk() if isinstance(r, rl.readers._prefetch.PrefetchReader)]
+    pf = [r for r in chain._walk() if type(r).__name__ == "PrefetchReader"]
     t_end = time.perf_counter() + timeout
     for r in pf:
         while r.qsize < r.capacity and time.perf_counter() < t_end:

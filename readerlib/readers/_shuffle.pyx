@@ -64,15 +64,22 @@ cdef extern from *:
     void __builtin_prefetch(const void *p) nogil
 
 
-def _addressable(reader):
+def _addressable(reader, bint may_become=False):
     """True when item i of the reader's epoch is its record c_read_at(i): a buffer
-    shuffle over it restores by taking its buffer's records by index."""
+    shuffle over it restores by taking its buffer's records by index.  A TFRecord
+    file without its chunk table (no sidecar, not scanned yet) is not: finding
+    out would scan the file.  may_become: whether it can be later (construction:
+    whether to keep positions at all)."""
     from readerlib.readers._sources import _ChunkedSource
     from readerlib.readers._global_shuffle import GlobalShuffleReader
     if isinstance(reader, (_ChunkedSource, GlobalShuffleReader)):
         return (<ReaderBase>reader).c_num_records() >= 0
     f = getattr(reader, "_reads_in_file_order", None)       # RecordIO, TFRecord
-    return f is not None and bool(f()) and (<ReaderBase>reader).c_num_records() >= 0
+    if f is None or not f():
+        return False
+    if not getattr(reader, "has_index", True):
+        return may_become
+    return (<ReaderBase>reader).c_num_records() >= 0
 
 
 # Items a reader may have taken from the one below beyond what it handed out
@@ -230,6 +237,27 @@ cdef class ShuffleReader(DecoratedReader):
     # holds a reference) and drops its reference to the old block.  Slots
     # keep their positions and the random draws are untouched, so the order is
     # exactly the one without compaction.  Big records stay referenced.
+    #
+    # Slots.  16 bytes each: the record's data pointer, its size (32 bits)
+    # and its block-table entry (32 bits; the block is btab[ref].block).  A
+    # record of 4 GiB or more has size BIG and an entry of its own that
+    # holds its size.
+    #
+    # Restore.  Over a source whose epoch is addressable (_addressable: item
+    # i of the epoch is c_read_at(i)), each slot also keeps its record's
+    # source position (slot_pos, 4 bytes), and a ring keeps the source
+    # position handed out at each of the last RING steps, with the RNG before
+    # every 64th draw.  get_state saves the buffer (positions in slot order),
+    # the counts, and the ring's last steps from an anchor (as many as the
+    # readers above may have read ahead: _ahead_bound).  set_state's first
+    # c_skip(n) on a fresh epoch rebuilds the buffer as it was after n items:
+    # the draws from the anchor are recomputed (the counts are known: full
+    # until the source ran out at step done_at, one fewer a step after), the
+    # steps after n undone (the handed-out record goes back into its slot,
+    # the refill goes back to the source), the source positioned with
+    # c_skip and the slots filled with c_read_at in file order.  Cost: the
+    # buffer's records, whatever n.  Anything else (no random access, an
+    # error below this epoch, n outside the saved steps) replays.
     cdef _slot *slots
     cdef int64_t scap            # allocated slots (grows up to cap)
     cdef _bref *btab
@@ -301,7 +329,7 @@ cdef class ShuffleReader(DecoratedReader):
         self.c_slack = _COMPACT_SLACK
         self.c_factor = _COMPACT_FACTOR
         self.c_fill = _COMPACT_FILL
-        self.track = _addressable(reader)
+        self.track = _addressable(reader, True)
         if self.track:
             self.ring_a = <uint32_t *>malloc(RING * sizeof(uint32_t))
             self.ring_s = <rl_rng *>malloc(ANCHORS * sizeof(rl_rng))

@@ -269,7 +269,11 @@ def files(tmp_path_factory):
     with TFRecordWriter(tfr) as w:
         for i in range(N):
             w.write(np.int64(i).tobytes() * (1 + i % 3))
-    return {"rio": rio, "tfrecord": tfr}
+    noidx = str(d / "noidx.tfrecord")
+    import shutil
+    shutil.copy(tfr, noidx)
+    TFRecordReader(tfr).write_index()            # the sidecar: random access without a scan
+    return {"rio": rio, "tfrecord": tfr, "tfrecord_noidx": noidx}
 
 
 SOURCES = {
@@ -319,6 +323,18 @@ def test_sources_without_random_access_fall_back_to_replay(files):
         other = _restore_at(make, 50)
         assert _shuffle_of(other).restores == 0
         other.close()
+
+
+def test_tfrecord_without_its_index_replays_and_is_not_scanned_for_a_state(files):
+    make = lambda: TFRecordReader(files["tfrecord_noidx"]).shuffle(64, seed=11).batch(8)
+    c = make()
+    it = iter(c)
+    for _ in range(10):
+        next(it)
+    st = c.get_state()
+    assert st["parent"]["buffer"] is None
+    assert not c._walk()[-1].has_index           # get_state did not scan the file
+    assert_checkpoint_equal(make, epochs=1)
 
 
 def test_restore_does_not_read_the_epoch_before_the_buffer(files, tmp_path):
