@@ -706,10 +706,11 @@ cdef class ReaderBase:
             paused = []
             self._lock.acquire()                # no read_next of this chain meanwhile
             try:
-                for r in readers:
-                    f = getattr(r, "_pause_for_state", None)
-                    if f is not None:
-                        paused.append((r, f()))
+                if any(getattr(readers[k], "track", False) for k in live):
+                    for r in readers:
+                        f = getattr(r, "_pause_for_state", None)
+                        if f is not None:
+                            paused.append((r, f()))
                 for k in live:
                     flat[k].update(readers[k]._resume_state(readers[:k]))
             finally:
