@@ -6,21 +6,29 @@ the position (batches of 256), its state taken, and a freshly built chain
 restored from it and asked for its first batch; the time of that restore +
 first batch is reported (best and median of repeats).
 
-Chains ("old" reproduces the replay set_state did before c_skip: a reader
-without c_skip on top makes set_state call c_next once per item, exactly the
-old code path):
+Chains ("old" reproduces the replay set_state did before c_skip: a
+ReaderHolder on top, which has no c_skip, makes set_state call c_next once per
+item, exactly the old code path):
     unshuffled      src.batch(256)                          new: O(chunks) skip
-    unshuffled/old  src.batch(256).multi_pass(1)            replay
+    unshuffled/old  ReaderHolder(src.batch(256))            replay
     global          src.global_shuffle(seed).batch(256)     new: O(1)
     window          src.shuffle(10k, mode="window").batch   new: <= one window read
-    buffer/old      src.shuffle(10k).batch(256)             replay (buffer shuffle)
+    buffer          src.shuffle(10k).batch(256)             new: the buffer's records by index
+    buffer/old      ReaderHolder(src.shuffle(10k).batch)    replay (buffer shuffle)
+    map/prefetch    src.shuffle(10k).map(f).batch(256).prefetch(2)
+                                                            new: map and prefetch skip below
+    map/prefetch/old  ReaderHolder(the same)                replay (f called again)
+
+"state KB" is the JSON size of the state (the buffer shuffle's saved buffer:
+its records' source positions).  `--big-buffer`: one more table, shuffle(1M)
+over N = the largest size, restore at 50% (state size and time).
 
 Also: read throughput of one epoch (records/s) for sequential, global
 shuffle and buffer shuffle over the same source, in the same run.
 
 Usage:
     python benchmarks/bench_resume.py [--sizes 1000000 10000000] [--repeats 3] [--old-repeats 1]
-        [--throughput-size 1000000] [--dir /tmp] [--window-sweep]
+        [--throughput-size 1000000] [--dir /tmp] [--window-sweep] [--big-buffer]
         [--quick] [--busy N] [--out FILE.md]
 The RecordIO files are deleted at the end.  The tables go through the shared
 harness's report (harness.Report: command, date, machine, load); restore times
@@ -28,6 +36,7 @@ are best and median of ``--repeats`` restores (``--old-repeats`` for the replay
 chains), epoch rates the best of ``--repeats`` epochs.  ``--quick``: N = 20,000,
 a smoke run.
 """
+import json
 import os
 import statistics
 import tempfile
@@ -42,43 +51,64 @@ BATCH = 256
 BUFFER = 10_000
 
 
-def make_chain(src_factory, kind):
+def _ident(x):
+    return x
+
+
+def make_chain(src_factory, kind, buffer=BUFFER):
+    if kind.endswith("/old"):
+        return rl.ReaderHolder(make_chain(src_factory, kind[:-4], buffer))
     s = src_factory()
     if kind == "unshuffled":
         return s.batch(BATCH)
-    if kind == "unshuffled/old":
-        return s.batch(BATCH).multi_pass(1)
     if kind == "global":
         return s.global_shuffle(seed=0).batch(BATCH)
     if kind == "window":
-        return s.shuffle(BUFFER, seed=0, mode="window").batch(BATCH)
-    if kind == "buffer/old":
-        return s.shuffle(BUFFER, seed=0).batch(BATCH)
+        return s.shuffle(buffer, seed=0, mode="window").batch(BATCH)
+    if kind == "buffer":
+        return s.shuffle(buffer, seed=0).batch(BATCH)
+    if kind == "map/prefetch":
+        return s.shuffle(buffer, seed=0).map(_ident, output_schema=s.schema).batch(BATCH).prefetch(2)
     raise ValueError(kind)
 
 
-def state_at(src_factory, kind, position):
+def state_at(src_factory, kind, position, buffer=BUFFER):
     """The state of a chain `position` batches into its epoch (reached with _skip,
-    i.e. as cheaply as the chain allows; the state is the same as after reading)."""
-    c = make_chain(src_factory, kind)
+    i.e. as cheaply as the chain allows; the state is the same as after reading),
+    through JSON (as a checkpoint stores it)."""
+    c = make_chain(src_factory, kind, buffer)
     iter(c)
     c._skip(position)
-    st = c.get_state()
+    st = json.loads(json.dumps(c.get_state()))
     c.close()
     return st
 
 
-def time_restore(src_factory, kind, state, repeats):
+def _settle(chain, timeout=2.0):
+    """A prefetcher starts reading when it is built: let its thread fill its ring
+    first, so that the timing below is the restore's, not the construction's
+    read-ahead (which set_state's reset waits for)."""
+    pf = [r for r in chain._walk() if type(r).__name__ == "PrefetchReader"]
+    t_end = time.perf_counter() + timeout
+    for r in pf:
+        while r.qsize < r.capacity and time.perf_counter() < t_end:
+            time.sleep(0.001)
+
+
+def time_restore(src_factory, kind, state, repeats, buffer=BUFFER):
+    """[(set_state + first batch, set_state alone)] seconds, one per repeat."""
     out = []
     for _ in range(repeats):
-        c = make_chain(src_factory, kind)           # built outside the timing
+        c = make_chain(src_factory, kind, buffer)   # built outside the timing
+        _settle(c)
         t0 = time.perf_counter()
         c.set_state(state)
+        t1 = time.perf_counter()
         b = c.read_next()
         dt = time.perf_counter() - t0
         assert b is not None
         c.close()
-        out.append(dt)
+        out.append((dt, t1 - t0))
     return out
 
 
@@ -128,12 +158,37 @@ def _epoch_rate(make):
     return n / dt
 
 
+def big_buffer(args, rep, workdir, made, schema):
+    """shuffle(1M) over the largest N: state size and restore at 50%."""
+    n = max(args.sizes)
+    buf = min(1_000_000, n // 2)
+    path = os.path.join(workdir, f"r{n}.rio")
+    data = np.arange(4 * n, dtype=np.float32).reshape(n, 4)
+    rows = []
+    for sname, factory in {"memory": lambda: rl.ArrayReader(data),
+                           "recordio": lambda: rl.RecordIOReader(path)}.items():
+        if sname == "recordio" and not os.path.exists(path):
+            continue
+        st = state_at(factory, "buffer", int(-(-n // BATCH) * 0.5), buffer=buf)
+        ts = time_restore(factory, "buffer", st, max(1, args.old_repeats), buffer=buf)
+        tot = [t[0] for t in ts]
+        rows.append([sname, f"{n:,}", f"{buf:,}", f"{len(json.dumps(st)) / 1e6:.2f}",
+                     f"{len(json.dumps(st)) / buf:.2f}",
+                     f"{1e3 * min(tot):.1f} / {1e3 * statistics.median(tot):.1f}"])
+        print(f"  shuffle({buf:,}) {sname}: state {len(json.dumps(st))} B, restore {1e3 * min(tot):.1f} ms",
+              flush=True)
+    rep.table(["source", "N", "buffer", "state MB (JSON)", "bytes per slot", "restore + first batch ms"],
+              rows, title="a big buffer, restored at 50%:")
+
+
 def main(argv=None):
     ap = harness.parser(__doc__, repeats=3)
     ap.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
     ap.add_argument("--old-repeats", type=int, default=1)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--throughput-size", type=int, default=1_000_000)
+    ap.add_argument("--big-buffer", action="store_true",
+                    help="also: shuffle(1M) over the largest size, state size and restore at 50%%")
     ap.add_argument("--window-sweep", action="store_true",
                     help="only: global_shuffle throughput by window_chunks (1, 2, 8, 32), N=--throughput-size")
     args = harness.parse(ap, argv)
@@ -167,22 +222,32 @@ def restores_and_epochs(args, rep):
                        "recordio": lambda p=path: rl.RecordIOReader(p)}
             nb = -(-n // BATCH)
             for sname, factory in sources.items():
-                for kind in ("unshuffled", "global", "window", "unshuffled/old", "buffer/old"):
+                for kind in ("unshuffled", "global", "window", "buffer", "map/prefetch",
+                             "unshuffled/old", "buffer/old", "map/prefetch/old"):
+                    if kind == "map/prefetch/old" and n > 1_000_000:
+                        continue                # calls the map 2 x 15 M times: the 1 M row says it
                     old = kind.endswith("/old")
                     reps = args.old_repeats if old else args.repeats
-                    cells, bests = [], []
+                    cells, bests, alone, size = [], [], [], 0
                     for frac in (0.1, 0.5, 0.9):
                         pos = int(nb * frac)
                         st = state_at(factory, kind, pos)
+                        size = max(size, len(json.dumps(st)))
                         ts = time_restore(factory, kind, st, reps)
-                        bests.append(min(ts))
-                        cells.append(f"{1e3 * min(ts):.2f} / {1e3 * statistics.median(ts):.2f}")
+                        tot = [t[0] for t in ts]
+                        bests.append(min(tot))
+                        alone.append(min(t[1] for t in ts))
+                        cells.append(f"{1e3 * min(tot):.2f} / {1e3 * statistics.median(tot):.2f}")
                     ratio = max(bests) / min(bests)
-                    rows.append([sname, f"{n:,}", kind, *cells, f"{ratio:.2f}"])
-                    print(f"  {sname} {n:,} {kind}: " + ", ".join(cells) + " ms", flush=True)
-        rep.table(["source", "N", "chain", "10% best / median ms", "50%", "90%", "max/min (best)"], rows,
+                    rows.append([sname, f"{n:,}", kind, *cells, f"{ratio:.2f}",
+                                 " / ".join(f"{1e3 * a:.2f}" for a in alone), f"{size / 1e3:.1f}"])
+                    print(f"  {sname} {n:,} {kind}: " + ", ".join(cells) + f" ms; state {size} B", flush=True)
+        rep.table(["source", "N", "chain", "10% best / median ms", "50%", "90%", "max/min (best)",
+                   "set_state alone, best ms (10/50/90%)", "state KB (max)"], rows,
                   title=f"restore + first batch ({args.repeats} restores; {args.old_repeats} for the replay "
                         "chains, /old):")
+        if args.big_buffer:
+            big_buffer(args, rep, workdir, made, schema)
         # throughput, same run
         n = args.throughput_size
         path = os.path.join(workdir, f"r{n}.rio")
@@ -196,9 +261,9 @@ def restores_and_epochs(args, rep):
         for sname, factory in {"memory": lambda: rl.ArrayReader(data),
                                "recordio": lambda: rl.RecordIOReader(path)}.items():
             rates = {}
-            for kind in ("unshuffled", "global", "buffer/old", "window"):
+            for kind in ("unshuffled", "global", "buffer", "window"):
                 rates[kind] = max(time_epoch(factory, kind) for _ in range(args.repeats))
-            rows.append([sname] + [f"{rates[k] / 1e6:.1f}" for k in ("unshuffled", "global", "buffer/old", "window")])
+            rows.append([sname] + [f"{rates[k] / 1e6:.1f}" for k in ("unshuffled", "global", "buffer", "window")])
         rep.table([f"source (N={n:,})", "sequential Mrec/s", "global_shuffle", "buffer shuffle(10k)", "window(10k)"],
                   rows, title=f"one epoch, best of {args.repeats}:")
     finally:

@@ -71,6 +71,7 @@ CASES = [
       "peak RSS, default v2 chain", "memcpy of 16 MiB"], ["torch"]),
     ("bench_resume.py", [],
      ["| memory | 20,000 | unshuffled |", "| memory | 20,000 | buffer/old |", "| recordio | 20,000 | global |",
+      "| recordio | 20,000 | buffer |", "| memory | 20,000 | map/prefetch |", "| recordio | 20,000 | map/prefetch/old |",
       "| recordio | 20,000 | window |", "| recordio | 20,000 | unshuffled/old |", "| source (N=20,000) |",
       "| recordio |"], []),
     ("bench_resume.py", ["--window-sweep"],

@@ -1680,6 +1680,17 @@ cdef class RecordIOReader(FileReader):
     def _describe(self):
         return {"file": dict(self._file_id)}
 
+    def _reads_in_file_order(self):
+        """True when record i of an epoch is record i of the file (every chunk, in
+        order, errors raised): a buffer shuffle's restore reads its records by index."""
+        cdef int64_t i
+        if self.skip_errors or self.norder != self.num_chunks:
+            return False
+        for i in range(self.norder):
+            if self.order[i] != i:
+                return False
+        return True
+
     def _reduce_args(self):
         return (self.path,), {"on_error": "skip" if self.skip_errors else "raise",
                               "low_memory": bool(self.low_memory)}

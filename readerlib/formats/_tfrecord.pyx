@@ -1049,6 +1049,10 @@ cdef class TFRecordReader(FileReader):
         return {"file": dict(self._file_id), "compression": self.compression,
                 "schema": self.schema.to_json()}
 
+    def _reads_in_file_order(self):
+        """True when record i of an epoch is record i of the file (no select_chunks)."""
+        return not self.selected
+
     def _rebuild_with(self):
         return _reopen_tfrecord
 

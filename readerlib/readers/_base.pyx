@@ -679,9 +679,11 @@ cdef class ReaderBase:
         """The chain's position as a small JSON-serialisable dict.
 
         `set_state(state)` on an identically built chain (in this or another
-        process) makes it yield exactly what this one yields next.  Nothing
-        large is stored: shuffle buffers are recomputed from (seed, epoch,
-        position) by replaying the epoch up to the position.
+        process) makes it yield exactly what this one yields next.  A buffer
+        shuffle over a source with random access stores its buffer's source
+        positions (~3-4 bytes a slot), so the restore reads the buffer instead
+        of replaying the epoch; other shuffle buffers are recomputed from
+        (seed, epoch, position) by replaying the epoch up to the position.
 
         The dict describes the reader it was taken from and nests the
         description of the reader below under ``"parent"``: type, the
@@ -694,7 +696,28 @@ cdef class ReaderBase:
                 self._epoch_snapshot = self._chain_epoch_state()
                 self._position = 0
         state = {"version": STATE_VERSION, "position": int(self._position)}
-        state.update(_nest([dict(d) for d in self._epoch_snapshot]))
+        flat = [dict(d) for d in self._epoch_snapshot]
+        readers = self._walk()
+        live = [k for k, r in enumerate(readers) if hasattr(r, "_resume_state")]
+        if live and len(readers) == len(flat):
+            # live parts: what a reader needs to take up its position without
+            # replaying (a buffer shuffle's buffer), given the readers above it;
+            # background readers (prefetch) stop between items while they are read
+            paused = []
+            self._lock.acquire()                # no read_next of this chain meanwhile
+            try:
+                if any(getattr(readers[k], "track", False) for k in live):
+                    for r in readers:
+                        f = getattr(r, "_pause_for_state", None)
+                        if f is not None:
+                            paused.append((r, f()))
+                for k in live:
+                    flat[k].update(readers[k]._resume_state(readers[:k]))
+            finally:
+                for r, token in reversed(paused):
+                    r._resume_after_state(token)
+                self._lock.release()
+        state.update(_nest(flat))
         return state
 
     def set_state(self, state):

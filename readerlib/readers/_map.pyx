@@ -38,8 +38,11 @@ Design:
     errors yields every other record exactly once.
 
     State: a map keeps nothing across epochs and no randomness, so it adds
-    nothing to get_state(); restoring replays the epoch, calling the
-    function again for the replayed records.
+    nothing to get_state(); restoring skips its input (`c_skip`: map and
+    map_batches, threaded or not, without calling the function for the
+    skipped records).  A filter cannot know how many inputs its first k
+    outputs took without calling the predicate: restoring through a filter
+    replays (calls it again for every input up to the position).
 
     Output schema: declared with output_schema=, or inferred from the
     function's output on the first instance (read and then rewound with
@@ -651,14 +654,44 @@ cdef class MapReader(DecoratedReader):
         return 0
 
     cdef int64_t c_skip(self, int64_t n) except -1 nogil:
-        # one output per input: skipping outputs skips inputs, without calling fn
-        # (so set_state over a map is as cheap as over its source)
-        cdef int64_t got
-        if self.num_threads != 1 or n <= 0:
-            return ReaderBase.c_skip(self, n)
-        got = self.reader.c_skip(n)
+        # One output per input: skipping outputs skips inputs, without calling fn
+        # (so set_state over a map is as cheap as over its source).  Threads:
+        # the outcomes already computed (the chunk in flight) come first, each
+        # as c_next would hand it out (a failed one raises, as there), then
+        # the inputs below; the chunk is dropped, so the next read pulls the
+        # next input.
+        cdef int64_t got, done = 0
+        cdef rl_record rec
+        cdef bint pending
+        if n <= 0:
+            return 0
+        if self.num_threads == 1:
+            got = self.reader.c_skip(n)
+            self.in_pos += got
+            return got
+        while done < n and self.ichunk < self.nchunk:
+            if self.has_failures:
+                if self.c_next(&rec) != 1:
+                    return done
+            else:
+                self.ichunk += 1
+            done += 1
+        if done == n:
+            return done
+        with gil:
+            pending = self.upstream_error is not None
+        if pending:
+            # the chunk ended with an error below: c_next raises it now
+            if self.c_next(&rec) != 1:
+                return done
+            done += 1
+            if done == n:
+                return done
+        with gil:
+            self._drop_chunk()
+        got = self.reader.c_skip(n - done)
         self.in_pos += got
-        return got
+        return done + got
 
     def _length(self):
         from readerlib.readers._slice import length_of
@@ -842,6 +875,18 @@ cdef class MapBatchesReader(DecoratedReader):
             return r
         with gil:
             return self._apply(&rec, out)
+
+    cdef int64_t c_skip(self, int64_t n) except -1 nogil:
+        # one batch out per batch in: skip below, without calling fn
+        cdef int64_t got
+        if self.hold != NULL:
+            rl_block_decref(self.hold)
+            self.hold = NULL
+        if n <= 0:
+            return 0
+        got = self.reader.c_skip(n)
+        self.in_pos += got
+        return got
 
     cdef int c_reset(self) except -1:
         if self.hold != NULL:

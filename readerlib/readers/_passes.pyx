@@ -37,6 +37,20 @@ cdef class MultiPassReader(DecoratedReader):
             r = self.reader.c_next(out)
         return r
 
+    cdef int64_t c_skip(self, int64_t n) except -1 nogil:
+        # pass by pass, as c_next moves on: the reader below skips its part of
+        # each (O(1) where it positions without reading)
+        cdef int64_t done = 0
+        if n <= 0:
+            return 0
+        done = self.reader.c_skip(n)
+        while done < n and self.pass_id + 1 < self.num_passes:
+            with gil:
+                self.reader.c_reset()
+            self.pass_id += 1
+            done += self.reader.c_skip(n - done)
+        return done
+
     cdef int c_reset(self) except -1:
         self.pass_id = 0
         return self.reader.c_reset()

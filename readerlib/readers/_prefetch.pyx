@@ -258,14 +258,16 @@ cdef class _Pump:
                 return 0
             rl_block_incref(rec.block)
             pthread_mutex_lock(&st.mu)
-            if st.stop:
-                pthread_mutex_unlock(&st.mu)
-                rl_block_decref(rec.block)
-                return 0
+            # pushed even when told to stop (there is room: only this thread
+            # adds): the item has left the chain, and a c_skip that stops the
+            # run to skip below counts it (a reset or close drops it with the ring)
             st.ring[(st.head + st.count) % st.cap] = rec
             st.count += 1
             st.produced += 1
             pthread_cond_signal(&st.not_empty)
+            if st.stop:
+                pthread_mutex_unlock(&st.mu)
+                return 0
             pthread_mutex_unlock(&st.mu)
 
     def _run(self):
@@ -541,6 +543,96 @@ cdef class PrefetchReader(DecoratedReader):
         with gil:
             self._raise(code)
         return -1
+
+    cdef int64_t c_skip(self, int64_t n) except -1 nogil:
+        # Exact: the items already produced (the ring) are the next ones, so
+        # they are dropped first; then the thread is stopped (the item it was
+        # producing lands in the ring: taken too, or kept for the next read),
+        # and the chain below skips the rest with its own c_skip (O(1) where it
+        # can position).  The next read starts a new run.  With no run live
+        # (after reset / set_state) the chain below skips directly.
+        cdef rl_record rec
+        cdef int code
+        cdef int64_t done = 0
+        if self.handed != NULL:
+            rl_block_decref(self.handed)
+            self.handed = NULL
+        if n <= 0:
+            return 0
+        if self._stager is not None or self.reset_pending:
+            return ReaderBase.c_skip(self, n)   # staged device batches are handed out first
+        if self.st == NULL:
+            return self.reader.c_skip(n)
+        while done < n:
+            code = _pf_pop(self.st, &rec, -1, False)
+            if code != POP_ITEM:
+                break
+            rl_block_decref(rec.block)
+            done += 1
+        if done == n:
+            return done
+        if code == POP_END:
+            return done
+        if code != POP_EMPTY:
+            with gil:
+                self._raise(code)
+        with gil:
+            self._stop_for_skip()
+        while done < n:                          # the thread is gone: what it pushed
+            code = _pf_pop(self.st, &rec, -1, False)
+            if code != POP_ITEM:
+                break
+            rl_block_decref(rec.block)
+            done += 1
+        if done == n:
+            with gil:
+                self._resume_run()               # items left in the ring: the run goes on
+            return done
+        with gil:
+            self._end_skip_run()
+        return done + self.reader.c_skip(n - done)
+
+    def _end_skip_run(self):
+        if self.pump.error is not None:
+            self._raise(POP_ERROR)               # the run ended with an error: as c_next would
+        self._end_run(None, False)               # its ring is empty; the next read starts a run
+
+    def _stop_for_skip(self):
+        join_timeout = None if self.timeout is None else max(self.timeout, _CLOSE_JOIN_S)
+        if not self.pump.stop_and_join(join_timeout):
+            self.reset_pending = True
+            raise TimeoutError(
+                f"PrefetchReader: skipping needs the reader thread stopped and it did not stop "
+                f"within {join_timeout:g} s; it is stuck inside the chain {self.reader!r}.  "
+                f"Call reset()")
+
+    def _pause_for_state(self):
+        """get_state: stop the thread between items (the item it was making lands
+        in the ring), so the chain below can be looked at; _resume_after_state
+        starts it again over the ring.  Returns whether it stopped a run."""
+        if self.st == NULL or self.pump is None or self.reset_pending:
+            return False
+        self._stop_for_skip()
+        return True
+
+    def _resume_after_state(self, token):
+        if token and self.pump is not None:
+            self._resume_run()
+
+    def _resume_run(self):
+        """Start the stopped run's thread again over the items left in its ring."""
+        cdef pf_state *st = self.st
+        if self.pump.error is not None:
+            return                               # ended with an error: raised after the ring
+        with nogil:
+            pthread_mutex_lock(&st.mu)
+            st.stop = 0
+            st.done = 0
+            st.failed = 0
+            st.finished = 0
+            st.producer_waiting = 0
+            pthread_mutex_unlock(&st.mu)
+        self.pump.start(f"readerlib-prefetch-{id(self):x}")
 
     def _ensure_running(self):
         if self._closed:

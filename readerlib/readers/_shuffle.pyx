@@ -1,10 +1,12 @@
 # cython: freethreading_compatible=False
 """ShuffleReader: shuffle through a buffer of items (tf.data's algorithm)."""
+import base64
 import os
+import zlib
 
 import numpy as np
 from libc.stdlib cimport malloc, free, calloc, realloc
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
 from readerlib.readers._base cimport (
@@ -39,6 +41,10 @@ cdef double _COMPACT_FACTOR = 1.5
 cdef double _COMPACT_FILL = 0.75            # blocks used below this fraction are compacted
 DEF COMPACT_MAX_RECORD = 32 * 1024         # records this big are never copied (one per block is not amplified)
 DEF ARENA_BYTES = 1 << 20
+DEF RING = 65536                           # steps a restore can rewind (items read ahead downstream)
+DEF RING_MASK = RING - 1
+DEF ANCHOR_SHIFT = 6                       # an RNG anchor every 64 steps
+DEF ANCHORS = RING >> ANCHOR_SHIFT
 
 
 def _compaction_settings(enabled=None, slack_bytes=None, factor=None, fill=None):
@@ -70,12 +76,137 @@ cdef extern from *:
     void __builtin_prefetch(const void *p) nogil
 
 
+def _addressable(reader, bint may_become=False):
+    """True when item i of the reader's epoch is its record c_read_at(i): a buffer
+    shuffle over it restores by taking its buffer's records by index.  A TFRecord
+    file without its chunk table (no sidecar, not scanned yet) is not: finding
+    out would scan the file.  may_become: whether it can be later (construction:
+    whether to keep positions at all)."""
+    from readerlib.readers._sources import _ChunkedSource
+    from readerlib.readers._global_shuffle import GlobalShuffleReader
+    if isinstance(reader, (_ChunkedSource, GlobalShuffleReader)):
+        return (<ReaderBase>reader).c_num_records() >= 0
+    f = getattr(reader, "_reads_in_file_order", None)       # RecordIO, TFRecord
+    if f is None or not f():
+        return False
+    if not getattr(reader, "has_index", True):
+        return may_become
+    return (<ReaderBase>reader).c_num_records() >= 0
+
+
+# Items a reader may have taken from the one below beyond what it handed out
+# (prefetched, in a threaded map's chunk, a batch being built): how far a
+# restore may have to rewind the buffer.  Unknown readers: the whole ring.
+def _upstream_ahead(r, a):
+    name = type(r).__name__
+    if name in ("TakeReader", "SkipReader", "MapBatchesReader", "MultiPassReader",
+                "RepeatReader", "ReaderHolder"):
+        return a
+    if name == "PrefetchReader":
+        return a + 2 * int(r.capacity) + 2
+    if name == "MapReader":
+        return a if int(r.num_threads) == 1 else a + 512 * int(r.num_threads)
+    if name in ("BatchReader", "PaddedBatchReader"):
+        return (a + 1) * int(r.batch_size)
+    if name == "ShardReader":
+        return (a + 1) * int(r.num_shards)
+    return None
+
+
+def _ahead_bound(above):
+    a = 0
+    for r in above:
+        a = _upstream_ahead(r, a)
+        if a is None:
+            return None
+    return a
+
+
+cdef inline int64_t _count_at(int64_t t, int64_t E, int64_t cnt, int64_t D) noexcept:
+    # slots before step t's draw, from the count after step E-1: full until the
+    # source ran out at step D, one fewer each step from then on
+    if D < 0:
+        return cnt
+    return cnt + max(0, E - max(t, D))
+
+
+cdef int _radix_order(const int64_t *pos, int64_t n, int64_t *order, int64_t *tmp) except -1:
+    """order[:n] <- 0..n-1 sorted by pos (values < 2^32): two 16-bit LSD passes,
+    O(n) (a comparison sort of a 1M buffer took longer than reading it)."""
+    cdef int64_t *cnt = <int64_t *>malloc(65537 * sizeof(int64_t))
+    cdef int64_t i, k, shift, c
+    cdef int64_t *src_
+    cdef int64_t *dst
+    if cnt == NULL:
+        raise MemoryError()
+    with nogil:
+        for i in range(n):
+            order[i] = i
+        src_ = order
+        dst = tmp
+        for c in range(2):
+            shift = 16 * c
+            memset(cnt, 0, 65537 * sizeof(int64_t))
+            for i in range(n):
+                cnt[((pos[src_[i]] >> shift) & 0xFFFF) + 1] += 1
+            for k in range(65536):
+                cnt[k + 1] += cnt[k]
+            for i in range(n):
+                k = (pos[src_[i]] >> shift) & 0xFFFF
+                dst[cnt[k]] = src_[i]
+                cnt[k] += 1
+            src_ = dst          # pass 0: order -> tmp; pass 1: tmp -> order
+            dst = order
+    free(cnt)
+    return 0
+
+
+def _pack_positions(pos, int64_t src):
+    """Source positions (< src) as a short string: their distances back from
+    src - 1 (small: the buffer holds recent records) as uint32, deflated, base64."""
+    age = (src - 1 - np.asarray(pos, np.int64)).astype("<u4")
+    return base64.b64encode(zlib.compress(age.tobytes(), 1)).decode("ascii")
+
+
+def _unpack_positions(text, int64_t src, int64_t n, where):
+    try:
+        raw = zlib.decompress(base64.b64decode(text.encode("ascii"), validate=True))
+    except Exception as e:
+        raise ValueError(f"{where} (positions do not decode: {e})") from None
+    if len(raw) % 4:
+        raise ValueError(f"{where} (positions of {len(raw)} bytes)")
+    age = np.frombuffer(raw, "<u4").astype(np.int64)
+    if age.shape[0] != n:
+        raise ValueError(f"{where} ({age.shape[0]} positions, expected {n})")
+    pos = src - 1 - age
+    if n and (pos.min() < 0):
+        raise ValueError(f"{where} (a position before the epoch's start)")
+    return pos
+
+
 cdef struct _bref:
     rl_block *block
     int64_t count        # references held by this shuffle (slots + output)
     int64_t next_free
     int64_t bytes        # payload of those records
     int64_t mark         # compaction pass `gen`: +gen copy out, -gen keep (0: not looked at)
+    int64_t bigsize      # the size of its one record of >= 4 GiB (slot size BIG)
+
+
+# A buffered record: 16 bytes (a 1M buffer's table is 16 MB).  Its block is
+# btab[ref].block; a record of 4 GiB or more has size BIG and its own entry,
+# which holds the size.
+cdef struct _slot:
+    const char *data
+    uint32_t size
+    uint32_t ref
+
+cdef extern from *:
+    """
+    #define RL_SHUFFLE_BIG ((int64_t)0xFFFFFFFFu)
+    """
+    const int64_t BIG "RL_SHUFFLE_BIG"
+DEF MAX_BUFFER = 1 << 31                   # ref is 32 bits: at most this + 2 table entries
 
 
 cdef class ShuffleReader(DecoratedReader):
@@ -118,8 +249,28 @@ cdef class ShuffleReader(DecoratedReader):
     # holds a reference) and drops its reference to the old block.  Slots
     # keep their positions and the random draws are untouched, so the order is
     # exactly the one without compaction.  Big records stay referenced.
-    cdef rl_record *slots
-    cdef int64_t *slot_ref
+    #
+    # Slots.  16 bytes each: the record's data pointer, its size (32 bits)
+    # and its block-table entry (32 bits; the block is btab[ref].block).  A
+    # record of 4 GiB or more has size BIG and an entry of its own that
+    # holds its size.
+    #
+    # Restore.  Over a source whose epoch is addressable (_addressable: item
+    # i of the epoch is c_read_at(i)), each slot also keeps its record's
+    # source position (slot_pos, 4 bytes), and a ring keeps the source
+    # position handed out at each of the last RING steps, with the RNG before
+    # every 64th draw.  get_state saves the buffer (positions in slot order),
+    # the counts, and the ring's last steps from an anchor (as many as the
+    # readers above may have read ahead: _ahead_bound).  set_state's first
+    # c_skip(n) on a fresh epoch rebuilds the buffer as it was after n items:
+    # the draws from the anchor are recomputed (the counts are known: full
+    # until the source ran out at step done_at, one fewer a step after), the
+    # steps after n undone (the handed-out record goes back into its slot,
+    # the refill goes back to the source), the source positioned with
+    # c_skip and the slots filled with c_read_at in file order.  Cost: the
+    # buffer's records, whatever n.  Anything else (no random access, an
+    # error below this epoch, n outside the saved steps) replays.
+    cdef _slot *slots
     cdef int64_t scap            # allocated slots (grows up to cap)
     cdef _bref *btab
     cdef int64_t btab_free
@@ -151,10 +302,26 @@ cdef class ShuffleReader(DecoratedReader):
     cdef int64_t n_passes
     cdef int64_t n_copied
     cdef int64_t n_copied_bytes
+    # Bounded restore (see "Restore" in the design note).
+    cdef readonly bint track      # the source's epoch is addressable by index (c_read_at)
+    cdef bint track_ok           # ... and the positions below are valid this epoch
+    cdef bint in_upstream        # still set on entry: the last call below raised
+    cdef uint32_t *slot_pos      # source position of each slot's record
+    cdef int64_t src_pos         # records taken from the source this epoch
+    cdef readonly int64_t emitted   # items handed out this epoch
+    cdef int64_t done_at         # step at which the source ran out (-1: not yet)
+    cdef uint32_t *ring_a        # source position handed out at step t (t % RING)
+    cdef rl_rng *ring_s          # RNG before the draw of step t, t % 64 == 0
+    cdef int64_t base_t          # ring data valid from this step on (0, or a restore's)
+    cdef rl_rng base_rng         # RNG before the draw of step base_t
+    cdef object _pending         # set_state's saved buffer, for the first c_skip
+    cdef readonly int64_t restores   # bounded restores made (a test hook)
 
     def __init__(self, reader, buffer_size, seed=None):
         _check_reader(reader, "ShuffleReader")
         cap = _check_positive_int(buffer_size, "buffer_size")
+        if cap > MAX_BUFFER:
+            raise ValueError(f"buffer_size must be <= {MAX_BUFFER}, got {cap}")
         self.seed_drawn = seed is None
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little")
@@ -174,6 +341,12 @@ cdef class ShuffleReader(DecoratedReader):
         self.c_slack = _COMPACT_SLACK
         self.c_factor = _COMPACT_FACTOR
         self.c_fill = _COMPACT_FILL
+        self.track = _addressable(reader, True)
+        if self.track:
+            self.ring_a = <uint32_t *>malloc(RING * sizeof(uint32_t))
+            self.ring_s = <rl_rng *>malloc(ANCHORS * sizeof(rl_rng))
+            if self.ring_a == NULL or self.ring_s == NULL:
+                raise MemoryError("shuffle restore ring")
         self._grow(min(cap, 1024))
         self.seed = <uint64_t>(int(seed) & 0xFFFFFFFFFFFFFFFF)
         self.epoch = 0
@@ -183,21 +356,22 @@ cdef class ShuffleReader(DecoratedReader):
         """Room for n buffered items (the buffer grows as it fills: a huge
         buffer_size over a small dataset costs only what is used)."""
         cdef int64_t i, old = self.scap
-        cdef rl_record *s2
-        cdef int64_t *r2
+        cdef _slot *s2
+        cdef uint32_t *p2
         cdef _bref *b2
         if n <= old:
             return 0
-        s2 = <rl_record *>realloc(self.slots, n * sizeof(rl_record))
+        s2 = <_slot *>realloc(self.slots, n * sizeof(_slot))
         if s2 == NULL:
             with gil:
                 raise MemoryError(f"shuffle buffer of {n} items")
         self.slots = s2
-        r2 = <int64_t *>realloc(self.slot_ref, n * sizeof(int64_t))
-        if r2 == NULL:
-            with gil:
-                raise MemoryError(f"shuffle buffer of {n} items")
-        self.slot_ref = r2
+        if self.track:
+            p2 = <uint32_t *>realloc(self.slot_pos, n * sizeof(uint32_t))
+            if p2 == NULL:
+                with gil:
+                    raise MemoryError(f"shuffle buffer of {n} items")
+            self.slot_pos = p2
         # at most (items + 1) distinct blocks are held (+1 while a compaction
         # moves a record): n + 2 table entries.  Entries are handed out from a
         # high-water mark, then recycled through the free list, so only as
@@ -223,7 +397,7 @@ cdef class ShuffleReader(DecoratedReader):
         cdef int64_t i = self.btab_last
         self.payload += size
         self.since += 1
-        if i >= 0 and self.btab[i].block == b:
+        if i >= 0 and self.btab[i].block == b and size < BIG:
             self.btab[i].count += 1
             self.btab[i].bytes += size
             return i
@@ -232,6 +406,7 @@ cdef class ShuffleReader(DecoratedReader):
         self.btab[i].count = 1
         self.btab[i].bytes = size
         self.btab[i].mark = 0
+        self.btab[i].bigsize = size
         rl_block_incref(b)
         self.btab_last = i
         self.pinned += b.size
@@ -239,6 +414,20 @@ cdef class ShuffleReader(DecoratedReader):
                 and 4 * self.since >= self.cap):
             self.due = True
         return i
+
+    cdef inline void _put(self, int64_t s, const rl_record *rec, int64_t ref) noexcept nogil:
+        self.slots[s].data = rec.data
+        self.slots[s].size = <uint32_t>(rec.size if rec.size < BIG else BIG)
+        self.slots[s].ref = <uint32_t>ref
+
+    cdef inline int64_t _size(self, int64_t s) noexcept nogil:
+        cdef int64_t z = self.slots[s].size
+        return z if z != BIG else self.btab[self.slots[s].ref].bigsize
+
+    cdef inline void _get(self, int64_t s, rl_record *out) noexcept nogil:
+        out.block = self.btab[self.slots[s].ref].block
+        out.data = self.slots[s].data
+        out.size = self._size(s)
 
     cdef inline void _release(self, int64_t i, int64_t size) noexcept nogil:
         cdef rl_block *b
@@ -289,6 +478,7 @@ cdef class ShuffleReader(DecoratedReader):
         self.btab[i].count = 1
         self.btab[i].bytes = size
         self.btab[i].mark = -self.gen      # its records are not copied again in this pass
+        self.btab[i].bigsize = 0
         rl_block_incref(self.arena)
         self.pinned += self.arena.size
         self.arena_e = i
@@ -297,16 +487,15 @@ cdef class ShuffleReader(DecoratedReader):
     cdef void _compact(self) noexcept nogil:
         """One compaction pass over the buffer (see the design note).  Every
         step leaves a consistent buffer: a failed allocation ends the pass."""
-        cdef int64_t s, e, a
+        cdef int64_t s, e, a, size
         cdef rl_block *b
-        cdef rl_record *r
         cdef char *p
         self.due = False
         self.since = 0
         self.gen += 1
         self.n_passes += 1
         for s in range(self.count):
-            e = self.slot_ref[s]
+            e = self.slots[s].ref
             if self.btab[e].mark != self.gen:
                 if self.btab[e].mark == -self.gen:
                     continue
@@ -319,25 +508,24 @@ cdef class ShuffleReader(DecoratedReader):
                 else:
                     self.btab[e].mark = -self.gen
                     continue
-            r = &self.slots[s]
-            if r.size >= COMPACT_MAX_RECORD:
+            size = self._size(s)
+            if size >= COMPACT_MAX_RECORD:
                 continue
-            p = self._arena_alloc(r.size)
+            p = self._arena_alloc(size)
             if p == NULL:
                 return
-            memcpy(p, r.data, <size_t>r.size)
-            a = self._arena_take(r.size)
-            r.block = self.arena
-            r.data = p
-            self.slot_ref[s] = a
+            memcpy(p, self.slots[s].data, <size_t>size)
+            a = self._arena_take(size)
+            self.slots[s].data = p
+            self.slots[s].ref = <uint32_t>a
             self.n_copied += 1
-            self.n_copied_bytes += r.size
-            self._release(e, r.size)
+            self.n_copied_bytes += size
+            self._release(e, size)
 
     cdef void _drop(self) noexcept nogil:
         cdef int64_t i
         for i in range(self.count):
-            self._release(self.slot_ref[i], self.slots[i].size)
+            self._release(self.slots[i].ref, self._size(i))
         self.count = 0
         if self.hold >= 0:
             self._release(self.hold, self.hold_size)
@@ -352,24 +540,39 @@ cdef class ShuffleReader(DecoratedReader):
         self.upstream_done = False
         self.next_j = -1
         rl_rng_seed(&self.rng, self.seed, <uint64_t>self.epoch)
+        self.src_pos = 0
+        self.emitted = 0
+        self.done_at = -1
+        self.track_ok = self.track
+        self.in_upstream = False
+        self.base_t = 0
+        self.base_rng = self.rng
 
     def __dealloc__(self):
-        if self.slots != NULL and self.slot_ref != NULL and self.btab != NULL:
+        if self.slots != NULL and self.btab != NULL:
             self._drop()
         free(self.slots)
-        free(self.slot_ref)
         free(self.btab)
+        free(self.slot_pos)
+        free(self.ring_a)
+        free(self.ring_s)
+        self.slot_pos = NULL
+        self.ring_a = NULL
+        self.ring_s = NULL
         self.slots = NULL
-        self.slot_ref = NULL
         self.btab = NULL
 
     cdef int c_next(self, rl_record *out) except -1 nogil:
         cdef rl_record rec
+        cdef rl_record cur
         cdef int r
         cdef uint64_t j
         if self.hold >= 0:
             self._release(self.hold, self.hold_size)
             self.hold = -1
+        if self.in_upstream:            # the last call below raised: positions may have shifted
+            self.in_upstream = False
+            self.track_ok = False
         if self.due:
             self._compact()
         if not self.filled:
@@ -378,12 +581,16 @@ cdef class ShuffleReader(DecoratedReader):
                     self._grow(min(self.cap, 2 * self.scap))
                 # an exception here leaves the buffer as it was: the next
                 # call goes on filling it
+                self.in_upstream = True
                 r = self.reader.c_next(&rec)
+                self.in_upstream = False
                 if r == 0:
                     self.upstream_done = True
+                    self.done_at = self.emitted
                     break
-                self.slot_ref[self.count] = self._acquire(rec.block, rec.size)
-                self.slots[self.count] = rec
+                self._put(self.count, &rec, self._acquire(rec.block, rec.size))
+                if self.track:
+                    self._took(self.count)
                 self.count += 1
             self.filled = True
         if self.count == 0:
@@ -391,36 +598,48 @@ cdef class ShuffleReader(DecoratedReader):
         if self.next_j >= 0:
             j = <uint64_t>self.next_j
         else:
-            j = rl_rng_below(&self.rng, <uint64_t>self.count)
+            j = self._draw()
             # kept until the slot is emitted: if the refill below raises, the
             # next call emits this same slot (the order is the one the
             # failed record's absence gives, and nothing is lost or repeated)
             self.next_j = <int64_t>j
-        if rl_record_is_deferred(&self.slots[j]) and not rl_deferred_may_go_out(&self.slots[j]):
+        self._get(j, &cur)
+        if rl_record_is_deferred(&cur) and not rl_deferred_may_go_out(&cur):
             self._verify_slot(j)
         # Refill first, emit after.  c_next is `except -1`: an exception jumps
         # straight out of this function, so nothing may be half-moved when it
         # is called (the buffer keeps every record it holds, `hold` is empty).
         if not self.upstream_done:
+            self.in_upstream = True
             r = self.reader.c_next(&rec)
+            self.in_upstream = False
             self.next_j = -1
-            out[0] = self.slots[j]
-            self.hold = self.slot_ref[j]    # the slot's reference moves to `hold`
+            self._get(j, out)
+            self.hold = self.slots[j].ref   # the slot's reference moves to `hold`
             self.hold_size = out.size
+            if self.track:
+                self.ring_a[self.emitted & RING_MASK] = self.slot_pos[j]
+            self.emitted += 1
             if r == 1:
-                self.slot_ref[j] = self._acquire(rec.block, rec.size)
-                self.slots[j] = rec
+                self._put(j, &rec, self._acquire(rec.block, rec.size))
+                if self.track:
+                    self._took(j)
                 self._draw_ahead()
                 return 1
             self.upstream_done = True
+            self.done_at = self.emitted - 1
         else:
             self.next_j = -1
-            out[0] = self.slots[j]
-            self.hold = self.slot_ref[j]
+            self._get(j, out)
+            self.hold = self.slots[j].ref
             self.hold_size = out.size
+            if self.track:
+                self.ring_a[self.emitted & RING_MASK] = self.slot_pos[j]
+            self.emitted += 1
         self.count -= 1
         self.slots[j] = self.slots[self.count]
-        self.slot_ref[j] = self.slot_ref[self.count]
+        if self.track:
+            self.slot_pos[j] = self.slot_pos[self.count]
         self._draw_ahead()
         return 1
 
@@ -429,31 +648,49 @@ cdef class ShuffleReader(DecoratedReader):
         asked for it: a verified copy replaces it (or, failing, the slot is
         dropped and the error raised: reading on loses only that record)."""
         cdef int code
-        cdef int64_t off, size = self.slots[j].size
-        cdef rl_block *nb = rl_deferred_materialize(&self.slots[j], &code, &off)
+        cdef int64_t off, size = self._size(j)
+        cdef rl_record cur
+        cdef rl_block *nb
+        self._get(j, &cur)
+        nb = rl_deferred_materialize(&cur, &code, &off)
         if nb == NULL:
             with gil:
                 from readerlib.formats._recordio import _deferred_error_py
-                err = _deferred_error_py(<size_t>self.slots[j].block, code, off)
-            self._release(self.slot_ref[j], size)
+                err = _deferred_error_py(<size_t>cur.block, code, off)
+            self._release(self.slots[j].ref, size)
             self.count -= 1
             self.slots[j] = self.slots[self.count]
-            self.slot_ref[j] = self.slot_ref[self.count]
+            if self.track:
+                self.slot_pos[j] = self.slot_pos[self.count]
+            self.track_ok = False           # a record is lost: the positions no longer add up
             self.next_j = -1
             with gil:
                 raise err
-        self._release(self.slot_ref[j], size)
-        self.slot_ref[j] = self._acquire(nb, size)
+        self._release(self.slots[j].ref, size)
+        self.slots[j].ref = <uint32_t>self._acquire(nb, size)
         rl_block_decref(nb)               # the buffer's reference is the one left
-        self.slots[j].block = nb
         self.slots[j].data = nb.data
         return 0
+
+    cdef inline void _took(self, int64_t s) noexcept nogil:
+        # slot s now holds the source's record number src_pos
+        if self.src_pos >= (<int64_t>1 << 32) - 1:
+            self.track_ok = False
+        self.slot_pos[s] = <uint32_t>self.src_pos
+        self.src_pos += 1
+
+    cdef inline uint64_t _draw(self) noexcept nogil:
+        # the draw of step `emitted` (over `count` slots); every 64th step the
+        # RNG before it is kept, so a restore can recompute the draws from there
+        if self.track and (self.emitted & ((1 << ANCHOR_SHIFT) - 1)) == 0:
+            self.ring_s[(self.emitted >> ANCHOR_SHIFT) & (ANCHORS - 1)] = self.rng
+        return rl_rng_below(&self.rng, <uint64_t>self.count)
 
     cdef inline void _draw_ahead(self) noexcept nogil:
         # Same draws in the same order as drawing on demand; doing it now lets
         # the next record's first cache lines load while the caller copies.
         if self.count > 0:
-            self.next_j = <int64_t>rl_rng_below(&self.rng, <uint64_t>self.count)
+            self.next_j = <int64_t>self._draw()
             __builtin_prefetch(self.slots[self.next_j].data)
             __builtin_prefetch(self.slots[self.next_j].data + 63)
 
@@ -461,6 +698,213 @@ cdef class ShuffleReader(DecoratedReader):
         self.epoch += 1
         self._restart()
         return self.reader.c_reset()
+
+    # -- restore (set_state) ------------------------------------------------
+    cdef int64_t c_skip(self, int64_t n) except -1 nogil:
+        # A fresh epoch positions without replaying where it can (_skip_fresh);
+        # anything else drops items as c_next hands them out.
+        cdef int64_t got
+        if n <= 0:
+            return 0
+        if self.emitted == 0 and not self.filled and self.count == 0 and self.hold < 0:
+            with gil:
+                got = self._skip_fresh(n)
+            if got >= 0:
+                return got
+        return ReaderBase.c_skip(self, n)
+
+    def _skip_fresh(self, int64_t n):
+        """Skip n items of an epoch not yet read without replaying it: from the
+        buffer set_state saved (the same epoch), or the whole epoch when n is at
+        least its length.  -1: neither applies (the caller replays)."""
+        cdef int64_t got, N
+        info = self._pending
+        if info is not None and int(info.get("epoch", -1)) <= self.epoch:
+            self._pending = None            # (an earlier epoch: a pass below a multi_pass)
+            if int(info["epoch"]) == self.epoch and self.track and _addressable(self.reader):
+                got = self._restore(n, info)
+                if got >= 0:
+                    return got
+        from readerlib.readers._slice import length_of
+        m = length_of(self.reader) if self.track else None
+        if m is None or n < m:
+            return -1
+        N = m
+        with nogil:
+            got = self.reader.c_skip(N)
+        # every record of the epoch has gone through: the buffer is empty
+        self.src_pos = got
+        self.emitted = got
+        self.filled = True
+        self.upstream_done = True
+        self.done_at = 0
+        self.track_ok = False
+        return got
+
+    def _restore(self, int64_t n, dict info):
+        """Rebuild the buffer as it was after `n` items (see the design note); -1
+        when the saved buffer cannot reach n (the caller replays)."""
+        cdef int64_t E = int(info["emitted"]), t_a = int(info["anchor"])
+        cdef int64_t cnt = int(info["count"]), D = int(info["done_at"]), src = int(info["source_position"])
+        cdef int64_t i, s_, t, c, jj, a, cn
+        cdef rl_rng g
+        cdef rl_rng g_n
+        cdef rl_record rec
+        cdef int64_t[::1] pos
+        cdef int64_t[::1] tail
+        cdef int64_t[::1] js
+        cdef int64_t[::1] order
+        cdef int64_t[::1] tmpv
+        if n > E or n < t_a or E <= 0 or cnt < 0 or cnt > self.cap or t_a < 0:
+            return -1
+        where = "set_state: the shuffle's saved buffer is inconsistent"
+        if src != E + cnt:                  # every record taken is handed out or buffered
+            raise ValueError(f"{where} ({src} records taken, {E} handed out + {cnt} buffered)")
+        pos_a = np.zeros(self.cap, np.int64)
+        got_slots = _unpack_positions(info["slots"], src, cnt, where)
+        pos_a[:cnt] = got_slots
+        pos = pos_a
+        tail = _unpack_positions(info["tail"], src, E - t_a, where)
+        rs = info["rng"]
+        for i in range(4):
+            g.s[i] = <uint64_t>int(rs[i])
+        js = np.empty(max(E - n, 1), np.int64)
+        g_n = g
+        # the draws from the anchor on (the counts are known: the buffer is full
+        # until the source runs out at step D, then shrinks by one a step)
+        for t in range(t_a, E):
+            if t == n:
+                g_n = g
+            c = _count_at(t, E, cnt, D)
+            if c <= 0 or c > self.cap:
+                raise ValueError(f"{where} (count {c} at step {t})")
+            jj = <int64_t>rl_rng_below(&g, <uint64_t>c)
+            if t >= n:
+                js[t - n] = jj
+        if n == E:
+            g_n = g
+        # undo steps E-1 .. n: the handed-out record goes back into its slot
+        for t in range(E - 1, n - 1, -1):
+            a = tail[t - t_a]
+            jj = js[t - n]
+            c = _count_at(t, E, cnt, D)
+            if D < 0 or t < D:              # the slot was refilled with the source's next record
+                if pos[jj] != src - 1:
+                    raise ValueError(f"{where} (slot {jj} at step {t})")
+                pos[jj] = a
+                src -= 1
+            else:                           # the last slot had moved into it
+                pos[c - 1] = pos[jj]
+                pos[jj] = a
+        cn = _count_at(n, E, cnt, D)
+        # position the source, then take the buffer's records by index
+        with nogil:
+            got = self.reader.c_skip(src)
+        if got != src:
+            raise ValueError(f"set_state: the shuffle's source has {got} records, the saved "
+                             f"buffer needs {src}")
+        if self.scap < cn:
+            self._grow(cn)
+        order = np.empty(max(cn, 1), np.int64)          # file order: each chunk loaded once
+        if cn > 0:
+            tmpv = np.empty(cn, np.int64)
+            _radix_order(&pos[0], cn, &order[0], &tmpv[0])
+        self.count = 0
+        try:
+            with nogil:
+                self._fill_by_index(&pos[0], &order[0] if cn > 0 else NULL, cn)
+        except BaseException:
+            for i in range(self.count):     # slots filled so far, in `order`
+                s_ = order[i]
+                self._release(self.slots[s_].ref, self._size(s_))
+            self.count = 0
+            raise
+        self._close_random_access()
+        self.filled = True
+        if D >= 0 and D < n:
+            self.upstream_done = True
+            self.done_at = D
+        else:
+            self.upstream_done = False
+            self.done_at = -1
+        self.rng = g_n
+        self.next_j = -1
+        self.emitted = n
+        self.src_pos = src
+        self.base_t = n
+        self.base_rng = g_n
+        self.track_ok = True
+        self.restores += 1
+        return n
+
+    cdef int _fill_by_index(self, const int64_t *pos, const int64_t *order, int64_t cn) except -1 nogil:
+        # slot order[i] <- the source's record pos[order[i]]; self.count counts
+        # the slots filled (in `order`), for the caller's cleanup on an error
+        cdef int64_t i, s_
+        cdef rl_record rec
+        for i in range(cn):
+            s_ = order[i]
+            self.reader.c_read_at(pos[s_], &rec)
+            self._put(s_, &rec, self._acquire(rec.block, rec.size))
+            self.slot_pos[s_] = <uint32_t>pos[s_]
+            self.count += 1
+        return 0
+
+    def _close_random_access(self):
+        # the buffer holds references to the records it took; the chunk cache
+        # (a second descriptor, 2 chunks) is not needed any more
+        cdef ReaderBase src = self.reader
+        ra = src._random_access
+        if ra is not None and type(src).__name__ != "GlobalShuffleReader":
+            src._random_access = None
+            ra.close()
+
+    def _resume_state(self, above):
+        """get_state's live part: what rebuilds this buffer without replaying the
+        epoch (None when that is not possible here: the caller replays)."""
+        cdef int64_t E = self.emitted, lo, want, t_a, i, k
+        cdef rl_rng g
+        if (not self.track or not self.track_ok or self.in_upstream or E <= 0
+                or not self.filled or not _addressable(self.reader)):
+            return {"buffer": None}
+        G = _ahead_bound(above)
+        lo = max(self.base_t, E - RING + 64, 0)
+        want = lo if G is None else max(E - <int64_t>G, lo)
+        # t_a: the latest step <= want whose RNG is known (an anchor every 64th
+        # step, the restore point, or now), else the earliest one after it
+        t_a = -1
+        if lo <= self.base_t <= want:
+            t_a = self.base_t
+        i = (want >> ANCHOR_SHIFT) << ANCHOR_SHIFT
+        if lo <= i and i > t_a and (i < E or self.next_j >= 0):
+            t_a = i
+        if t_a < 0:
+            i = ((lo + 63) >> ANCHOR_SHIFT) << ANCHOR_SHIFT
+            if i < E or (i == E and self.next_j >= 0):
+                t_a = i
+            elif self.next_j < 0:
+                t_a = E
+            else:
+                return {"buffer": None}
+        if t_a == self.base_t:
+            g = self.base_rng
+        elif t_a == E and self.next_j < 0:
+            g = self.rng
+        else:
+            g = self.ring_s[(t_a >> ANCHOR_SHIFT) & (ANCHORS - 1)]
+        k = E - t_a
+        tail = np.empty(k, np.int64)
+        for i in range(k):
+            tail[i] = self.ring_a[(t_a + i) & RING_MASK]
+        slots = np.empty(self.count, np.int64)
+        for i in range(self.count):
+            slots[i] = self.slot_pos[i]
+        return {"buffer": {
+            "epoch": int(self.epoch), "emitted": int(E), "source_position": int(self.src_pos),
+            "count": int(self.count), "done_at": int(self.done_at), "anchor": int(t_a),
+            "rng": [int(g.s[0]), int(g.s[1]), int(g.s[2]), int(g.s[3])],
+            "slots": _pack_positions(slots, self.src_pos),
+            "tail": _pack_positions(tail, self.src_pos)}}
 
     cdef int c_close(self) except -1:
         self._drop()
@@ -501,6 +945,11 @@ cdef class ShuffleReader(DecoratedReader):
         self.seed = <uint64_t>int(state["seed"])
         self.epoch = int(state["epoch"])
         self._restart()
+        buf = state.get("buffer")
+        if buf is not None and not isinstance(buf, dict):
+            raise ValueError(f"set_state: the shuffle's saved buffer must be a dict, got "
+                             f"{type(buf).__name__}")
+        self._pending = buf
 
     def _reduce_args(self):
         return (int(self.cap),), {"seed": None if self.seed_drawn else int(self.seed)}

@@ -5,14 +5,15 @@ Design:
     Each is a compiled DecoratedReader that only counts: records pass on
     unchanged, without the GIL.  They work on instances and batches alike.
 
-    State: the position in the epoch is what get_state() stores, and the
-    epoch is replayed on restore, so take and skip need nothing more.  A
+    State: the position in the epoch is what get_state() stores; on restore
+    take, skip and repeat pass it down with `c_skip` (O(1) where the reader
+    below positions without reading), so they need nothing more.  A
     repeat's passes are part of its one (possibly endless) epoch: each pass
     resets the reader below, which starts that reader's next epoch (a new
     shuffle order), exactly as MultiPassReader does; restoring replays from
-    the repeat's start, through the passes already read (cost: the items
-    read so far, at the compiled chain's speed -- a map below a repeat calls
-    its function again for them).
+    the repeat's start, through the passes already read (each pass with the
+    reader below's c_skip: free over indexed sources; a reader that cannot
+    position replays its items).
 """
 from readerlib._typedefs cimport int64_t
 from readerlib.readers._base cimport ReaderBase, DecoratedReader, rl_record, rl_core_import
@@ -80,6 +81,16 @@ cdef class TakeReader(DecoratedReader):
             self.taken += 1
         return r
 
+    cdef int64_t c_skip(self, int64_t n) except -1 nogil:
+        cdef int64_t got
+        if n > self.count - self.taken:
+            n = self.count - self.taken
+        if n <= 0:
+            return 0
+        got = self.reader.c_skip(n)
+        self.taken += got
+        return got
+
     cdef int c_reset(self) except -1:
         self.taken = 0
         return self.reader.c_reset()
@@ -104,10 +115,15 @@ cdef class TakeReader(DecoratedReader):
 cdef class SkipReader(DecoratedReader):
     """Each epoch without its first `count` items (tf.data's skip).
 
-    The skipped items are read and dropped (the reader below cannot seek).
+    The skipped items are stepped over with the reader below's `c_skip`
+    (nothing is read where it can position without reading: indexed files,
+    global shuffles, batch/map over them), one at a time when read on,
+    so an error below in the middle leaves the count exact; set_state skips
+    them together with the position in one call.
     """
     cdef readonly int64_t count
     cdef int64_t nskipped
+    cdef bint lost                  # a bulk skip raised: how far it got is unknown
 
     def __init__(self, reader, count):
         _check_reader(reader, "SkipReader")
@@ -116,17 +132,45 @@ cdef class SkipReader(DecoratedReader):
         self.count = n
         self.nskipped = 0
 
+    cdef int _check_lost(self) except -1 nogil:
+        if self.lost:
+            with gil:
+                raise RuntimeError(
+                    f"SkipReader(count={self.count}): an error from the reader below interrupted "
+                    f"a skip, so the position in the epoch is unknown; reset() the chain (or "
+                    f"set_state() it again)")
+        return 0
+
     cdef int c_next(self, rl_record *out) except -1 nogil:
-        cdef int r
-        while self.nskipped < self.count:     # after an error below, the next call skips on
-            r = self.reader.c_next(out)
-            if r <= 0:
-                return r
+        self._check_lost()
+        # one at a time: after an error below, `nskipped` is exact and the next
+        # call skips on (c_skip(1) reads nothing over indexed sources)
+        while self.nskipped < self.count:
+            if self.reader.c_skip(1) != 1:
+                return 0
             self.nskipped += 1
         return self.reader.c_next(out)
 
+    cdef int64_t c_skip(self, int64_t n) except -1 nogil:
+        # the rest of the prefix and the n items in one call below (set_state:
+        # O(1) over a reader that positions without reading)
+        cdef int64_t pre, got
+        self._check_lost()
+        if n <= 0:
+            return 0
+        pre = self.count - self.nskipped
+        self.lost = True
+        got = self.reader.c_skip(pre + n)
+        self.lost = False
+        if got <= pre:
+            self.nskipped += got
+            return 0
+        self.nskipped = self.count
+        return got - pre
+
     cdef int c_reset(self) except -1:
         self.nskipped = 0
+        self.lost = False
         return self.reader.c_reset()
 
     def _length(self):
@@ -184,6 +228,24 @@ cdef class RepeatReader(DecoratedReader):
                 return r
             if self.in_pass == 0 or (self.num_passes > 0 and self.pass_id + 1 >= self.num_passes):
                 return 0            # done, or the reader below is empty: never spin
+            self.pass_id += 1
+            self.in_pass = 0
+            with gil:
+                self.reader.c_reset()
+
+    cdef int64_t c_skip(self, int64_t n) except -1 nogil:
+        # pass by pass, as c_next moves on: each pass's reader skips its part
+        cdef int64_t done = 0, got
+        if self.num_passes == 0 or n <= 0:
+            return 0
+        while True:
+            got = self.reader.c_skip(n - done)
+            done += got
+            self.in_pass += got
+            if done >= n:
+                return done
+            if self.in_pass == 0 or (self.num_passes > 0 and self.pass_id + 1 >= self.num_passes):
+                return done
             self.pass_id += 1
             self.in_pass = 0
             with gil:
