@@ -14,6 +14,7 @@ Design:
     checksum of a large buffer split over readerlib's worker threads).
 """
 from cpython.pycapsule cimport PyCapsule_New
+from libc.errno cimport errno
 
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
 from readerlib._parallel cimport parallel_for, threads_for
@@ -78,7 +79,8 @@ def _sigbus_guard_ensure():
     when it is installed (also a test hook)."""
     import os
     if rl_mapped_state.guard_ensure() != 0:
-        raise OSError(os.strerror(0), "sigaction(SIGBUS) failed")
+        e = errno
+        raise OSError(e, f"sigaction(SIGBUS) failed: {os.strerror(e)}")
     return bool(rl_guard_installed)
 
 

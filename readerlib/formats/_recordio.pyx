@@ -822,6 +822,8 @@ cdef class RecordIOReader(FileReader):
         dc = rl_dchunk_new(self.dmap, self.dmap.base + payload_abs,
                            self.dmap.base + payload_abs + self._v2_payload_len(T, n, payload_abs, aligned))
         if dc == NULL:
+            self._release_cur()
+            self.cur_n = 0                # no half-made chunk for the next c_next to hand out
             return CK_NOMEM
         code = self._v2_deferred_records(dc, T, n, payload_abs, aligned)
         rl_dchunk_done(dc)                # the records hold the chunk from here on

@@ -102,6 +102,12 @@ static rl_mapped_api rl_mapped_state;      /* defined below */
 static struct sigaction rl_guard_prev_action;
 static int rl_guard_installed = 0;
 
+/* Set while a signal that is not ours is passed to the previous handler: a
+   previous handler that re-raises into us (faulthandler restores the handler
+   it saved -- ours, when it was enabled after readerlib -- and raises again)
+   gets the default action, instead of a loop between the two handlers. */
+static __thread int rl_guard_delegating __attribute__((tls_model("initial-exec")));
+
 static rl_guard **rl_guard_slot_impl(void) { return &rl_guard_cur; }
 
 static void rl_sigbus_handler(int sig, siginfo_t *si, void *uc) {
@@ -113,13 +119,22 @@ static void rl_sigbus_handler(int sig, siginfo_t *si, void *uc) {
     }
     /* not ours: the previous handler's, as if we were not here */
     struct sigaction *p = &rl_guard_prev_action;
-    if (p->sa_flags & SA_SIGINFO) {
-        if (p->sa_sigaction) { p->sa_sigaction(sig, si, uc); return; }
-    } else if (p->sa_handler == SIG_IGN) {
-        if (si->si_code <= 0) return;          /* sent by kill(): ignored, as before */
-    } else if (p->sa_handler != SIG_DFL) {
-        p->sa_handler(sig);
-        return;
+    if (!rl_guard_delegating) {
+        if (p->sa_flags & SA_SIGINFO) {
+            if (p->sa_sigaction) {
+                rl_guard_delegating = 1;
+                p->sa_sigaction(sig, si, uc);
+                rl_guard_delegating = 0;
+                return;
+            }
+        } else if (p->sa_handler == SIG_IGN) {
+            if (si->si_code <= 0) return;      /* sent by kill(): ignored, as before */
+        } else if (p->sa_handler != SIG_DFL) {
+            rl_guard_delegating = 1;
+            p->sa_handler(sig);
+            rl_guard_delegating = 0;
+            return;
+        }
     }
     /* the default action (terminate, core): for a fault and for kill() alike */
     signal(sig, SIG_DFL);

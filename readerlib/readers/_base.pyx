@@ -691,6 +691,14 @@ cdef class ReaderBase:
         and seed, ...), the identity of its file (name, size and a checksum
         of its first and last 4 KiB), and its epoch.
         """
+        for r in self._walk():
+            f = getattr(r, "_state_inexact", None)
+            why = f() if f is not None else None
+            if why is not None:
+                raise RuntimeError(
+                    f"get_state: {type(r).__name__} dropped a record this epoch ({why}); "
+                    "the position can no longer be saved exactly: save a state taken before "
+                    "the error, or after the next epoch starts")
         if self._epoch_snapshot is None or not self._started:
             if not self._resuming:
                 self._epoch_snapshot = self._chain_epoch_state()

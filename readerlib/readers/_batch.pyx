@@ -167,6 +167,10 @@ cdef class BatchReader(DecoratedReader):
     cdef rl_map *dmap             # negotiated: the file reader below hands out deferred records
     cdef int *dcodes              # per record of a parallel copy: RL_DEF_* (deferred records)
     cdef int64_t *doffs
+    # A deferred record that failed its check this epoch was dropped: the
+    # batches after it hold one record more of the source than position x
+    # batch_size says, so get_state refuses (names it) until the next epoch.
+    cdef object _dropped
 
     def __init__(self, reader, batch_size, drop_last=False):
         _check_reader(reader, "BatchReader")
@@ -232,7 +236,13 @@ cdef class BatchReader(DecoratedReader):
 
     cdef object _deferred_error(self, const rl_record *r, int code, int64_t off):
         from readerlib.formats._recordio import _deferred_error_py
-        return _deferred_error_py(<size_t>r.block, code, off)
+        err = _deferred_error_py(<size_t>r.block, code, off)
+        self._dropped = str(err)
+        return err
+
+    def _state_inexact(self):
+        """Why this epoch's position cannot be saved exactly (None: it can)."""
+        return self._dropped
 
     cdef void _release(self) noexcept nogil:
         cdef int64_t i
@@ -523,6 +533,7 @@ cdef class BatchReader(DecoratedReader):
             rl_block_decref(self.hold)
             self.hold = NULL
         self._drop_partial()
+        self._dropped = None
         self.reader.c_reset()
         self._negotiate()
         return 0

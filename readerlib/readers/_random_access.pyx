@@ -486,6 +486,7 @@ cdef class MultiFileRecords(FileReader):
         f = self.sfile[s]
         c = self.caches[f]
         if c is None:
+            self.cur_seg = -1             # until the open below succeeds: no stale current file
             while len(self.lru) >= self.max_open:
                 old = self.lru.pop(0)
                 self.closed_loads += self.caches[old].chunk_loads

@@ -231,6 +231,36 @@ def test_flipped_byte_caught_at_the_batch_with_file_and_offset(tmp_path, mode, c
     assert_exactly_once(got, want[:17] + want[18:])
 
 
+def test_get_state_refuses_after_a_dropped_record_until_the_next_epoch(tmp_path, mode, copy_path):
+    # A deferred record that fails at the batch is dropped and reading goes on:
+    # the later batches hold one source record more than position x batch_size,
+    # so a state saved then would resume one record off (and repeat one).
+    p = str(tmp_path / "big.rio")
+    x, want = _write(p, n=20)
+    off = _flip(p, x, 5)
+    c = rl.RecordIOReader(p).batch(4)
+    assert c._mapped
+    before = c.get_state()
+    n = 0
+    while n < 2:
+        try:
+            b = c.read_next()
+        except rl.RecordIOError:
+            continue
+        assert b is not None
+        n += 1
+    with pytest.raises(RuntimeError, match=f"dropped a record this epoch .*record checksum mismatch .*"
+                                           f"at byte offset {off}"):
+        c.get_state()
+    c2 = rl.RecordIOReader(p).batch(4)
+    c2.set_state(before)                  # a state from before the error still loads
+    assert [canon(i) for i in unbatch(c2.read_next())] == want[:4]
+    iter(c)                               # the next epoch: its position can be saved again
+    assert c.get_state()["position"] == 0
+    assert [canon(i) for i in unbatch(c.read_next())] == want[:4]
+    assert c.get_state()["position"] == 1
+
+
 def test_flipped_byte_reaching_another_consumer_is_caught_there(tmp_path, mode):
     p = str(tmp_path / "big.rio")
     x, want = _write(p, n=40)
@@ -338,6 +368,18 @@ def test_sigbus_not_ours_still_kills(tmp_path):
                  "os.kill(os.getpid(), signal.SIGBUS)")
     assert res.returncode == -7 and "Bus error" in res.stderr, (res.returncode, res.stderr)
 
+
+
+def test_sigbus_not_ours_after_faulthandler_and_a_renegotiation_dies_once():
+    # faulthandler enabled after readerlib keeps readerlib's handler as its
+    # previous one; each negotiation puts readerlib's back on top.  A fault that
+    # is not ours must still die by SIGBUS with one traceback, not loop between
+    # the two handlers into a stack overflow (SIGSEGV).
+    res = _child("import faulthandler, os, signal\nimport readerlib._core as c\n"
+                 "faulthandler.enable()\nc._sigbus_guard_ensure()\n"
+                 "os.kill(os.getpid(), signal.SIGBUS)")
+    assert res.returncode == -7, (res.returncode, res.stderr[-3000:])
+    assert res.stderr.count("Fatal Python error: Bus error") == 1, res.stderr[-3000:]
 
 def test_rewritten_in_place_gives_errors_or_valid_data(tmp_path, mode):
     p = str(tmp_path / "a.rio")
