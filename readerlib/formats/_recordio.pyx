@@ -102,7 +102,7 @@ cdef extern from "rl_mapped.h":
     rl_block *rl_deferred_materialize(const rl_record *r, int *code, int64_t *off) nogil
     int rl_map_all_zero(rl_map *m, const char *p, int64_t n, int64_t *fault_off) nogil
     void rl_map_incref(rl_map *m) nogil
-    int RL_DEF_OK, RL_DEF_MISMATCH, RL_DEF_SHRUNK, RL_DEF_NOMEM
+    int RL_DEF_OK, RL_DEF_MISMATCH, RL_DEF_SHRUNK, RL_DEF_NOMEM, RL_DEF_IO
 
 rl_mapped_import()
 
@@ -160,9 +160,12 @@ def _deferred_error(path, chunk, index, code, offset):
     (the same messages as the reader's own checks)."""
     if code == RL_DEF_NOMEM:
         return MemoryError(f"{path}: out of memory copying record {index} of chunk {chunk}")
-    msg = _CHUNK_ERRORS[CK_SHRUNK if code == RL_DEF_SHRUNK else CK_RECORD_CRC]
-    return RecordIOError(f"{path}: {msg} (record {index} of chunk {chunk}) at byte offset {offset}",
-                         path, offset)
+    if code >= RL_DEF_IO:                 # the read failed (errno), as CK_IO on the reader's path
+        msg = f"{_CHUNK_ERRORS[CK_IO]} (record {index} of chunk {chunk}) ({os.strerror(code - RL_DEF_IO)})"
+    else:
+        msg = _CHUNK_ERRORS[CK_SHRUNK if code == RL_DEF_SHRUNK else CK_RECORD_CRC]
+        msg += f" (record {index} of chunk {chunk})"
+    return RecordIOError(f"{path}: {msg} at byte offset {offset}", path, offset)
 
 
 cdef object _deferred_error_of(const rl_record *r, int code, int64_t offset):
@@ -793,7 +796,14 @@ cdef class RecordIOReader(FileReader):
                 if not _via_pread:
                     munmap(p, <size_t>self.fsize)
                 raise MemoryError()
-            m.fd = os.dup(self.fd) if _via_pread else -1
+            m.fd = -1
+            if _via_pread:
+                try:
+                    m.fd = os.dup(self.fd)
+                except OSError:              # out of descriptors (EMFILE): the reader's own path
+                    free(m.path)
+                    free(m)
+                    return 0
             memcpy(m.path, <const char *>path, len(path) + 1)
             m.refcnt = 1
             m.base = <char *>p

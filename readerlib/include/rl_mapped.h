@@ -308,6 +308,7 @@ static inline void rl_map_copied(rl_map *m, const char *p, int64_t n) {
 #define RL_DEF_MISMATCH 1
 #define RL_DEF_SHRUNK 2
 #define RL_DEF_NOMEM 3
+#define RL_DEF_IO 1000       /* + errno: pread/preadv failed (EIO, ...), not a short read */
 
 /* Copy deferred record r's bytes to dst (r->size bytes; fields at the given
  * offsets and lengths, in order, to their destinations: nf pieces covering
@@ -350,7 +351,7 @@ static int rl_deferred_read(const rl_record *r, int nf, char *const *dst, const 
                 while (g < piece) {
                     ssize_t k = pread(d->map->fd, st + g, (size_t)(piece - g), (off_t)(off + done + g));
                     if (k < 0 && errno == EINTR) continue;
-                    if (k <= 0) { free(st); rl_cc_fence(); *fault_off = off + done + g; return RL_DEF_SHRUNK; }
+                    if (k <= 0) { int e = errno; free(st); rl_cc_fence(); *fault_off = off + done + g; return k < 0 ? RL_DEF_IO + e : RL_DEF_SHRUNK; }
                     g += k;
                 }
                 c = rl_crc32c_copy_nt(c, dst[0] + done, st, (size_t)piece);
@@ -378,7 +379,7 @@ static int rl_deferred_read(const rl_record *r, int nf, char *const *dst, const 
         }
         k = preadv(d->map->fd, v, n, (off_t)(off + got));
         if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) { *fault_off = off + got; return RL_DEF_SHRUNK; }
+        if (k <= 0) { *fault_off = off + got; return k < 0 ? RL_DEF_IO + errno : RL_DEF_SHRUNK; }
         got += k;
     }
     for (int f = 0; f < nf; f++) c = rl_crc32c(c, dst[f], (size_t)len[f]);

@@ -381,6 +381,42 @@ def test_sigbus_not_ours_after_faulthandler_and_a_renegotiation_dies_once():
     assert res.returncode == -7, (res.returncode, res.stderr[-3000:])
     assert res.stderr.count("Fatal Python error: Bus error") == 1, res.stderr[-3000:]
 
+
+def test_no_descriptor_left_for_the_deferred_path_falls_back_to_the_reader(tmp_path):
+    # pread mode dups the reader's descriptor for its records; with none left
+    # (EMFILE) the chain reads through the reader's own path, leaking nothing.
+    p = str(tmp_path / "big.rio")
+    _write(p, n=12)
+    res = _child(f"""
+        import os
+        import numpy as np, readerlib as rl
+        from readerlib.formats import _recordio as R
+        R._set_deferred_mode("pread")
+        ref_chain = rl.RecordIOReader({p!r}).batch(4)
+        assert ref_chain._mapped
+        ref = np.concatenate([np.asarray(b[0].data) for b in ref_chain])
+        ref_chain.close()
+        r = rl.RecordIOReader({p!r})
+        held = []
+        try:
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            pass
+        c = r.batch(4)
+        mapped = c._mapped
+        got = np.concatenate([np.asarray(b[0].data) for b in c])
+        for fd in held:
+            os.close(fd)
+        assert not mapped, "negotiated without a descriptor"
+        assert np.array_equal(got, ref)
+        c.close()
+        assert R._live_file_blocks() == 0, R._live_file_blocks()
+        print("OK")
+    """)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr[-3000:]
+
+
 def test_rewritten_in_place_gives_errors_or_valid_data(tmp_path, mode):
     p = str(tmp_path / "a.rio")
     q = str(tmp_path / "b.rio")
