@@ -348,9 +348,8 @@ cdef class GlobalShuffleReader(DecoratedReader):
         cdef int64_t lo = 0, hi = self.nwin - 1, mid
         if self.seq.k >= 0 and p >= self.wstart[self.seq.k]:
             lo = self.seq.k                # reading on: this window or one after it
-            while lo + 1 < self.nwin and self.wstart[lo + 1] <= p:
-                lo += 1
-            return lo
+            if lo + 1 >= self.nwin or p < self.wstart[lo + 1]:
+                return lo
         while lo < hi:                     # the last window starting at or before p
             mid = (lo + hi + 1) >> 1
             if self.wstart[mid] <= p:
