@@ -2,19 +2,16 @@
 and the global shuffle's window table (readers/_global_shuffle.pyx)."""
 import faulthandler
 import json
-import os
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import readerlib as rl
-from readerlib.formats._tfrecord import TFRecordWriter
 from readerlib.readers.files import open_files, register_file_reader, unregister_file_reader
 
-from helpers import assert_checkpoint_equal, assert_exactly_once
+from helpers import BYTES, assert_checkpoint_equal, assert_exactly_once, make_byte_files
 
-BYTES = rl.Schema([rl.Field("data", "uint8", (), lod_level=1)])
 FIXED = rl.Schema([rl.Field("id", "int64"), rl.Field("x", "float32", (3,))])
 
 
@@ -25,34 +22,7 @@ def _hang_guard():
     faulthandler.cancel_dump_traceback_later()
 
 
-def rec(k, size=8):
-    """Record k: its 8 little-endian bytes, padded with k % 251 up to `size`."""
-    b = np.full(max(size, 8), k % 251, np.uint8)
-    b[:8] = np.frombuffer(int(k).to_bytes(8, "little"), np.uint8)
-    return b
-
-
-def make_files(d, kinds, sizes, chunk_size=2048, rec_size=8):
-    """One file per kind ("rio", "tfrecord", "tfrecord.gz") with sizes[i] records of
-    the BYTES schema; record k of the stream holds k.  Returns (paths, records)."""
-    paths, recs, k = [], [], 0
-    for i, (kind, n) in enumerate(zip(kinds, sizes)):
-        items = [rec(k + j, rec_size) for j in range(n)]
-        k += n
-        if kind == "rio":
-            p = os.path.join(d, f"part-{i:03d}.rio")
-            with rl.RecordIOWriter(p, BYTES, chunk_size=chunk_size) as w:
-                for x in items:
-                    w.write((x,))
-        else:
-            comp = {"tfrecord": None, "tfrecord.gz": "GZIP"}[kind]
-            p = os.path.join(d, f"part-{i:03d}.{kind}")
-            with TFRecordWriter(p, compression=comp) as w:
-                for x in items:
-                    w.write(x)
-        paths.append(p)
-        recs += [x.tobytes() for x in items]
-    return paths, recs
+make_files = make_byte_files
 
 
 def read(reader):

@@ -13,11 +13,11 @@ import pytest
 
 import readerlib as rl
 from readerlib.errors import DataLossError, RecordIOError, TFRecordError
-from readerlib.formats._tfrecord import TFRecordWriter
 from readerlib.readers.files import (ShardReader, open_files, register_file_reader, shard_from_env,
                                      unregister_file_reader)
 
-BYTES = rl.Schema([rl.Field("data", "uint8", (), lod_level=1)])
+from helpers import BYTES, byte_record, make_byte_files
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -30,29 +30,13 @@ def _hang_guard():
 
 
 def rec(k):
-    return np.frombuffer(int(k).to_bytes(8, "little"), np.uint8)
+    return byte_record(k)
 
 
 def make_files(d, kinds, per_file=700):
-    """Files of the given kinds; record k holds the 8 bytes of k.  Returns (paths, records)."""
-    paths, recs, k = [], [], 0
-    for i, kind in enumerate(kinds):
-        items = [rec(k + j) for j in range(per_file)]
-        k += per_file
-        if kind == "rio":
-            p = os.path.join(d, f"part-{i:03d}.rio")
-            with rl.RecordIOWriter(p, BYTES, chunk_size=2048) as w:    # many chunks per file
-                for x in items:
-                    w.write((x,))
-        else:
-            comp = {"tfrecord": None, "tfrecord.gz": "GZIP"}[kind]
-            p = os.path.join(d, f"part-{i:03d}.{kind}")
-            with TFRecordWriter(p, compression=comp) as w:
-                for x in items:
-                    w.write(x)
-        paths.append(p)
-        recs += [x.tobytes() for x in items]
-    return paths, recs
+    """Files of the given kinds, many chunks each; record k holds the 8 bytes
+    of k.  Returns (paths, records)."""
+    return make_byte_files(d, kinds, [per_file] * len(kinds))
 
 
 def read(reader):

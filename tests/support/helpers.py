@@ -274,3 +274,40 @@ def random_array(rng, shape, dtype):
         return rng.standard_normal(shape).astype(dtype)
     info = np.iinfo(dtype)
     return rng.integers(info.min, info.max, size=shape, endpoint=True, dtype=dtype)
+
+
+# --- many small files of byte records (open_files and its random access) ---
+
+BYTES = rl.Schema([rl.Field("data", "uint8", (), lod_level=1)])
+
+
+def byte_record(k, size=8):
+    """Record k: its 8 little-endian bytes, padded with k % 251 up to `size`."""
+    b = np.full(max(size, 8), k % 251, np.uint8)
+    b[:8] = np.frombuffer(int(k).to_bytes(8, "little"), np.uint8)
+    return b
+
+
+def make_byte_files(d, kinds, sizes, chunk_size=2048, rec_size=8):
+    """One file per kind ("rio", "tfrecord", "tfrecord.gz") in folder d, with
+    sizes[i] records of the BYTES schema; record k of the stream (the files in
+    order) holds k.  Returns (paths, the records' bytes in stream order)."""
+    from readerlib.formats._tfrecord import TFRecordWriter
+    paths, recs, k = [], [], 0
+    for i, (kind, n) in enumerate(zip(kinds, sizes)):
+        items = [byte_record(k + j, rec_size) for j in range(n)]
+        k += n
+        if kind == "rio":
+            p = os.path.join(d, f"part-{i:03d}.rio")
+            with rl.RecordIOWriter(p, BYTES, chunk_size=chunk_size) as w:
+                for x in items:
+                    w.write((x,))
+        else:
+            comp = {"tfrecord": None, "tfrecord.gz": "GZIP"}[kind]
+            p = os.path.join(d, f"part-{i:03d}.{kind}")
+            with TFRecordWriter(p, compression=comp) as w:
+                for x in items:
+                    w.write(x)
+        paths.append(p)
+        recs += [x.tobytes() for x in items]
+    return paths, recs
