@@ -11,19 +11,10 @@ import pytest
 
 import readerlib as rl
 from readerlib.tensor import SUPPORTED_DTYPES
-from helpers import canon, drain, drain_canon, make_columns, read_all, scratch_dir, write_recordio
+from helpers import (canon, drain, drain_canon, make_columns, read_all, scratch,  # noqa: F401 (a fixture)
+                     write_recordio)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.fixture
-def scratch(tmp_path):
-    """RAM-backed scratch directory (removed afterwards) for tests that rewrite files many times."""
-    import shutil
-    d = scratch_dir(tmp_path)
-    yield d
-    if d != tmp_path:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def _values(dtype, shape, rng):

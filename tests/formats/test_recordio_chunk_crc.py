@@ -12,18 +12,9 @@ import numpy as np
 import pytest
 
 import readerlib as rl
-from helpers import read_all, scratch_dir
+from helpers import read_all, scratch  # noqa: F401 (scratch: a fixture)
 
 BYTES = rl.Schema([rl.Field("b", "uint8", (), lod_level=1)])
-
-
-@pytest.fixture
-def scratch(tmp_path):
-    import shutil
-    d = scratch_dir(tmp_path)
-    yield d
-    if d != tmp_path:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def _write(path, recs, **kw):

@@ -204,6 +204,24 @@ def scratch_dir(tmp_path):
     return tmp_path
 
 
+def _scratch(tmp_path):
+    """RAM-backed scratch directory (removed afterwards) for tests that rewrite files many times."""
+    import shutil
+    d = scratch_dir(tmp_path)
+    yield d
+    if d != tmp_path:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _make_scratch_fixture():
+    import pytest
+    return pytest.fixture(name="scratch")(_scratch)
+
+
+# the `scratch` fixture: a test module takes it with `from helpers import scratch`
+scratch = _make_scratch_fixture()
+
+
 def assert_checkpoint_equal(make_chain, epochs=2):
     """Grain's "equal output after checkpoint", for any chain.
 
