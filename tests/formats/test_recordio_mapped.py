@@ -21,7 +21,7 @@ from readerlib import _parallel
 from readerlib.formats import _recordio as R
 from readerlib.readers import _shuffle
 
-from helpers import assert_checkpoint_equal, assert_exactly_once, canon, unbatch
+from helpers import assert_checkpoint_equal, assert_exactly_once, canon, read_past_errors, unbatch
 
 SIZE = 40000                      # >= 32 KiB: the big-record path, a block (or descriptor) each
 
@@ -211,16 +211,8 @@ def test_flipped_byte_caught_at_the_batch_with_file_and_offset(tmp_path, mode, c
     off = _flip(p, x, 17)
     c = rl.RecordIOReader(p).shuffle(12, seed=4).batch(6)
     assert c._mapped
-    got, errors = [], []
-    while True:
-        try:
-            b = c.read_next()
-        except rl.RecordIOError as e:
-            errors.append(e)
-            continue
-        if b is None:
-            break
-        got.extend(canon(i) for i in unbatch(b))
+    batches, errors = read_past_errors(c, lambda b: [canon(i) for i in unbatch(b)])
+    got = sum(batches, [])
     assert len(errors) == 1, errors
     msg = str(errors[0])
     chunk = _record_position(p, off)
@@ -286,16 +278,9 @@ def test_flipped_byte_reaching_another_consumer_is_caught_there(tmp_path, mode):
     with open(p, "r+b") as f:
         f.seek(off + 99)
         f.write(bytes([data[off + 99] ^ 1]))
-    errors = []
-    while True:
-        try:
-            item = s.read_next()
-        except rl.RecordIOError as e:
-            errors.append(str(e))
-            continue
-        if item is None:
-            break
-        seen.append(canon(item))
+    items, errs = read_past_errors(s, canon)
+    seen += items
+    errors = [str(e) for e in errs]
     assert len(errors) == 1 and f"record checksum mismatch" in errors[0] and f"at byte offset {off}" in errors[0]
     assert len(seen) == 39 and set(seen) == set(want) - {canon((x[k],))}
 
@@ -430,18 +415,9 @@ def test_rewritten_in_place_gives_errors_or_valid_data(tmp_path, mode):
         new = f.read()
     with open(p, "r+b") as f:                # same inode, same size, other bytes
         f.write(new)
-    errors = 0
-    while True:
-        try:
-            b = c.read_next()
-        except rl.RecordIOError:
-            errors += 1
-            if errors > 100:
-                break
-            continue
-        if b is None:
-            break
-        got.extend(canon(i) for i in unbatch(b))
+    batches, errs = read_past_errors(c, lambda b: [canon(i) for i in unbatch(b)], max_errors=100)
+    got += sum(batches, [])
+    errors = len(errs)
     assert set(got) <= set(want_a) | set(want_b)      # never unverified bytes
     assert errors > 0 or len(got) == 40
 

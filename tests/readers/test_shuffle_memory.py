@@ -16,7 +16,7 @@ import pytest
 import readerlib as rl
 from readerlib.formats import _recordio
 from readerlib.readers import _shuffle
-from helpers import assert_checkpoint_equal, drain_instances, unbatch
+from helpers import assert_checkpoint_equal, drain_instances, read_past_errors, unbatch
 
 M64 = (1 << 64) - 1
 
@@ -330,16 +330,8 @@ def test_bad_chunk_mid_epoch_with_compaction(tmp_path, forced):
         f.seek(int(offs[bad]) + 40)
         f.write(bytes([b[0] ^ 0x5A]))
     sh = rl.RecordIOReader(path).shuffle(400, seed=3)
-    got, errors = [], []
-    while True:
-        try:
-            inst = sh.read_next()
-        except rl.RecordIOError as e:
-            errors.append(str(e))
-            continue
-        if inst is None:
-            break
-        got.append(check_intact(inst))
+    got, errs = read_past_errors(sh, check_intact)
+    errors = [str(e) for e in errs]
     assert len(errors) == 1 and "r5000_64_2048.rio" in errors[0], errors
     assert sorted(got) == sorted(set(range(n)) - lost)
     assert sh._memory_stats()["copied_records"] > 0

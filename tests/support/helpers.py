@@ -77,6 +77,26 @@ def drain(reader, max_items=10_000_000):
         assert len(items) <= max_items, "reader does not end"
 
 
+def read_past_errors(reader, convert=lambda item: item, errors=rl.RecordIOError, max_errors=None):
+    """Read the rest of the epoch with ``read_next()``, going on after each
+    `errors` exception (the reader's "reading on loses only what failed").
+    Returns (the items, each through `convert` as it comes; the exceptions).
+    With `max_errors`, stops after that many more than it (a reader that
+    would fail forever)."""
+    items, seen = [], []
+    while True:
+        try:
+            item = reader.read_next()
+        except errors as e:
+            seen.append(e)
+            if max_errors is not None and len(seen) > max_errors:
+                return items, seen
+            continue
+        if item is None:
+            return items, seen
+        items.append(convert(item))
+
+
 def drain_instances(reader):
     """The rest of the epoch as a flat list of instances (batches split)."""
     out = []
