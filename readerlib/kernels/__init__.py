@@ -165,7 +165,10 @@ def _as_index(idx, xp):
         raise ValueError(f"idx must be 1-D, got shape {tuple(idx.shape)}")
     if idx.dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
         if idx.dtype == np.uint64 and idx.size and int(idx.max()) > np.iinfo(np.int64).max:
-            raise IndexError(_reindex.MSG_TOO_LARGE)
+            k = int(np.argmax(idx > np.iinfo(np.int64).max))
+            err = IndexError(_reindex.MSG_TOO_LARGE)
+            err.add_note(f"idx[{k}] = {int(idx[k])}, past int64; {idx.shape[0]} indices")
+            raise err
         idx = idx.astype(np.int64)
     return xp.ascontiguousarray(idx)
 
@@ -174,8 +177,7 @@ def _check_bounds(idx, limit):
     """Caffe's index checks in NumPy (the kernels repeat them in C): the first bad index,
     in order, decides the message."""
     if idx.shape[0] and (int(idx.min()) < 0 or int(idx.max()) >= limit):
-        first = int(np.argmax((idx < 0) | (idx >= limit)))
-        raise IndexError(_reindex.MSG_NEGATIVE if int(idx[first]) < 0 else _reindex.MSG_TOO_LARGE)
+        raise _reindex.index_error(idx, limit)
 
 
 from ..gpu import array_module as _xp  # noqa: E402
@@ -234,7 +236,9 @@ def batch_reindex(x, idx, *, out=None, num_threads=None):
     IndexError
         "Index specified for reindex layer was negative." /
         "Index specified for reindex layer was greater than batch size."
-        (Caffe's messages), raised before anything is written.
+        (Caffe's messages), raised before anything is written, with a note
+        (``__notes__``, shown in tracebacks) naming the first bad entry, its
+        value and the valid range: ``idx[7] = -3; valid indices are ...``.
 
     Examples
     --------

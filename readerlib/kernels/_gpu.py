@@ -197,7 +197,9 @@ def _raise_index_error(n, neg, big):
         return
     first_neg = n - neg if neg else n
     first_big = n - big if big else n
-    raise IndexError(NEGATIVE_INDEX_MESSAGE if first_neg < first_big else INDEX_TOO_LARGE_MESSAGE)
+    err = IndexError(NEGATIVE_INDEX_MESSAGE if first_neg < first_big else INDEX_TOO_LARGE_MESSAGE)
+    err.add_note(f"idx[{min(first_neg, first_big)}] is the first bad entry of {n} indices")
+    raise err
 
 
 # ---- batch_reindex --------------------------------------------------------------

@@ -497,11 +497,31 @@ def release_cached_outputs():
     rl_cache_clear()
 
 
-def _raise_for(int rc):
-    if rc == ERR_NEGATIVE:
-        raise IndexError(MSG_NEGATIVE)
-    if rc == ERR_TOO_LARGE:
-        raise IndexError(MSG_TOO_LARGE)
+def index_error(idx, intp_t limit):
+    """Caffe's IndexError for the first bad entry of ``idx`` (in order: the
+    first bad one decides the message, as Caffe's loop does), with a note
+    naming that entry, its value and the valid range.  The message itself
+    stays Caffe's; the note shows in tracebacks (``add_note``).  None when
+    every entry is in [0, limit)."""
+    a = np.asarray(idx)
+    bad = np.flatnonzero((a < 0) | (a >= limit))
+    if bad.shape[0] == 0:
+        return None
+    k = int(bad[0])
+    v = int(a[k])
+    err = IndexError(MSG_NEGATIVE if v < 0 else MSG_TOO_LARGE)
+    err.add_note(f"idx[{k}] = {v}; valid indices are 0 <= i < {limit} "
+                 f"({'no rows' if limit == 0 else str(limit) + ' rows'}), {a.shape[0]} indices")
+    return err
+
+
+def _raise_for(int rc, idx, intp_t limit):
+    if rc == OK:
+        return
+    err = index_error(idx, limit)
+    if err is None:             # cannot happen: the C check and NumPy agree
+        err = IndexError(MSG_NEGATIVE if rc == ERR_NEGATIVE else MSG_TOO_LARGE)
+    raise err
 
 
 def gather_rows(cnp.ndarray x, cnp.ndarray idx, cnp.ndarray out, int n_threads):
@@ -523,7 +543,7 @@ def gather_rows(cnp.ndarray x, cnp.ndarray idx, cnp.ndarray out, int n_threads):
     else:
         with nogil:
             rc = _gather_rows(src, n_src, row_bytes, <const int64_t*> pidx, n, dst, n_threads)
-    _raise_for(rc)
+    _raise_for(rc, idx, n_src)
     return out
 
 
@@ -810,7 +830,7 @@ def scatter_add_rows(cnp.ndarray dy, cnp.ndarray idx, intp_t num_rows, cnp.ndarr
             rc = _check_indices(<const int32_t*> pidx, n, num_rows)
         else:
             rc = _check_indices(<const int64_t*> pidx, n, num_rows)
-    _raise_for(rc)
+    _raise_for(rc, idx, num_rows)
     if num_rows == 0:
         return out
     if n == 0 or inner == 0:

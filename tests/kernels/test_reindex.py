@@ -213,14 +213,14 @@ def test_index_types_and_layouts():
                                       ([2**62], BIG), ([-(2**62)], NEG)])
 def test_caffe_index_errors(bad, msg):
     x = np.zeros((5, 2), np.float32)
-    with pytest.raises(IndexError, match=f"^{re.escape(msg)}$"):
+    with pytest.raises(IndexError, match=f"^{re.escape(msg)}\n"):
         batch_reindex(x, np.array(bad, np.int64))
-    with pytest.raises(IndexError, match=f"^{re.escape(msg)}$"):
+    with pytest.raises(IndexError, match=f"^{re.escape(msg)}\n"):
         batch_reindex(x, np.array(bad, np.int64), num_threads=1)
-    with pytest.raises(IndexError, match=f"^{re.escape(msg)}$"):
+    with pytest.raises(IndexError, match=f"^{re.escape(msg)}\n"):
         batch_reindex_grad(np.zeros((len(bad), 2), np.float32), np.array(bad, np.int64), 5)
     if all(-(2**31) <= v < 2**31 for v in bad):
-        with pytest.raises(IndexError, match=f"^{re.escape(msg)}$"):
+        with pytest.raises(IndexError, match=f"^{re.escape(msg)}\n"):
             batch_reindex(x, np.array(bad, np.int32))
 
 
@@ -608,10 +608,10 @@ def test_gather_loops_bad_index_writes_nothing(store_kind, row_bytes, where, bad
         idx[where] = bad
         out = np.full((64, row_bytes), 7, np.uint8)
         for threads in (1, 2):
-            with pytest.raises(IndexError, match=f"^{re.escape(msg)}$"):
+            with pytest.raises(IndexError, match=f"^{re.escape(msg)}\n"):
                 batch_reindex(x, idx, out=out, num_threads=threads)
             assert np.all(out == 7)
-            with pytest.raises(IndexError, match=f"^{re.escape(msg)}$"):
+            with pytest.raises(IndexError, match=f"^{re.escape(msg)}\n"):
                 batch_reindex(x, idx, num_threads=threads)
 
 
@@ -703,7 +703,7 @@ def test_fast_path_bad_index_messages():
     x = np.zeros((5, 2), np.float32)
     for bad, msg in [([0, -1, 2], NEG), ([0, 5], BIG), ([7, -3], BIG)]:
         for idx_dtype in (np.int32, np.int64):
-            with pytest.raises(IndexError, match=f"^{re.escape(msg)}$"):
+            with pytest.raises(IndexError, match=f"^{re.escape(msg)}\n"):
                 _reindex.gather_fast(x, np.array(bad, idx_dtype), None, None)
 
 
@@ -724,3 +724,42 @@ def test_gather_chunked_claims_cover_every_row(store_kind, chunk_bytes, threads)
     finally:
         _reindex._set_chunk_bytes(old)
     assert _reindex._set_chunk_bytes(-1) == old and _reindex._set_chunk_bytes(old) == 0
+
+
+@pytest.mark.parametrize("bad, k, v", [([0, -1, 2], 1, -1), ([0, 5], 1, 5), ([7, -3], 0, 7),
+                                       ([0, 1, 2, 3, 4, -9], 5, -9)])
+def test_index_errors_name_the_entry(bad, k, v):
+    # the message stays Caffe's; a note names the first bad entry, its value and the range
+    note = f"idx[{k}] = {v}; valid indices are 0 <= i < 5 (5 rows), {len(bad)} indices"
+    x = np.zeros((5, 2), np.float32)
+    calls = [lambda i: batch_reindex(x, i), lambda i: batch_reindex(x, i, num_threads=1),
+             lambda i: batch_reindex(x[:, ::2], i),               # the NumPy pre-check
+             lambda i: batch_reindex_grad(np.zeros((len(bad), 2), np.float32), i, 5)]
+    for dtype in (np.int32, np.int64):
+        for call in calls:
+            with pytest.raises(IndexError) as ei:
+                call(np.array(bad, dtype))
+            assert str(ei.value) in (NEG, BIG)
+            assert ei.value.__notes__ == [note]
+    lod = LoDTensor(np.arange(10, dtype=np.float32), [np.array([0, 2, 4, 6, 8, 10])])
+    with pytest.raises(IndexError) as ei:
+        batch_reindex(lod, np.array(bad, np.int64))
+    assert ei.value.__notes__ == [note]
+
+
+def test_uint64_index_error_names_the_entry():
+    with pytest.raises(IndexError, match=f"^{re.escape(BIG)}\n") as ei:
+        batch_reindex(np.zeros((3, 3)), np.array([1, 2**64 - 1], np.uint64))
+    assert ei.value.__notes__ == [f"idx[1] = {2**64 - 1}, past int64; 2 indices"]
+
+
+def test_gpu_index_error_names_the_first_bad_position():
+    from readerlib.kernels import _gpu
+    # neg / big are `n - first position` (the device reductions' encoding)
+    with pytest.raises(IndexError, match=f"^{re.escape(NEG)}\n") as ei:
+        _gpu._raise_index_error(10, 10 - 3, 10 - 7)
+    assert ei.value.__notes__ == ["idx[3] is the first bad entry of 10 indices"]
+    with pytest.raises(IndexError, match=f"^{re.escape(BIG)}\n") as ei:
+        _gpu._raise_index_error(10, 0, 10 - 4)
+    assert ei.value.__notes__ == ["idx[4] is the first bad entry of 10 indices"]
+    _gpu._raise_index_error(10, 0, 0)          # nothing bad: returns
