@@ -15,6 +15,8 @@ classes live in ``readerlib.readers``' modules.  RNN-T models live in
 ``readerlib.rnnt``, the graph layer in ``readerlib.graph``, every exception and
 warning in ``readerlib.errors``.
 """
+from typing import TYPE_CHECKING
+
 from ._build import get_include
 from ._keyed import Batch, Instance
 from ._parallel import get_num_threads, set_num_threads
@@ -26,8 +28,10 @@ from .readers._base import ReaderBase
 from .readers._sources import ArrayReader, PythonReader, RandomDataGenerator
 from .readers.files import open_files, register_file_reader
 from .kernels import batch_reindex, batch_reindex_grad, ctc_greedy_decoder
-from .rnnt import rnnt_greedy_decode
 from .tensor import Field, LoDTensor, Schema, SparseTensor
+
+if TYPE_CHECKING:
+    from .rnnt import rnnt_greedy_decode
 
 __version__ = "0.1.0"
 
@@ -70,6 +74,12 @@ _COMPAT = {
 
 
 def __getattr__(name):
+    if name == "rnnt_greedy_decode":
+        # readerlib.rnnt is imported on first use: a third of readerlib's own
+        # import time (~15 ms), which a chain that never decodes does not pay
+        from .rnnt import rnnt_greedy_decode
+        globals()[name] = rnnt_greedy_decode
+        return rnnt_greedy_decode
     if name == "build_tfrecord_index":
         from .formats._tfrecord import build_index
         return build_index
@@ -78,3 +88,7 @@ def __getattr__(name):
         raise AttributeError(f"module 'readerlib' has no attribute {name!r}")
     import importlib
     return getattr(importlib.import_module(f"{__name__}.{home}"), name)
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -109,3 +109,22 @@ def test_a_python_subclass_that_adds_methods_works_in_a_chain():
     assert r.label() == "numbers"
     got = np.concatenate([b[0].data for b in r.shuffle(3, seed=1).batch(2)])
     assert sorted(got.tolist()) == list(range(7))
+
+
+def test_rnnt_is_imported_on_first_use():
+    # a fresh interpreter (conftest's PYTHONPATH): import readerlib leaves readerlib.rnnt
+    # out until readerlib.rnnt_greedy_decode is touched; then it is the module's function
+    import subprocess
+    import sys
+    code = ("import sys, readerlib as rl\n"
+            "assert 'readerlib.rnnt' not in sys.modules, 'rnnt imported eagerly'\n"
+            "assert 'rnnt_greedy_decode' in dir(rl)\n"
+            "f = rl.rnnt_greedy_decode\n"
+            "import readerlib.rnnt\n"
+            "assert f is readerlib.rnnt.rnnt_greedy_decode\n"
+            "ns = {}\n"
+            "exec('from readerlib import *', ns)\n"
+            "assert ns['rnnt_greedy_decode'] is f\n"
+            "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
