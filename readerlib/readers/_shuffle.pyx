@@ -98,6 +98,9 @@ def _addressable(reader, bint may_become=False):
 # (prefetched, in a threaded map's chunk, a batch being built): how far a
 # restore may have to rewind the buffer.  Unknown readers: the whole ring.
 def _upstream_ahead(r, a):
+    f = getattr(r, "_inputs_ahead", None)       # a filter: from its own counts
+    if f is not None:
+        return f(a)
     name = type(r).__name__
     if name in ("TakeReader", "SkipReader", "MapBatchesReader", "MultiPassReader",
                 "RepeatReader", "ReaderHolder"):
