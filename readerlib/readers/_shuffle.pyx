@@ -73,7 +73,7 @@ def _compaction_settings(enabled=None, slack_bytes=None, factor=None, fill=None)
 
 
 cdef extern from *:
-    void __builtin_prefetch(const void *p) nogil
+    void __builtin_prefetch(const void *p, ...) nogil
 
 
 def _addressable(reader, bint may_become=False):
@@ -133,45 +133,142 @@ cdef inline int64_t _count_at(int64_t t, int64_t E, int64_t cnt, int64_t D) noex
     return cnt + max(0, E - max(t, D))
 
 
-cdef int _radix_order(const int64_t *pos, int64_t n, int64_t *order, int64_t *tmp) except -1:
-    """order[:n] <- 0..n-1 sorted by pos (values < 2^32): two 16-bit LSD passes,
-    O(n) (a comparison sort of a 1M buffer took longer than reading it)."""
-    cdef int64_t *cnt = <int64_t *>malloc(65537 * sizeof(int64_t))
-    cdef int64_t i, k, shift, c
-    cdef int64_t *src_
-    cdef int64_t *dst
+cdef int _bucket_order(const int64_t *pos, int64_t n, int64_t *order, int64_t *spos) except -1:
+    """order[:n] <- 0..n-1 grouped by pos into 2^14 runs of consecutive positions
+    (one counting pass, O(n)): a run is at most a few hundred records of
+    neighbouring positions, so reading in this order loads each chunk once (a
+    full sort is not needed, and two radix passes took 25-45 ms for a 1M buffer).
+    spos[:n] <- pos[order[:n]] (read in order: no gather when the slots are filled)."""
+    cdef int64_t *cnt = <int64_t *>malloc(((1 << 14) + 1) * sizeof(int64_t))
+    cdef int64_t i, k, lo, hi, shift = 0
     if cnt == NULL:
         raise MemoryError()
     with nogil:
+        lo = pos[0]
+        hi = pos[0]
+        for i in range(1, n):
+            if pos[i] < lo:
+                lo = pos[i]
+            if pos[i] > hi:
+                hi = pos[i]
+        while ((hi - lo) >> shift) >= (1 << 14):
+            shift += 1
+        memset(cnt, 0, ((1 << 14) + 1) * sizeof(int64_t))
         for i in range(n):
-            order[i] = i
-        src_ = order
-        dst = tmp
-        for c in range(2):
-            shift = 16 * c
-            memset(cnt, 0, 65537 * sizeof(int64_t))
-            for i in range(n):
-                cnt[((pos[src_[i]] >> shift) & 0xFFFF) + 1] += 1
-            for k in range(65536):
-                cnt[k + 1] += cnt[k]
-            for i in range(n):
-                k = (pos[src_[i]] >> shift) & 0xFFFF
-                dst[cnt[k]] = src_[i]
-                cnt[k] += 1
-            src_ = dst          # pass 0: order -> tmp; pass 1: tmp -> order
-            dst = order
+            cnt[((pos[i] - lo) >> shift) + 1] += 1
+        for k in range(1 << 14):
+            cnt[k + 1] += cnt[k]
+        for i in range(n):
+            k = (pos[i] - lo) >> shift
+            order[cnt[k]] = i
+            spos[cnt[k]] = pos[i]
+            cnt[k] += 1
     free(cnt)
     return 0
 
 
+cdef str _pack_ages(const uint32_t *vals, int64_t n, int64_t src):
+    """Positions vals[:n] (< src) as a short string: their distances back from
+    src - 1 (small: the buffer holds recent records), bit-packed at the width
+    of the largest (22 bits for a 1M buffer over 5M records), base64:
+    "p<width>:<base64>"."""
+    cdef int64_t i, nbytes, o = 0
+    cdef uint32_t mx = 0, age
+    cdef int w = 0, have = 0
+    cdef uint64_t acc = 0
+    cdef unsigned char *b
+    with nogil:
+        for i in range(n):
+            age = <uint32_t>(src - 1 - vals[i])
+            if age > mx:
+                mx = age
+    while w < 32 and (mx >> w) != 0:
+        w += 1
+    nbytes = (n * w + 7) // 8
+    out = bytearray(nbytes + 8)
+    b = out
+    with nogil:
+        for i in range(n):
+            age = <uint32_t>(src - 1 - vals[i])
+            acc |= (<uint64_t>age) << have
+            have += w
+            while have >= 8:
+                b[o] = <unsigned char>(acc & 0xFF)
+                o += 1
+                acc >>= 8
+                have -= 8
+        if have > 0:
+            b[o] = <unsigned char>(acc & 0xFF)
+    return f"p{w}:" + base64.b64encode(memoryview(out)[:nbytes]).decode("ascii")
+
+
 def _pack_positions(pos, int64_t src):
-    """Source positions (< src) as a short string: their distances back from
-    src - 1 (small: the buffer holds recent records) as uint32, deflated, base64."""
-    age = (src - 1 - np.asarray(pos, np.int64)).astype("<u4")
-    return base64.b64encode(zlib.compress(age.tobytes(), 1)).decode("ascii")
+    """Source positions (< src) as a short string (see _pack_ages)."""
+    a = np.ascontiguousarray(np.asarray(pos, np.int64).astype(np.uint32))
+    cdef uint32_t[::1] v = a
+    cdef int64_t n = a.shape[0]
+    return _pack_ages(&v[0] if n else NULL, n, src)
+
+
+cdef int _decode_positions(text, int64_t src, int64_t n, int64_t *out, where) except -1:
+    """out[:n] <- the positions _pack_ages wrote (or the older deflated uint32
+    form: base64 of zlib), each checked to lie in [0, src)."""
+    cdef const unsigned char[::1] raw
+    cdef int64_t i, o = 0, p, bad = 0
+    cdef int w, have = 0
+    cdef uint64_t acc = 0, mask
+    if not isinstance(text, str):
+        raise ValueError(f"{where} (positions must be a string, got {type(text).__name__})")
+    head, sep, body = text.partition(":")
+    if sep and head[:1] == "p" and head[1:].isdigit():
+        w = int(head[1:])
+        if w > 32:
+            raise ValueError(f"{where} (positions {w} bits wide)")
+        try:
+            data = base64.b64decode(body.encode("ascii"), validate=True)
+        except Exception as e:
+            raise ValueError(f"{where} (positions do not decode: {e})") from None
+        if len(data) != (n * w + 7) // 8:
+            raise ValueError(f"{where} ({len(data)} bytes of {w}-bit positions, expected {n})")
+        if n == 0:
+            return 0
+        if w == 0:
+            for i in range(n):
+                out[i] = src - 1
+            return 0
+        raw = data
+        mask = (<uint64_t>1 << w) - 1
+        with nogil:
+            for i in range(n):
+                while have < w:
+                    acc |= (<uint64_t>raw[o]) << have
+                    o += 1
+                    have += 8
+                p = src - 1 - <int64_t>(acc & mask)
+                acc >>= w
+                have -= w
+                if p < 0:
+                    bad = 1
+                out[i] = p
+        if bad:
+            raise ValueError(f"{where} (a position before the epoch's start)")
+        return 0
+    old = _unpack_positions_v1(text, src, n, where)
+    for i in range(n):
+        out[i] = old[i]
+    return 0
 
 
 def _unpack_positions(text, int64_t src, int64_t n, where):
+    """The positions a state holds, as an int64 array (see _decode_positions)."""
+    a = np.empty(max(n, 1), np.int64)
+    cdef int64_t[::1] v = a
+    _decode_positions(text, src, n, &v[0], where)
+    return a[:n]
+
+
+def _unpack_positions_v1(text, int64_t src, int64_t n, where):
+    # states written before the bit-packed form: uint32 ages, deflated, base64
     try:
         raw = zlib.decompress(base64.b64decode(text.encode("ascii"), validate=True))
     except Exception as e:
@@ -757,16 +854,15 @@ cdef class ShuffleReader(DecoratedReader):
         cdef int64_t[::1] tail
         cdef int64_t[::1] js
         cdef int64_t[::1] order
-        cdef int64_t[::1] tmpv
+        cdef int64_t[::1] spos
         if n > E or n < t_a or E <= 0 or cnt < 0 or cnt > self.cap or t_a < 0:
             return -1
         where = "set_state: the shuffle's saved buffer is inconsistent"
         if src != E + cnt:                  # every record taken is handed out or buffered
             raise ValueError(f"{where} ({src} records taken, {E} handed out + {cnt} buffered)")
-        pos_a = np.zeros(self.cap, np.int64)
-        got_slots = _unpack_positions(info["slots"], src, cnt, where)
-        pos_a[:cnt] = got_slots
+        pos_a = np.empty(max(self.cap, 1), np.int64)
         pos = pos_a
+        _decode_positions(info["slots"], src, cnt, &pos[0], where)
         tail = _unpack_positions(info["tail"], src, E - t_a, where)
         rs = info["rng"]
         for i in range(4):
@@ -809,13 +905,14 @@ cdef class ShuffleReader(DecoratedReader):
         if self.scap < cn:
             self._grow(cn)
         order = np.empty(max(cn, 1), np.int64)          # file order: each chunk loaded once
+        spos = np.empty(max(cn, 1), np.int64)
         if cn > 0:
-            tmpv = np.empty(cn, np.int64)
-            _radix_order(&pos[0], cn, &order[0], &tmpv[0])
+            _bucket_order(&pos[0], cn, &order[0], &spos[0])
+        cdef bint copy = self.c_on and not self._in_memory()
         self.count = 0
         try:
             with nogil:
-                self._fill_by_index(&pos[0], &order[0] if cn > 0 else NULL, cn)
+                self._fill_by_index(&spos[0], &order[0], cn, copy)
         except BaseException:
             for i in range(self.count):     # slots filled so far, in `order`
                 s_ = order[i]
@@ -823,6 +920,11 @@ cdef class ShuffleReader(DecoratedReader):
             self.count = 0
             raise
         self._close_random_access()
+        if not copy:
+            # records left in their source blocks: an in-memory array (shared with
+            # its view, nothing to free) or compaction off; no pass is due for them
+            self.due = False
+            self.since = 0
         self.filled = True
         if D >= 0 and D < n:
             self.upstream_done = True
@@ -840,25 +942,57 @@ cdef class ShuffleReader(DecoratedReader):
         self.restores += 1
         return n
 
-    cdef int _fill_by_index(self, const int64_t *pos, const int64_t *order, int64_t cn) except -1 nogil:
-        # slot order[i] <- the source's record pos[order[i]]; self.count counts
-        # the slots filled (in `order`), for the caller's cleanup on an error
-        cdef int64_t i, s_
+    cdef int _fill_by_index(self, const int64_t *spos, const int64_t *order, int64_t cn,
+                            bint copy) except -1 nogil:
+        # slot order[i] <- the source's record spos[i]; self.count counts
+        # the slots filled (in `order`), for the caller's cleanup on an error.
+        # copy: small records are copied into the shuffle's own arena blocks
+        # as they are read (file sources, compaction on): the buffer's records
+        # are scattered over many chunks, which the first compaction pass after
+        # the restore would otherwise copy them out of (a 1M buffer: 55-100 ms
+        # on the first batch), and only two chunks are held at a time.
+        # Deferred (mapped, unverified) records never are.
+        cdef int64_t i, s_, nx
         cdef rl_record rec
+        cdef char *p
         for i in range(cn):
+            if i + 32 < cn:                     # the slot written 32 records from now
+                nx = order[i + 32]
+                __builtin_prefetch(&self.slots[nx], 1)
+                __builtin_prefetch(&self.slot_pos[nx], 1)
             s_ = order[i]
-            self.reader.c_read_at(pos[s_], &rec)
-            self._put(s_, &rec, self._acquire(rec.block, rec.size))
-            self.slot_pos[s_] = <uint32_t>pos[s_]
+            self.reader.c_read_at(spos[i], &rec)
+            p = NULL
+            if copy and rec.size < COMPACT_MAX_RECORD and not rl_record_is_deferred(&rec):
+                p = self._arena_alloc(rec.size)
+            if p != NULL:
+                memcpy(p, rec.data, <size_t>rec.size)
+                self.slots[s_].data = p
+                self.slots[s_].size = <uint32_t>rec.size
+                self.slots[s_].ref = <uint32_t>self._arena_take(rec.size)
+            else:
+                self._put(s_, &rec, self._acquire(rec.block, rec.size))
+            self.slot_pos[s_] = <uint32_t>spos[i]
             self.count += 1
         return 0
 
+    def _in_memory(self):
+        # the source's random access is a view of an array in memory
+        # (readers/_random_access.pyx _ArrayRecords: no descriptor, no cache):
+        # referencing its records costs nothing, copying them would
+        cdef ReaderBase src = self.reader
+        if src._random_access is None and type(src).__name__ == "ArrayReader":
+            src._random_access = src._open_random_access()
+        return type(src._random_access).__name__ == "_ArrayRecords"
+
     def _close_random_access(self):
         # the buffer holds references to the records it took; the chunk cache
-        # (a second descriptor, 2 chunks) is not needed any more
+        # (a second descriptor, 2 chunks) is not needed any more.  An in-memory
+        # view stays: the array block it shares with the buffer is then not
+        # one that compaction would copy records out of (to free nothing)
         cdef ReaderBase src = self.reader
         ra = src._random_access
-        if ra is not None and type(src).__name__ != "GlobalShuffleReader":
+        if ra is not None and type(src).__name__ != "GlobalShuffleReader" and not self._in_memory():
             src._random_access = None
             ra.close()
 
@@ -896,18 +1030,16 @@ cdef class ShuffleReader(DecoratedReader):
         else:
             g = self.ring_s[(t_a >> ANCHOR_SHIFT) & (ANCHORS - 1)]
         k = E - t_a
-        tail = np.empty(k, np.int64)
+        tail_a = np.empty(max(k, 1), np.uint32)
+        cdef uint32_t[::1] tail = tail_a
         for i in range(k):
             tail[i] = self.ring_a[(t_a + i) & RING_MASK]
-        slots = np.empty(self.count, np.int64)
-        for i in range(self.count):
-            slots[i] = self.slot_pos[i]
         return {"buffer": {
             "epoch": int(self.epoch), "emitted": int(E), "source_position": int(self.src_pos),
             "count": int(self.count), "done_at": int(self.done_at), "anchor": int(t_a),
             "rng": [int(g.s[0]), int(g.s[1]), int(g.s[2]), int(g.s[3])],
-            "slots": _pack_positions(slots, self.src_pos),
-            "tail": _pack_positions(tail, self.src_pos)}}
+            "slots": _pack_ages(self.slot_pos, self.count, self.src_pos),
+            "tail": _pack_ages(&tail[0], k, self.src_pos)}}
 
     cdef int c_close(self) except -1:
         self._drop()
