@@ -210,48 +210,88 @@ def _pack_positions(pos, int64_t src):
     return _pack_ages(&v[0] if n else NULL, n, src)
 
 
-cdef int _decode_positions(text, int64_t src, int64_t n, int64_t *out, where) except -1:
-    """out[:n] <- the positions _pack_ages wrote (or the older deflated uint32
-    form: base64 of zlib), each checked to lie in [0, src)."""
-    cdef const unsigned char[::1] raw
-    cdef int64_t i, o = 0, p, bad = 0
-    cdef int w, have = 0
-    cdef uint64_t acc = 0, mask
-    if not isinstance(text, str):
-        raise ValueError(f"{where} (positions must be a string, got {type(text).__name__})")
-    head, sep, body = text.partition(":")
-    if sep and head[:1] == "p" and head[1:].isdigit():
-        w = int(head[1:])
-        if w > 32:
-            raise ValueError(f"{where} (positions {w} bits wide)")
-        try:
-            data = base64.b64decode(body.encode("ascii"), validate=True)
-        except Exception as e:
-            raise ValueError(f"{where} (positions do not decode: {e})") from None
-        if len(data) != (n * w + 7) // 8:
-            raise ValueError(f"{where} ({len(data)} bytes of {w}-bit positions, expected {n})")
-        if n == 0:
-            return 0
-        if w == 0:
-            for i in range(n):
-                out[i] = src - 1
-            return 0
-        raw = data
-        mask = (<uint64_t>1 << w) - 1
-        with nogil:
-            for i in range(n):
-                while have < w:
-                    acc |= (<uint64_t>raw[o]) << have
-                    o += 1
-                    have += 8
+cdef signed char _B64[256]
+_B64_ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+for _k in range(256):
+    _B64[_k] = -1
+for _k in range(64):
+    _B64[_B64_ALPHABET[_k]] = _k
+
+
+cdef int64_t _b64_bits(const unsigned char *t, int64_t m, int w, int64_t n, int64_t src,
+                       int64_t *out) noexcept nogil:
+    """Decode base64 text t[:m] and unpack n values of w bits (LSB first) from its
+    bytes as out[i] = src - 1 - value, in one pass.  Returns the number of
+    decoded bytes, or -1 (a character outside the alphabet, bad padding), -2
+    (a position below 0); the caller checks the byte count."""
+    cdef int64_t i = 0, j = 0, nb = 0, p
+    cdef int have = 0, pad, k
+    cdef uint64_t acc = 0, mask = ((<uint64_t>1) << w) - 1 if w < 64 else <uint64_t>0xFFFFFFFFFFFFFFFF
+    cdef int c0, c1, c2, c3
+    cdef uint32_t g
+    cdef int bad = 0
+    if m % 4:
+        return -1
+    while i < m:
+        pad = 0
+        if i + 4 == m:
+            if t[m - 1] == 61:          # '='
+                pad = 2 if t[m - 2] == 61 else 1
+        c0 = _B64[t[i]]
+        c1 = _B64[t[i + 1]]
+        c2 = _B64[t[i + 2]] if pad < 2 else 0
+        c3 = _B64[t[i + 3]] if pad < 1 else 0
+        if (c0 | c1 | c2 | c3) < 0:
+            return -1
+        g = (<uint32_t>c0 << 18) | (<uint32_t>c1 << 12) | (<uint32_t>c2 << 6) | <uint32_t>c3
+        for k in range(3 - pad):
+            acc |= (<uint64_t>((g >> (16 - 8 * k)) & 0xFF)) << have
+            have += 8
+            nb += 1
+            while have >= w and j < n and w > 0:
                 p = src - 1 - <int64_t>(acc & mask)
                 acc >>= w
                 have -= w
                 if p < 0:
                     bad = 1
-                out[i] = p
-        if bad:
+                out[j] = p
+                j += 1
+        i += 4
+    if bad:
+        return -2
+    return nb
+
+
+cdef int _decode_positions(text, int64_t src, int64_t n, int64_t *out, where) except -1:
+    """out[:n] <- the positions _pack_ages wrote (or the older deflated uint32
+    form: base64 of zlib), each checked to lie in [0, src)."""
+    cdef const unsigned char *t
+    cdef int64_t i, m, got
+    cdef int w
+    if not isinstance(text, str):
+        raise ValueError(f"{where} (positions must be a string, got {type(text).__name__})")
+    head, sep, body = text[:4].partition(":")
+    if sep and head[:1] == "p" and head[1:].isdigit():
+        w = int(head[1:])
+        if w > 32:
+            raise ValueError(f"{where} (positions {w} bits wide)")
+        try:
+            data = text[len(head) + 1:].encode("ascii")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{where} (positions do not decode: {e})") from None
+        t = data
+        m = len(data)
+        with nogil:
+            got = _b64_bits(t, m, w, n, src, out)
+        if got == -1:
+            raise ValueError(f"{where} (positions do not decode: not base64)")
+        if got == -2:
             raise ValueError(f"{where} (a position before the epoch's start)")
+        if got != (n * w + 7) // 8:
+            raise ValueError(f"{where} ({got} bytes of {w}-bit positions, expected {n})")
+        if w == 0:
+            for i in range(n):
+                out[i] = src - 1
         return 0
     old = _unpack_positions_v1(text, src, n, where)
     for i in range(n):
