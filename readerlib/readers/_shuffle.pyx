@@ -133,14 +133,18 @@ cdef inline int64_t _count_at(int64_t t, int64_t E, int64_t cnt, int64_t D) noex
     return cnt + max(0, E - max(t, D))
 
 
-cdef int _bucket_order(const int64_t *pos, int64_t n, int64_t *order, int64_t *spos) except -1:
-    """order[:n] <- 0..n-1 grouped by pos into 2^14 runs of consecutive positions
-    (one counting pass, O(n)): a run is at most a few hundred records of
-    neighbouring positions, so reading in this order loads each chunk once (a
-    full sort is not needed, and two radix passes took 25-45 ms for a 1M buffer).
-    spos[:n] <- pos[order[:n]] (read in order: no gather when the slots are filled)."""
-    cdef int64_t *cnt = <int64_t *>malloc(((1 << 14) + 1) * sizeof(int64_t))
-    cdef int64_t i, k, lo, hi, shift = 0
+cdef int64_t _file_order(const int64_t *pos, int64_t n, uint64_t *keys, uint64_t *tmp) except -1:
+    """Sort slots 0..n-1 by pos: keys[:n] (returned 0) or tmp[:n] (returned 1)
+    <- ((pos[s] - lo) << 32) | s in increasing order, lo = min(pos), by an LSD
+    radix sort of the 12-bit digits of pos - lo (two passes for spans up to
+    16M records).  The keys carry the slot and its position, so the fill reads
+    them in order without a gather (a sort of slot indices by pos[s] cost
+    25-45 ms for a 1M buffer in those indirect loads).  *lo_out = lo."""
+    cdef int64_t *cnt = <int64_t *>malloc(4097 * sizeof(int64_t))
+    cdef int64_t i, k, lo, hi, shift, which = 0
+    cdef uint64_t *src_
+    cdef uint64_t *dst
+    cdef uint64_t *sw
     if cnt == NULL:
         raise MemoryError()
     with nogil:
@@ -151,20 +155,28 @@ cdef int _bucket_order(const int64_t *pos, int64_t n, int64_t *order, int64_t *s
                 lo = pos[i]
             if pos[i] > hi:
                 hi = pos[i]
-        while ((hi - lo) >> shift) >= (1 << 14):
-            shift += 1
-        memset(cnt, 0, ((1 << 14) + 1) * sizeof(int64_t))
         for i in range(n):
-            cnt[((pos[i] - lo) >> shift) + 1] += 1
-        for k in range(1 << 14):
-            cnt[k + 1] += cnt[k]
-        for i in range(n):
-            k = (pos[i] - lo) >> shift
-            order[cnt[k]] = i
-            spos[cnt[k]] = pos[i]
-            cnt[k] += 1
+            keys[i] = ((<uint64_t>(pos[i] - lo)) << 32) | <uint64_t>i
+        src_ = keys
+        dst = tmp
+        shift = 32
+        while shift < 64 and ((<uint64_t>(hi - lo)) >> (shift - 32)) != 0:
+            memset(cnt, 0, 4097 * sizeof(int64_t))
+            for i in range(n):
+                cnt[((src_[i] >> shift) & 4095) + 1] += 1
+            for k in range(4096):
+                cnt[k + 1] += cnt[k]
+            for i in range(n):
+                k = (src_[i] >> shift) & 4095
+                dst[cnt[k]] = src_[i]
+                cnt[k] += 1
+            sw = src_
+            src_ = dst
+            dst = sw
+            which = 1 - which
+            shift += 12
     free(cnt)
-    return 0
+    return which
 
 
 cdef str _pack_ages(const uint32_t *vals, int64_t n, int64_t src):
@@ -893,8 +905,9 @@ cdef class ShuffleReader(DecoratedReader):
         cdef int64_t[::1] pos
         cdef int64_t[::1] tail
         cdef int64_t[::1] js
-        cdef int64_t[::1] order
-        cdef int64_t[::1] spos
+        cdef uint64_t[::1] keys
+        cdef uint64_t[::1] tmpk
+        cdef int64_t which, lo
         if n > E or n < t_a or E <= 0 or cnt < 0 or cnt > self.cap or t_a < 0:
             return -1
         where = "set_state: the shuffle's saved buffer is inconsistent"
@@ -944,18 +957,24 @@ cdef class ShuffleReader(DecoratedReader):
                              f"buffer needs {src}")
         if self.scap < cn:
             self._grow(cn)
-        order = np.empty(max(cn, 1), np.int64)          # file order: each chunk loaded once
-        spos = np.empty(max(cn, 1), np.int64)
+        keys_a = np.empty(max(cn, 1), np.uint64)        # file order: each chunk loaded once
+        tmp_a = np.empty(max(cn, 1), np.uint64)
+        keys = keys_a
+        tmpk = tmp_a
+        which = _file_order(&pos[0], cn, &keys[0], &tmpk[0]) if cn > 0 else 0
+        if which:
+            keys = tmpk
+        lo = 0
         if cn > 0:
-            _bucket_order(&pos[0], cn, &order[0], &spos[0])
+            lo = pos[<int64_t><uint32_t>keys[0]] - <int64_t>(keys[0] >> 32)
         cdef bint copy = self.c_on and not self._in_memory()
         self.count = 0
         try:
             with nogil:
-                self._fill_by_index(&spos[0], &order[0], cn, copy)
+                self._fill_by_index(&keys[0], lo, cn, copy)
         except BaseException:
-            for i in range(self.count):     # slots filled so far, in `order`
-                s_ = order[i]
+            for i in range(self.count):     # slots filled so far, in `keys` order
+                s_ = <int64_t><uint32_t>keys[i]
                 self._release(self.slots[s_].ref, self._size(s_))
             self.count = 0
             raise
@@ -982,26 +1001,28 @@ cdef class ShuffleReader(DecoratedReader):
         self.restores += 1
         return n
 
-    cdef int _fill_by_index(self, const int64_t *spos, const int64_t *order, int64_t cn,
+    cdef int _fill_by_index(self, const uint64_t *keys, int64_t lo, int64_t cn,
                             bint copy) except -1 nogil:
-        # slot order[i] <- the source's record spos[i]; self.count counts
-        # the slots filled (in `order`), for the caller's cleanup on an error.
+        # slot keys[i] & 0xFFFFFFFF <- the source's record lo + (keys[i] >> 32)
+        # (_file_order); self.count counts the slots filled (in that order),
+        # for the caller's cleanup on an error.
         # copy: small records are copied into the shuffle's own arena blocks
         # as they are read (file sources, compaction on): the buffer's records
         # are scattered over many chunks, which the first compaction pass after
         # the restore would otherwise copy them out of (a 1M buffer: 55-100 ms
         # on the first batch), and only two chunks are held at a time.
         # Deferred (mapped, unverified) records never are.
-        cdef int64_t i, s_, nx
+        cdef int64_t i, s_, nx, at
         cdef rl_record rec
         cdef char *p
         for i in range(cn):
             if i + 32 < cn:                     # the slot written 32 records from now
-                nx = order[i + 32]
+                nx = <int64_t><uint32_t>keys[i + 32]
                 __builtin_prefetch(&self.slots[nx], 1)
                 __builtin_prefetch(&self.slot_pos[nx], 1)
-            s_ = order[i]
-            self.reader.c_read_at(spos[i], &rec)
+            s_ = <int64_t><uint32_t>keys[i]
+            at = lo + <int64_t>(keys[i] >> 32)
+            self.reader.c_read_at(at, &rec)
             p = NULL
             if copy and rec.size < COMPACT_MAX_RECORD and not rl_record_is_deferred(&rec):
                 p = self._arena_alloc(rec.size)
@@ -1012,7 +1033,7 @@ cdef class ShuffleReader(DecoratedReader):
                 self.slots[s_].ref = <uint32_t>self._arena_take(rec.size)
             else:
                 self._put(s_, &rec, self._acquire(rec.block, rec.size))
-            self.slot_pos[s_] = <uint32_t>spos[i]
+            self.slot_pos[s_] = <uint32_t>at
             self.count += 1
         return 0
 
