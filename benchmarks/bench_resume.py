@@ -18,6 +18,10 @@ item, exactly the old code path):
     map/prefetch    src.shuffle(10k).map(f).batch(256).prefetch(2)
                                                             new: map and prefetch skip below
     map/prefetch/old  ReaderHolder(the same)                replay (f called again)
+    filter          src.filter(keep).batch(256)              new: the filter's saved input
+                                                            counts, skipped below (c_skip)
+    filter/old      ReaderHolder(the same)                  replay (the predicate called again
+                                                            for every record before the position)
 
 "state KB" is the JSON size of the state (the buffer shuffle's saved buffer:
 its records' source positions).  `--big-buffer`: one more table, shuffle(1M)
@@ -55,6 +59,11 @@ def _ident(x):
     return x
 
 
+def _keep(x):
+    """The filter's predicate: drops one record in 8 (a Python call per record)."""
+    return int(x[0][0]) % 32 != 0
+
+
 def make_chain(src_factory, kind, buffer=BUFFER):
     if kind.endswith("/old"):
         return rl.ReaderHolder(make_chain(src_factory, kind[:-4], buffer))
@@ -69,6 +78,8 @@ def make_chain(src_factory, kind, buffer=BUFFER):
         return s.shuffle(buffer, seed=0).batch(BATCH)
     if kind == "map/prefetch":
         return s.shuffle(buffer, seed=0).map(_ident, output_schema=s.schema).batch(BATCH).prefetch(2)
+    if kind == "filter":
+        return s.filter(_keep).batch(BATCH)
     raise ValueError(kind)
 
 
@@ -222,15 +233,17 @@ def restores_and_epochs(args, rep):
                        "recordio": lambda p=path: rl.RecordIOReader(p)}
             nb = -(-n // BATCH)
             for sname, factory in sources.items():
-                for kind in ("unshuffled", "global", "window", "buffer", "map/prefetch",
-                             "unshuffled/old", "buffer/old", "map/prefetch/old"):
-                    if kind == "map/prefetch/old" and n > 1_000_000:
-                        continue                # calls the map 2 x 15 M times: the 1 M row says it
+                for kind in ("unshuffled", "global", "window", "buffer", "map/prefetch", "filter",
+                             "unshuffled/old", "buffer/old", "map/prefetch/old", "filter/old"):
+                    if kind in ("map/prefetch/old", "filter/old") and n > 1_000_000:
+                        continue                # calls the function 2 x 15 M times: the 1 M row says it
                     old = kind.endswith("/old")
                     reps = args.old_repeats if old else args.repeats
                     cells, bests, alone, size = [], [], [], 0
+                    # the filter keeps 7 records in 8 (i % 8 != 0): its epoch is shorter
+                    nbk = nb if not kind.startswith("filter") else -(-(n - -(-n // 8)) // BATCH)
                     for frac in (0.1, 0.5, 0.9):
-                        pos = int(nb * frac)
+                        pos = int(nbk * frac)
                         st = state_at(factory, kind, pos)
                         size = max(size, len(json.dumps(st)))
                         ts = time_restore(factory, kind, st, reps)

@@ -41,8 +41,10 @@ Design:
     nothing to get_state(); restoring skips its input (`c_skip`: map and
     map_batches, threaded or not, without calling the function for the
     skipped records).  A filter cannot know how many inputs its first k
-    outputs took without calling the predicate: restoring through a filter
-    replays (calls it again for every input up to the position).
+    outputs took without calling the predicate, so its state records them:
+    the input count after each of its last outputs (as far back as the
+    readers above may have read ahead), and a restore skips that many inputs
+    below (FilterReader's docstring).
 
     Output schema: declared with output_schema=, or inferred from the
     function's output on the first instance (read and then rewound with
@@ -919,6 +921,39 @@ cdef class MapBatchesReader(DecoratedReader):
         return f"MapBatchesReader({self.reader!r}, {name})"
 
 
+DEF F_RING = 65536            # outputs a filter's restore can rewind (items read ahead above it)
+DEF F_MASK = F_RING - 1
+DEF F_PASSES = 64             # ... and passes of a multi_pass/repeat above it that it skips whole
+
+
+def _pack_counts(counts):
+    """Non-decreasing input counts as a short string: the first, then the
+    differences as uint64, deflated, base64."""
+    import base64, zlib
+    c = np.asarray(counts, np.int64)
+    raw = np.diff(c).astype("<u8").tobytes() if c.shape[0] > 1 else b""
+    return int(c[0]) if c.shape[0] else 0, base64.b64encode(zlib.compress(raw, 1)).decode("ascii")
+
+
+def _unpack_counts(int64_t first, text, int64_t n, where):
+    import base64, zlib
+    try:
+        raw = zlib.decompress(base64.b64decode(text.encode("ascii"), validate=True))
+    except Exception as e:
+        raise ValueError(f"{where} (input counts do not decode: {e})") from None
+    if len(raw) != 8 * max(n - 1, 0):
+        raise ValueError(f"{where} ({len(raw)} bytes of input counts, expected {8 * max(n - 1, 0)})")
+    d = np.frombuffer(raw, "<u8")
+    if d.shape[0] and (d > (1 << 62)).any():
+        raise ValueError(f"{where} (an input count out of range)")
+    out = np.empty(n, np.int64)
+    if n:
+        out[0] = first
+        np.cumsum(d.astype(np.int64), out=out[1:])
+        out[1:] += first
+    return out
+
+
 cdef class FilterReader(DecoratedReader):
     """Keep the items for which `predicate(item)` is true (tf.data's filter).
 
@@ -926,6 +961,19 @@ cdef class FilterReader(DecoratedReader):
     (tuple of LoDTensor) and returns a bool.  Kept records pass on unchanged
     (no copy).  An exception in the predicate is raised with a note naming the
     position; reading on continues with the next item.
+
+    Resume: `get_state()` records how many items the filter took from the
+    reader below for each of its last outputs (as many as the readers above it
+    may have read ahead), so `set_state()` positions the reader below with
+    `c_skip` (O(1) over sources with random access) instead of calling the
+    predicate again for every item up to the position.  The restored chain
+    yields what the saved one would have, even when the predicate is not
+    deterministic (a random or stateful predicate): a replay would call it
+    again and could keep a different set of items, so this is more exact
+    than replaying, not less.  Where the count is not known exactly (an error
+    below the filter this epoch, a position further back than the saved
+    outputs reach, an earlier pass of a multi_pass/repeat above it) the
+    restore replays, calling the predicate: never a wrong position.
     """
     cdef readonly object predicate
     cdef object _spare
@@ -933,6 +981,30 @@ cdef class FilterReader(DecoratedReader):
     cdef BatchCodec batchcodec
     cdef int64_t in_pos
     cdef object _source
+    # Resume (see the docstring): ring[e & F_MASK] = in_pos after output e
+    cdef int64_t *ring
+    cdef readonly int64_t emitted    # items kept (handed out) this epoch
+    cdef readonly int64_t epoch      # resets so far (each pass of a multi_pass above is one)
+    cdef int64_t base_n              # the ring holds outputs from base_n on (a restore's position)
+    cdef int64_t base_in             # in_pos at base_n outputs
+    cdef bint track_ok               # the counts are valid this epoch (no error below)
+    cdef bint in_upstream            # still set on entry: the last call below raised
+    cdef bint at_end                 # the reader below ran out this epoch (in_pos: all its items)
+    cdef bint has_pending
+    cdef object _pending             # set_state's saved counts: (epoch, first output, counts, end, ended)
+    cdef object _passes              # epoch -> (outputs, inputs) of the last epochs read to their end
+    cdef object _saved_passes        # ... as set_state found them in the state
+    cdef readonly int64_t restores   # positioned without the predicate (a test hook)
+
+    def __cinit__(self, *args, **kwargs):
+        self.ring = <int64_t *>malloc(F_RING * sizeof(int64_t))
+        if self.ring == NULL:
+            raise MemoryError()
+        self.track_ok = True
+
+    def __dealloc__(self):
+        free(self.ring)
+        self.ring = NULL
 
     def __init__(self, reader, predicate):
         _check_reader(reader, "FilterReader")
@@ -949,6 +1021,11 @@ cdef class FilterReader(DecoratedReader):
     @property
     def padded_flags(self):
         return None if self.batchcodec is None else self.batchcodec.padded
+
+    @property
+    def track(self):
+        """True: get_state reads this filter's counts (background readers above pause)."""
+        return True
 
     cdef int _keep(self, rl_record *rec) except -1:
         cdef int64_t pos = self.in_pos
@@ -981,17 +1058,210 @@ cdef class FilterReader(DecoratedReader):
 
     cdef int c_next(self, rl_record *out) except -1 nogil:
         cdef int r, keep
+        if self.has_pending:
+            with gil:
+                self._drop_pending(False)
+        if self.in_upstream:
+            self.track_ok = False           # the reader below raised: its count no longer adds up
         while True:
+            self.in_upstream = True
             r = self.reader.c_next(out)
+            self.in_upstream = False
             if r <= 0:
+                if not self.at_end and self.track_ok:
+                    with gil:
+                        self._passed()
+                self.at_end = True
                 return r
             with gil:
                 keep = self._keep(out)
             if keep:
+                self.ring[self.emitted & F_MASK] = self.in_pos
+                self.emitted += 1
                 return 1
+
+    def _passed(self):
+        # an epoch read to its end: how many outputs and inputs (a restore through a
+        # multi_pass/repeat above skips this pass whole with them)
+        if self._passes is None:
+            self._passes = {}
+        self._passes[int(self.epoch)] = (int(self.emitted), int(self.in_pos))
+        while len(self._passes) > F_PASSES:
+            del self._passes[min(self._passes)]
+
+    def _drop_pending(self, bint later_too):
+        # reading drops the saved counts of this (or an earlier) epoch; those of
+        # a later pass wait for it
+        info = self._pending
+        if info is not None and (later_too or info[0] <= self.epoch):
+            self._pending = None
+            self.has_pending = False
+
+    cdef int64_t c_skip(self, int64_t n) except -1 nogil:
+        # From set_state's saved counts where they reach (the reader below skips
+        # with its own c_skip, the predicate is not called); else replay.
+        cdef int64_t got
+        if n <= 0:
+            return 0
+        if self.has_pending:
+            with gil:
+                got = self._skip_saved(n)
+            if got >= 0:
+                return got
+        return ReaderBase.c_skip(self, n)
+
+    def _skip_saved(self, int64_t n):
+        """Skip n outputs by the saved input counts; -1 when they do not reach."""
+        cdef int64_t first, target, up, want, got, last, ended, before = self.emitted
+        ep, first, counts, end, ended = self._pending
+        if ep < self.epoch:
+            self._drop_pending(True)
+            return -1
+        if self.in_upstream or not self.track_ok:
+            return -1
+        if ep > self.epoch:
+            # an earlier pass of a multi_pass/repeat above: skipped whole if it was read to its end
+            whole = self._saved_passes.get(int(self.epoch)) if self._saved_passes else None
+            if whole is None or self.emitted + n < whole[0] or whole[1] < self.in_pos:
+                return -1
+            want = whole[1] - self.in_pos
+            self.in_upstream = True
+            with nogil:
+                got = self.reader.c_skip(want)
+            self.in_upstream = False
+            if got != want:
+                self.in_pos += got
+                self.track_ok = False
+                raise ValueError(f"set_state: the filter's saved pass {self.epoch} needs {whole[1]} "
+                                 f"items from the reader below it, which has {self.in_pos}")
+            self.in_pos = whole[1]
+            self.emitted = whole[0]
+            self.base_n = self.emitted
+            self.base_in = self.in_pos
+            self.at_end = True
+            self._passed()
+            self._spare = None
+            return self.emitted - before
+        target = self.emitted + n
+        last = first + counts.shape[0] - 1
+        if target > last and ended >= 0:
+            target = last                   # the epoch ends there: every item below goes
+            up = ended
+        elif target < first or target > last:
+            return -1
+        else:
+            up = end if (end >= 0 and target == last) else int(counts[target - first])
+        if up < self.in_pos:
+            return -1
+        want = up - self.in_pos
+        self.in_upstream = True
+        with nogil:
+            got = self.reader.c_skip(want)
+        self.in_upstream = False
+        if got != want:
+            self.in_pos += got
+            self.track_ok = False
+            raise ValueError(f"set_state: the filter's saved position needs {up} items from the "
+                             f"reader below it, which has {self.in_pos}")
+        self.in_pos = up
+        self.emitted = target
+        self.base_n = target
+        self.base_in = up
+        self.at_end = ended >= 0 and up == ended
+        self._spare = None
+        self.restores += 1
+        return target - before
+
+    cdef int64_t _count(self, int64_t m) noexcept:
+        # in_pos after m outputs, for base_n <= m <= emitted (and m > emitted - F_RING)
+        if m == self.base_n:
+            return self.base_in
+        return self.ring[(m - 1) & F_MASK]
+
+    def _inputs_ahead(self, a):
+        """For a shuffle below: how many items this filter may have taken beyond
+        the chain's position when the readers above hold up to `a` of its
+        outputs read ahead (None: not known)."""
+        cdef int64_t E = self.emitted, lo
+        if a is None:
+            return None
+        lo = max(self.base_n, E - F_RING + 1)
+        if E - <int64_t>a < lo:
+            return None
+        return int(self.in_pos - self._count(E - <int64_t>a))
+
+    def _resume_state(self, above):
+        """get_state's live part: the input counts after each of the outputs the
+        chain's position can fall on (None: not known exactly, restore replays)."""
+        from readerlib.readers._shuffle import _ahead_bound
+        cdef int64_t E = self.emitted, lo, want, m
+        if not self.track_ok or self.in_upstream:
+            return {"filter": None}
+        G = _ahead_bound(above)
+        lo = max(self.base_n, E - F_RING + 1, 0)
+        want = lo if G is None else max(E - <int64_t>G, lo)
+        counts = np.empty(E - want + 1, np.int64)
+        for m in range(want, E + 1):
+            counts[m - want] = self._count(m)
+        first_count, text = _pack_counts(counts)
+        return {"filter": {"epoch": int(self.epoch), "first": int(want), "n": int(E - want + 1),
+                           "count0": first_count, "counts": text,
+                           # nothing above reads ahead: the position is exactly now, inputs
+                           # dropped after the last output (a predicate that raised) included
+                           "end": int(self.in_pos) if G == 0 else -1,
+                           # the reader below ran out: a position past the last output is the end
+                           "ended": int(self.in_pos) if self.at_end else -1,
+                           "passes": [[e, o, i] for e, (o, i) in sorted((self._passes or {}).items())
+                                      if e < self.epoch]}}
+
+    def _epoch_state(self):
+        return {"epoch": int(self.epoch)}
+
+    def _set_epoch_state(self, state):
+        self.epoch = int(state.get("epoch", self.epoch))
+        self._pending = None
+        self.has_pending = False
+        info = state.get("filter")
+        if info is None:
+            return
+        where = "set_state: the filter's saved counts are inconsistent"
+        if not isinstance(info, dict):
+            raise ValueError(f"set_state: the filter's saved counts must be a dict, got "
+                             f"{type(info).__name__}")
+        try:
+            ep, first, n = int(info["epoch"]), int(info["first"]), int(info["n"])
+            count0, end, text = int(info["count0"]), int(info["end"]), info["counts"]
+            ended = int(info.get("ended", -1))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{where} ({e!r})") from None
+        if first < 0 or n < 1 or n > F_RING + 1 or count0 < first or not isinstance(text, str):
+            raise ValueError(f"{where} (first output {first}, {n} counts from {count0})")
+        counts = _unpack_counts(count0, text, n, where)
+        if (np.diff(counts) < 1).any() or (end >= 0 and end < counts[n - 1]) or \
+                (ended >= 0 and ended < counts[n - 1]):
+            raise ValueError(f"{where} (the counts do not grow by at least one per output)")
+        passes = {}
+        for item in info.get("passes", []):
+            try:
+                e, o, i = (int(v) for v in item)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"{where} (a pass {item!r}: {err})") from None
+            if o < 0 or i < o:
+                raise ValueError(f"{where} (pass {e}: {o} outputs from {i} inputs)")
+            passes[e] = (o, i)
+        self._saved_passes = passes
+        self._pending = (ep, first, counts, end, ended)
+        self.has_pending = True
 
     cdef int c_reset(self) except -1:
         self.in_pos = 0
+        self.emitted = 0
+        self.base_n = 0
+        self.base_in = 0
+        self.at_end = False
+        self.epoch += 1
+        self.track_ok = True
+        self.in_upstream = False
         self._spare = None
         return self.reader.c_reset()
 

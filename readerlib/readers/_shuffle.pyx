@@ -73,7 +73,7 @@ def _compaction_settings(enabled=None, slack_bytes=None, factor=None, fill=None)
 
 
 cdef extern from *:
-    void __builtin_prefetch(const void *p) nogil
+    void __builtin_prefetch(const void *p, ...) nogil
 
 
 def _addressable(reader, bint may_become=False):
@@ -98,6 +98,9 @@ def _addressable(reader, bint may_become=False):
 # (prefetched, in a threaded map's chunk, a batch being built): how far a
 # restore may have to rewind the buffer.  Unknown readers: the whole ring.
 def _upstream_ahead(r, a):
+    f = getattr(r, "_inputs_ahead", None)       # a filter: from its own counts
+    if f is not None:
+        return f(a)
     name = type(r).__name__
     if name in ("TakeReader", "SkipReader", "MapBatchesReader", "MultiPassReader",
                 "RepeatReader", "ReaderHolder"):
@@ -130,45 +133,194 @@ cdef inline int64_t _count_at(int64_t t, int64_t E, int64_t cnt, int64_t D) noex
     return cnt + max(0, E - max(t, D))
 
 
-cdef int _radix_order(const int64_t *pos, int64_t n, int64_t *order, int64_t *tmp) except -1:
-    """order[:n] <- 0..n-1 sorted by pos (values < 2^32): two 16-bit LSD passes,
-    O(n) (a comparison sort of a 1M buffer took longer than reading it)."""
-    cdef int64_t *cnt = <int64_t *>malloc(65537 * sizeof(int64_t))
-    cdef int64_t i, k, shift, c
-    cdef int64_t *src_
-    cdef int64_t *dst
+cdef int64_t _file_order(const int64_t *pos, int64_t n, uint64_t *keys, uint64_t *tmp) except -1:
+    """Sort slots 0..n-1 by pos: keys[:n] (returned 0) or tmp[:n] (returned 1)
+    <- ((pos[s] - lo) << 32) | s in increasing order, lo = min(pos), by an LSD
+    radix sort of the 12-bit digits of pos - lo (two passes for spans up to
+    16M records).  The keys carry the slot and its position, so the fill reads
+    them in order without a gather (a sort of slot indices by pos[s] cost
+    25-45 ms for a 1M buffer in those indirect loads).  *lo_out = lo."""
+    cdef int64_t *cnt = <int64_t *>malloc(4097 * sizeof(int64_t))
+    cdef int64_t i, k, lo, hi, shift, which = 0
+    cdef uint64_t *src_
+    cdef uint64_t *dst
+    cdef uint64_t *sw
     if cnt == NULL:
         raise MemoryError()
     with nogil:
+        lo = pos[0]
+        hi = pos[0]
+        for i in range(1, n):
+            if pos[i] < lo:
+                lo = pos[i]
+            if pos[i] > hi:
+                hi = pos[i]
         for i in range(n):
-            order[i] = i
-        src_ = order
+            keys[i] = ((<uint64_t>(pos[i] - lo)) << 32) | <uint64_t>i
+        src_ = keys
         dst = tmp
-        for c in range(2):
-            shift = 16 * c
-            memset(cnt, 0, 65537 * sizeof(int64_t))
+        shift = 32
+        while shift < 64 and ((<uint64_t>(hi - lo)) >> (shift - 32)) != 0:
+            memset(cnt, 0, 4097 * sizeof(int64_t))
             for i in range(n):
-                cnt[((pos[src_[i]] >> shift) & 0xFFFF) + 1] += 1
-            for k in range(65536):
+                cnt[((src_[i] >> shift) & 4095) + 1] += 1
+            for k in range(4096):
                 cnt[k + 1] += cnt[k]
             for i in range(n):
-                k = (pos[src_[i]] >> shift) & 0xFFFF
+                k = (src_[i] >> shift) & 4095
                 dst[cnt[k]] = src_[i]
                 cnt[k] += 1
-            src_ = dst          # pass 0: order -> tmp; pass 1: tmp -> order
-            dst = order
+            sw = src_
+            src_ = dst
+            dst = sw
+            which = 1 - which
+            shift += 12
     free(cnt)
-    return 0
+    return which
+
+
+cdef str _pack_ages(const uint32_t *vals, int64_t n, int64_t src):
+    """Positions vals[:n] (< src) as a short string: their distances back from
+    src - 1 (small: the buffer holds recent records), bit-packed at the width
+    of the largest (22 bits for a 1M buffer over 5M records), base64:
+    "p<width>:<base64>"."""
+    cdef int64_t i, nbytes, o = 0
+    cdef uint32_t mx = 0, age
+    cdef int w = 0, have = 0
+    cdef uint64_t acc = 0
+    cdef unsigned char *b
+    with nogil:
+        for i in range(n):
+            age = <uint32_t>(src - 1 - vals[i])
+            if age > mx:
+                mx = age
+    while w < 32 and (mx >> w) != 0:
+        w += 1
+    nbytes = (n * w + 7) // 8
+    out = bytearray(nbytes + 8)
+    b = out
+    with nogil:
+        for i in range(n):
+            age = <uint32_t>(src - 1 - vals[i])
+            acc |= (<uint64_t>age) << have
+            have += w
+            while have >= 8:
+                b[o] = <unsigned char>(acc & 0xFF)
+                o += 1
+                acc >>= 8
+                have -= 8
+        if have > 0:
+            b[o] = <unsigned char>(acc & 0xFF)
+    return f"p{w}:" + base64.b64encode(memoryview(out)[:nbytes]).decode("ascii")
 
 
 def _pack_positions(pos, int64_t src):
-    """Source positions (< src) as a short string: their distances back from
-    src - 1 (small: the buffer holds recent records) as uint32, deflated, base64."""
-    age = (src - 1 - np.asarray(pos, np.int64)).astype("<u4")
-    return base64.b64encode(zlib.compress(age.tobytes(), 1)).decode("ascii")
+    """Source positions (< src) as a short string (see _pack_ages)."""
+    a = np.ascontiguousarray(np.asarray(pos, np.int64).astype(np.uint32))
+    cdef uint32_t[::1] v = a
+    cdef int64_t n = a.shape[0]
+    return _pack_ages(&v[0] if n else NULL, n, src)
+
+
+cdef signed char _B64[256]
+_B64_ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+for _k in range(256):
+    _B64[_k] = -1
+for _k in range(64):
+    _B64[_B64_ALPHABET[_k]] = _k
+
+
+cdef int64_t _b64_bits(const unsigned char *t, int64_t m, int w, int64_t n, int64_t src,
+                       int64_t *out) noexcept nogil:
+    """Decode base64 text t[:m] and unpack n values of w bits (LSB first) from its
+    bytes as out[i] = src - 1 - value, in one pass.  Returns the number of
+    decoded bytes, or -1 (a character outside the alphabet, bad padding), -2
+    (a position below 0); the caller checks the byte count."""
+    cdef int64_t i = 0, j = 0, nb = 0, p
+    cdef int have = 0, pad, k
+    cdef uint64_t acc = 0, mask = ((<uint64_t>1) << w) - 1 if w < 64 else <uint64_t>0xFFFFFFFFFFFFFFFF
+    cdef int c0, c1, c2, c3
+    cdef uint32_t g
+    cdef int bad = 0
+    if m % 4:
+        return -1
+    while i < m:
+        pad = 0
+        if i + 4 == m:
+            if t[m - 1] == 61:          # '='
+                pad = 2 if t[m - 2] == 61 else 1
+        c0 = _B64[t[i]]
+        c1 = _B64[t[i + 1]]
+        c2 = _B64[t[i + 2]] if pad < 2 else 0
+        c3 = _B64[t[i + 3]] if pad < 1 else 0
+        if (c0 | c1 | c2 | c3) < 0:
+            return -1
+        g = (<uint32_t>c0 << 18) | (<uint32_t>c1 << 12) | (<uint32_t>c2 << 6) | <uint32_t>c3
+        for k in range(3 - pad):
+            acc |= (<uint64_t>((g >> (16 - 8 * k)) & 0xFF)) << have
+            have += 8
+            nb += 1
+            while have >= w and j < n and w > 0:
+                p = src - 1 - <int64_t>(acc & mask)
+                acc >>= w
+                have -= w
+                if p < 0:
+                    bad = 1
+                out[j] = p
+                j += 1
+        i += 4
+    if bad:
+        return -2
+    return nb
+
+
+cdef int _decode_positions(text, int64_t src, int64_t n, int64_t *out, where) except -1:
+    """out[:n] <- the positions _pack_ages wrote (or the older deflated uint32
+    form: base64 of zlib), each checked to lie in [0, src)."""
+    cdef const unsigned char *t
+    cdef int64_t i, m, got
+    cdef int w
+    if not isinstance(text, str):
+        raise ValueError(f"{where} (positions must be a string, got {type(text).__name__})")
+    head, sep, body = text[:4].partition(":")
+    if sep and head[:1] == "p" and head[1:].isdigit():
+        w = int(head[1:])
+        if w > 32:
+            raise ValueError(f"{where} (positions {w} bits wide)")
+        try:
+            data = text[len(head) + 1:].encode("ascii")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{where} (positions do not decode: {e})") from None
+        t = data
+        m = len(data)
+        with nogil:
+            got = _b64_bits(t, m, w, n, src, out)
+        if got == -1:
+            raise ValueError(f"{where} (positions do not decode: not base64)")
+        if got == -2:
+            raise ValueError(f"{where} (a position before the epoch's start)")
+        if got != (n * w + 7) // 8:
+            raise ValueError(f"{where} ({got} bytes of {w}-bit positions, expected {n})")
+        if w == 0:
+            for i in range(n):
+                out[i] = src - 1
+        return 0
+    old = _unpack_positions_v1(text, src, n, where)
+    for i in range(n):
+        out[i] = old[i]
+    return 0
 
 
 def _unpack_positions(text, int64_t src, int64_t n, where):
+    """The positions a state holds, as an int64 array (see _decode_positions)."""
+    a = np.empty(max(n, 1), np.int64)
+    cdef int64_t[::1] v = a
+    _decode_positions(text, src, n, &v[0], where)
+    return a[:n]
+
+
+def _unpack_positions_v1(text, int64_t src, int64_t n, where):
+    # states written before the bit-packed form: uint32 ages, deflated, base64
     try:
         raw = zlib.decompress(base64.b64decode(text.encode("ascii"), validate=True))
     except Exception as e:
@@ -753,17 +905,17 @@ cdef class ShuffleReader(DecoratedReader):
         cdef int64_t[::1] pos
         cdef int64_t[::1] tail
         cdef int64_t[::1] js
-        cdef int64_t[::1] order
-        cdef int64_t[::1] tmpv
+        cdef uint64_t[::1] keys
+        cdef uint64_t[::1] tmpk
+        cdef int64_t which, lo
         if n > E or n < t_a or E <= 0 or cnt < 0 or cnt > self.cap or t_a < 0:
             return -1
         where = "set_state: the shuffle's saved buffer is inconsistent"
         if src != E + cnt:                  # every record taken is handed out or buffered
             raise ValueError(f"{where} ({src} records taken, {E} handed out + {cnt} buffered)")
-        pos_a = np.zeros(self.cap, np.int64)
-        got_slots = _unpack_positions(info["slots"], src, cnt, where)
-        pos_a[:cnt] = got_slots
+        pos_a = np.empty(max(self.cap, 1), np.int64)
         pos = pos_a
+        _decode_positions(info["slots"], src, cnt, &pos[0], where)
         tail = _unpack_positions(info["tail"], src, E - t_a, where)
         rs = info["rng"]
         for i in range(4):
@@ -805,21 +957,33 @@ cdef class ShuffleReader(DecoratedReader):
                              f"buffer needs {src}")
         if self.scap < cn:
             self._grow(cn)
-        order = np.empty(max(cn, 1), np.int64)          # file order: each chunk loaded once
+        keys_a = np.empty(max(cn, 1), np.uint64)        # file order: each chunk loaded once
+        tmp_a = np.empty(max(cn, 1), np.uint64)
+        keys = keys_a
+        tmpk = tmp_a
+        which = _file_order(&pos[0], cn, &keys[0], &tmpk[0]) if cn > 0 else 0
+        if which:
+            keys = tmpk
+        lo = 0
         if cn > 0:
-            tmpv = np.empty(cn, np.int64)
-            _radix_order(&pos[0], cn, &order[0], &tmpv[0])
+            lo = pos[<int64_t><uint32_t>keys[0]] - <int64_t>(keys[0] >> 32)
+        cdef bint copy = self.c_on and not self._in_memory()
         self.count = 0
         try:
             with nogil:
-                self._fill_by_index(&pos[0], &order[0] if cn > 0 else NULL, cn)
+                self._fill_by_index(&keys[0], lo, cn, copy)
         except BaseException:
-            for i in range(self.count):     # slots filled so far, in `order`
-                s_ = order[i]
+            for i in range(self.count):     # slots filled so far, in `keys` order
+                s_ = <int64_t><uint32_t>keys[i]
                 self._release(self.slots[s_].ref, self._size(s_))
             self.count = 0
             raise
         self._close_random_access()
+        if not copy:
+            # records left in their source blocks: an in-memory array (shared with
+            # its view, nothing to free) or compaction off; no pass is due for them
+            self.due = False
+            self.since = 0
         self.filled = True
         if D >= 0 and D < n:
             self.upstream_done = True
@@ -837,25 +1001,59 @@ cdef class ShuffleReader(DecoratedReader):
         self.restores += 1
         return n
 
-    cdef int _fill_by_index(self, const int64_t *pos, const int64_t *order, int64_t cn) except -1 nogil:
-        # slot order[i] <- the source's record pos[order[i]]; self.count counts
-        # the slots filled (in `order`), for the caller's cleanup on an error
-        cdef int64_t i, s_
+    cdef int _fill_by_index(self, const uint64_t *keys, int64_t lo, int64_t cn,
+                            bint copy) except -1 nogil:
+        # slot keys[i] & 0xFFFFFFFF <- the source's record lo + (keys[i] >> 32)
+        # (_file_order); self.count counts the slots filled (in that order),
+        # for the caller's cleanup on an error.
+        # copy: small records are copied into the shuffle's own arena blocks
+        # as they are read (file sources, compaction on): the buffer's records
+        # are scattered over many chunks, which the first compaction pass after
+        # the restore would otherwise copy them out of (a 1M buffer: 55-100 ms
+        # on the first batch), and only two chunks are held at a time.
+        # Deferred (mapped, unverified) records never are.
+        cdef int64_t i, s_, nx, at
         cdef rl_record rec
+        cdef char *p
         for i in range(cn):
-            s_ = order[i]
-            self.reader.c_read_at(pos[s_], &rec)
-            self._put(s_, &rec, self._acquire(rec.block, rec.size))
-            self.slot_pos[s_] = <uint32_t>pos[s_]
+            if i + 32 < cn:                     # the slot written 32 records from now
+                nx = <int64_t><uint32_t>keys[i + 32]
+                __builtin_prefetch(&self.slots[nx], 1)
+                __builtin_prefetch(&self.slot_pos[nx], 1)
+            s_ = <int64_t><uint32_t>keys[i]
+            at = lo + <int64_t>(keys[i] >> 32)
+            self.reader.c_read_at(at, &rec)
+            p = NULL
+            if copy and rec.size < COMPACT_MAX_RECORD and not rl_record_is_deferred(&rec):
+                p = self._arena_alloc(rec.size)
+            if p != NULL:
+                memcpy(p, rec.data, <size_t>rec.size)
+                self.slots[s_].data = p
+                self.slots[s_].size = <uint32_t>rec.size
+                self.slots[s_].ref = <uint32_t>self._arena_take(rec.size)
+            else:
+                self._put(s_, &rec, self._acquire(rec.block, rec.size))
+            self.slot_pos[s_] = <uint32_t>at
             self.count += 1
         return 0
 
+    def _in_memory(self):
+        # the source's random access is a view of an array in memory
+        # (readers/_random_access.pyx _ArrayRecords: no descriptor, no cache):
+        # referencing its records costs nothing, copying them would
+        cdef ReaderBase src = self.reader
+        if src._random_access is None and type(src).__name__ == "ArrayReader":
+            src._random_access = src._open_random_access()
+        return type(src._random_access).__name__ == "_ArrayRecords"
+
     def _close_random_access(self):
         # the buffer holds references to the records it took; the chunk cache
-        # (a second descriptor, 2 chunks) is not needed any more
+        # (a second descriptor, 2 chunks) is not needed any more.  An in-memory
+        # view stays: the array block it shares with the buffer is then not
+        # one that compaction would copy records out of (to free nothing)
         cdef ReaderBase src = self.reader
         ra = src._random_access
-        if ra is not None and type(src).__name__ != "GlobalShuffleReader":
+        if ra is not None and type(src).__name__ != "GlobalShuffleReader" and not self._in_memory():
             src._random_access = None
             ra.close()
 
@@ -893,18 +1091,16 @@ cdef class ShuffleReader(DecoratedReader):
         else:
             g = self.ring_s[(t_a >> ANCHOR_SHIFT) & (ANCHORS - 1)]
         k = E - t_a
-        tail = np.empty(k, np.int64)
+        tail_a = np.empty(max(k, 1), np.uint32)
+        cdef uint32_t[::1] tail = tail_a
         for i in range(k):
             tail[i] = self.ring_a[(t_a + i) & RING_MASK]
-        slots = np.empty(self.count, np.int64)
-        for i in range(self.count):
-            slots[i] = self.slot_pos[i]
         return {"buffer": {
             "epoch": int(self.epoch), "emitted": int(E), "source_position": int(self.src_pos),
             "count": int(self.count), "done_at": int(self.done_at), "anchor": int(t_a),
             "rng": [int(g.s[0]), int(g.s[1]), int(g.s[2]), int(g.s[3])],
-            "slots": _pack_positions(slots, self.src_pos),
-            "tail": _pack_positions(tail, self.src_pos)}}
+            "slots": _pack_ages(self.slot_pos, self.count, self.src_pos),
+            "tail": _pack_ages(&tail[0], k, self.src_pos)}}
 
     cdef int c_close(self) except -1:
         self._drop()

@@ -515,3 +515,83 @@ def test_a_position_before_the_saved_steps_replays_exactly():
     assert _shuffle_of(other).restores == 0     # replayed
     rest = _epoch(other)
     assert len(rest) == len(ref) - 20 and all(np.array_equal(a, b) for a, b in zip(rest, ref[20:]))
+
+
+# ------------------------------------------------------- the restore's cost
+def test_positions_pack_bit_tight_and_old_states_still_decode():
+    from readerlib.readers._shuffle import _pack_positions, _unpack_positions
+    import base64
+    import zlib
+    rng = np.random.default_rng(3)
+    for src, n, span in ((1, 0, 1), (1, 1, 1), (10, 7, 1), (5_000_000, 100_000, 4_000_000),
+                         ((1 << 32) - 1, 5000, (1 << 32) - 1), (1000, 1000, 1000)):
+        pos = src - 1 - rng.integers(0, span, n)
+        text = _pack_positions(pos, src)
+        width = int(max(src - 1 - pos, default=0)).bit_length()
+        assert text.startswith(f"p{width}:")
+        assert len(text) <= 4 * -(-(n * width + 7) // 8 // 3) + 8     # base64 of the bits, no more
+        assert np.array_equal(_unpack_positions(text, src, n, "t"), pos)
+    # the form states were written in before (uint32 ages, deflated): a restore takes it
+    pos = np.array([9, 3, 7], np.int64)
+    v1 = base64.b64encode(zlib.compress((10 - 1 - pos).astype("<u4").tobytes(), 1)).decode()
+    assert np.array_equal(_unpack_positions(v1, 10, 3, "t"), pos)
+    for bad, what in (("p3:AAAA", "bytes of 3-bit positions"), ("p40:", "40 bits"),
+                      ("p9:!!", "do not decode"), (v1, "positions, expected 4")):
+        with pytest.raises(ValueError, match=what):
+            _unpack_positions(bad, 10, 4, "t")
+    with pytest.raises(ValueError, match="before the epoch's start"):
+        _unpack_positions(_pack_positions([0, 1], 1000), 10, 2, "t")
+
+
+def test_a_state_in_the_older_position_form_restores_exactly():
+    from readerlib.readers._shuffle import _unpack_positions
+    import base64
+    import zlib
+    make = lambda: _src(3000).shuffle(200, seed=4).batch(7)
+    ref = _epoch(make())
+    c = make()
+    for _ in range(150):
+        c.read_next()
+    state = json.loads(json.dumps(c.get_state()))
+    buf = state["parent"]["buffer"]
+    src = buf["source_position"]
+    for key, n in (("slots", buf["count"]), ("tail", buf["emitted"] - buf["anchor"])):
+        pos = _unpack_positions(buf[key], src, n, "t")
+        buf[key] = base64.b64encode(zlib.compress((src - 1 - pos).astype("<u4").tobytes(), 1)).decode()
+    other = make()
+    other.set_state(state)
+    assert _shuffle_of(other).restores == 1
+    rest = _epoch(other)
+    assert len(rest) == len(ref) - 150 and all(np.array_equal(a, b) for a, b in zip(rest, ref[150:]))
+
+
+def test_restored_buffer_needs_no_compaction_pass(tmp_path):
+    # A restore from a file copies the buffer's small records into the shuffle's
+    # own blocks as it reads them: the chunks they came from are let go, and the
+    # first read does not run a compaction pass over the whole buffer (the old
+    # restore kept every chunk the buffer touched, then copied them all out on
+    # the first batch).  From an array in memory nothing is copied at all.
+    from readerlib.readers._shuffle import _compaction_settings
+    n = 120_000
+    path = str(tmp_path / "f.rio")
+    with rl.RecordIOWriter(path, I64, chunk_size=64 << 10) as w:
+        w.write_batch({"x": np.arange(n, dtype=np.int64)})
+    old = _compaction_settings(slack_bytes=0)       # compaction at this small scale
+    try:
+        for make in (lambda: rl.RecordIOReader(path).shuffle(20_000, seed=5).batch(64),
+                     lambda: rl.ArrayReader(np.arange(n, dtype=np.int64)).shuffle(20_000, seed=5).batch(64)):
+            ref = _epoch(make())
+            k = 1000                             # 64,000 records in: the buffer spans ~9 chunks
+            other = _restore_at(make, k)
+            sh = _shuffle_of(other)
+            st = sh._memory_stats()
+            assert sh.restores == 1 and st["payload_bytes"] == 20_000 * 8
+            if not isinstance(other._walk()[-1], rl.ArrayReader):
+                assert st["pinned_bytes"] <= st["payload_bytes"] + (1 << 20), st   # one arena block
+            first = _flat(other.read_next())
+            st = sh._memory_stats()
+            assert st["passes"] == 0 and st["copied_records"] == 0, st
+            rest = [first] + _rest_items(other)
+            assert len(rest) == len(ref) - k and all(np.array_equal(a, b) for a, b in zip(rest, ref[k:]))
+    finally:
+        _compaction_settings(**old)
