@@ -102,7 +102,7 @@ cdef extern from "rl_mapped.h":
     rl_block *rl_deferred_materialize(const rl_record *r, int *code, int64_t *off) nogil
     int rl_map_all_zero(rl_map *m, const char *p, int64_t n, int64_t *fault_off) nogil
     void rl_map_incref(rl_map *m) nogil
-    int RL_DEF_OK, RL_DEF_MISMATCH, RL_DEF_SHRUNK, RL_DEF_NOMEM, RL_DEF_IO
+    int RL_DEF_OK, RL_DEF_MISMATCH, RL_DEF_SHRUNK, RL_DEF_NOMEM, RL_DEF_LAYOUT, RL_DEF_IO
 
 rl_mapped_import()
 
@@ -155,9 +155,13 @@ def _set_map_budget(nbytes):
     return old
 
 
-def _deferred_error(path, chunk, index, code, offset):
+def _deferred_error(path, chunk, index, code, offset, schema=None):
     """The RecordIOError of a deferred record that failed where it was copied
     (the same messages as the reader's own checks)."""
+    if code == RL_DEF_LAYOUT:             # CRC good, the bytes do not fit the schema (sequence records)
+        msg = f"{_CHUNK_ERRORS[CK_RECORD]} (record {index} of chunk {chunk})"
+        return RecordIOSchemaError(f"{path}: {msg} at byte offset {offset}: schema {schema}",
+                                   path, offset, index)
     if code == RL_DEF_NOMEM:
         return MemoryError(f"{path}: out of memory copying record {index} of chunk {chunk}")
     if code >= RL_DEF_IO:                 # the read failed (errno), as CK_IO on the reader's path
@@ -168,17 +172,18 @@ def _deferred_error(path, chunk, index, code, offset):
     return RecordIOError(f"{path}: {msg} at byte offset {offset}", path, offset)
 
 
-cdef object _deferred_error_of(const rl_record *r, int code, int64_t offset):
+cdef object _deferred_error_of(const rl_record *r, int code, int64_t offset, schema=None):
     cdef rl_dblock *d = <rl_dblock *>r.block
-    return _deferred_error(d.map.path.decode("utf-8", "surrogateescape"), d.chunk, d.index, code, offset)
+    return _deferred_error(d.map.path.decode("utf-8", "surrogateescape"), d.chunk, d.index, code, offset,
+                           schema)
 
 
-def _deferred_error_py(size_t block, int code, int64_t offset):
+def _deferred_error_py(size_t block, int code, int64_t offset, schema=None):
     """_deferred_error for a deferred record's block (its address), for the
     modules that copy deferred records (the batch, the shuffle)."""
     cdef rl_record r
     r.block = <rl_block *>block
-    return _deferred_error_of(&r, code, offset)
+    return _deferred_error_of(&r, code, offset, schema)
 
 # Version-2 big records: (False, the default) read a group straight into the
 # records' blocks and CRC each there, still in cache; or (True) read it into a
@@ -709,6 +714,7 @@ cdef class RecordIOReader(FileReader):
     cdef rl_map *dmap                  # the file mapped for a negotiated batch (NULL: none)
     cdef int64_t cur_chunk             # the chunk _load_chunk is loading
     cdef readonly int64_t _records_deferred  # test hook: records handed out deferred
+    cdef int64_t _min_size             # the smallest record the schema allows (no rows)
 
     def __cinit__(self):
         self.fd = -1
@@ -774,12 +780,16 @@ cdef class RecordIOReader(FileReader):
         """A BatchReader over this reader (through decorators that only move
         items) asks for deferred records: maps the file (once) and returns the
         mapping's address with a reference for the caller, or 0 (no: mapped
-        reads off, version 1, sequence fields, on_error="skip", closed)."""
+        reads off, version 1, on_error="skip", closed)."""
         cdef void *p
         cdef rl_map *m
-        if (not _mapped or self.version != 2 or self.layout.n_lod != 0 or self.skip_errors
+        cdef int f
+        if (not _mapped or self.version != 2 or self.layout.bare or self.skip_errors
                 or self.fd < 0 or self.fsize <= 0):
             return 0
+        self._min_size = 0
+        for f in range(self.layout.nfields):
+            self._min_size += 8 if self.layout.lod[f] else self.layout.row_bytes[f]
         if self.dmap == NULL:
             if _via_pread:
                 p = <void *>(<size_t>1 << 40)    # never dereferenced: offsets only
@@ -872,7 +882,10 @@ cdef class RecordIOReader(FileReader):
                     self.err_off = payload_abs + pos
                     return CK_PADDING
             pos += pad
-            if size_i != self.layout.fixed_size:
+            # fixed schemas: the size is the whole check; sequence schemas: what
+            # the size alone can tell, the row counts are the batch's (it reads them)
+            if (size_i != self.layout.fixed_size if self.layout.n_lod == 0
+                    else size_i < self._min_size):
                 self.err_record = k
                 self.err_off = payload_abs + pos
                 return CK_RECORD
@@ -1399,7 +1412,7 @@ cdef class RecordIOReader(FileReader):
         code = self._v2_layout(T, n, stored, payload_abs, aligned)
         if code != CK_OK:
             return code
-        if (self.dmap != NULL and self.dmap.pull and self.layout.n_lod == 0
+        if (self.dmap != NULL and self.dmap.pull
                 and off + CHUNK_HEADER + stored <= self.dmap.len):
             return self._load_v2_deferred(T, n, payload_abs, aligned)
         if aligned and self.padbuf == NULL:
@@ -1602,6 +1615,13 @@ cdef class RecordIOReader(FileReader):
         if nb == NULL:
             with gil:
                 err = _deferred_error_of(out, code, off)
+                rl_block_decref(self.cur_blocks[i])
+                self.cur_blocks[i] = NULL
+                raise err
+        if self.layout.n_lod and layout_parse(&self.layout, nb.data, nb.size, self._ptrs, self._rows) != 0:
+            with gil:
+                err = _deferred_error_of(out, RL_DEF_LAYOUT, out.data - self.dmap.base, self.schema)
+                rl_block_decref(nb)
                 rl_block_decref(self.cur_blocks[i])
                 self.cur_blocks[i] = NULL
                 raise err

@@ -123,7 +123,7 @@ def test_deferred_chain_is_bitwise_the_pread_path(tmp_path, mode, copy_path, cha
     assert_exactly_once(flat, want * passes)
 
 
-def test_sequence_schema_keeps_the_pread_path(tmp_path, mode):
+def test_sequence_schema_takes_the_one_copy_path(tmp_path, mode):
     p = str(tmp_path / "seq.rio")
     schema = rl.Schema([rl.Field("s", "uint8", (4000,), lod_level=1)])
     rng = np.random.default_rng(1)
@@ -133,9 +133,9 @@ def test_sequence_schema_keeps_the_pread_path(tmp_path, mode):
     make = lambda: rl.RecordIOReader(p).shuffle(10, seed=0).batch(4)
     ref = _reference(make)
     c = make()
-    assert not c._mapped                     # deferral is for fixed-size schemas only
+    assert c._mapped                         # sequence schemas are deferred too (issue 16)
     assert _batches(c) == ref
-    assert c.reader.reader._records_deferred == 0
+    assert c.reader.reader._records_deferred == 30
     c.close()
 
 
