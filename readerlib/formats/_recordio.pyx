@@ -224,10 +224,11 @@ def _crc32c_copy(dst, src, uint32_t crc=0):
     return crc
 
 
-def _gather_copy(dst, src, offsets, bint fused):
+def _gather_copy(dst, src, offsets, bint fused, bint nt=False):
     """Benchmark hook (the mmap floor, benchmarks/bench_big_records.py): row i
     of `dst` (a C-contiguous uint8 [B, size] array) <- src[offsets[i]:+size],
-    with the fused CRC + copy (returns the rows' CRCs) or plain memcpy."""
+    with the fused CRC + copy (returns the rows' CRCs; `nt`: its streaming
+    stores, as the batch's copy) or plain memcpy."""
     cdef unsigned char[:, ::1] d = dst
     cdef const unsigned char[::1] s = memoryview(src).cast("B")
     cdef const int64_t[::1] o = np.ascontiguousarray(offsets, dtype=np.int64)
@@ -241,10 +242,13 @@ def _gather_copy(dst, src, offsets, bint fused):
     cdef uint32_t[::1] c = crcs
     with nogil:
         for i in range(B):
-            if fused:
+            if fused and nt:
+                c[i] = rl_crc32c_copy_nt(0, <char *>&d[i, 0], <const char *>&s[0] + o[i], size)
+            elif fused:
                 c[i] = rl_crc32c_copy(0, <char *>&d[i, 0], <const char *>&s[0] + o[i], size)
             else:
                 memcpy(&d[i, 0], <const char *>&s[0] + o[i], size)
+        rl_cc_fence()
     return crcs
 
 

@@ -324,7 +324,7 @@ static inline void rl_map_copied(rl_map *m, const char *p, int64_t n) {
  * straight into the row and CRC-ing it there:
  * benchmarks/results/big_records.md).  0: straight into the row. */
 #define RL_STAGE_BYTES 65536
-static int rl_stage_reads = 1;
+static int rl_stage_reads = 1;      /* 2: a buffer malloc'd per record (the A/B against the per-thread one) */
 
 /* One staging buffer per thread (and per module that includes this header),
  * made on its first use and freed when the thread exits: no malloc / free
@@ -372,7 +372,7 @@ static int rl_deferred_read(const rl_record *r, int nf, char *const *dst, const 
     int code;
     (void)src_off;           /* pieces are contiguous, in order */
     for (int f = 0; f < nf; f++) want += len[f];
-    char *st = rl_stage_reads ? rl_stage_buffer() : NULL;
+    char *st = rl_stage_reads == 1 ? rl_stage_buffer() : rl_stage_reads == 2 ? (char *)malloc(RL_STAGE_BYTES) : NULL;
     if (st) {
         /* read a piece into a small buffer that stays in this core's cache, then
          * the fused CRC + copy into the batch with streaming stores: the batch's
@@ -383,7 +383,7 @@ static int rl_deferred_read(const rl_record *r, int nf, char *const *dst, const 
         while (done < want) {
             int64_t piece = want - done < RL_STAGE_BYTES ? want - done : RL_STAGE_BYTES;
             code = rl_pread_all(d->map->fd, st, piece, off + done, fault_off);
-            if (code != RL_DEF_OK) { rl_cc_fence(); return code; }
+            if (code != RL_DEF_OK) { rl_cc_fence(); if (rl_stage_reads == 2) free(st); return code; }
             for (int64_t s = 0; s < piece;) {
                 while (in_f == len[f]) { f++; in_f = 0; }      /* f < nf: the pieces cover want */
                 int64_t k = len[f] - in_f < piece - s ? len[f] - in_f : piece - s;
@@ -394,6 +394,7 @@ static int rl_deferred_read(const rl_record *r, int nf, char *const *dst, const 
             done += piece;
         }
         rl_cc_fence();           /* streaming stores: complete before the record is handed on */
+        if (rl_stage_reads == 2) free(st);
         *fault_off = off;
         return c == d->crc ? RL_DEF_OK : RL_DEF_MISMATCH;
     }
