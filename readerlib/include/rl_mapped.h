@@ -319,11 +319,13 @@ static inline void rl_map_copied(rl_map *m, const char *p, int64_t n) {
 #include <sys/uio.h>
 #include <errno.h>
 #include <pthread.h>
-/* pread mode: through a 64 KiB buffer that stays in cache, then the fused
+/* pread mode: through a 68 KiB buffer that stays in cache, then the fused
  * CRC + copy with streaming stores (measured 4-8% faster than reading
  * straight into the row and CRC-ing it there:
- * benchmarks/results/big_records.md).  0: straight into the row. */
-#define RL_STAGE_BYTES 65536
+ * benchmarks/results/big_records.md).  0: straight into the row.  68 KiB, not
+ * 64: a 64 KiB sequence record is 64 KiB of rows plus its 8-byte row count,
+ * and one pread of it costs one syscall and page-cache walk, not two. */
+#define RL_STAGE_BYTES (65536 + 4096)
 static int rl_stage_reads = 1;      /* 2: a buffer malloc'd per record (the A/B against the per-thread one) */
 
 /* One staging buffer per thread (and per module that includes this header),
