@@ -84,6 +84,7 @@ cdef extern from "rl_mapped.h":
         int fd
     ctypedef struct rl_dblock:
         rl_map *map
+        int pad
         int64_t chunk
         int64_t index
         uint32_t crc
@@ -102,7 +103,7 @@ cdef extern from "rl_mapped.h":
     rl_block *rl_deferred_materialize(const rl_record *r, int *code, int64_t *off) nogil
     int rl_map_all_zero(rl_map *m, const char *p, int64_t n, int64_t *fault_off) nogil
     void rl_map_incref(rl_map *m) nogil
-    int RL_DEF_OK, RL_DEF_MISMATCH, RL_DEF_SHRUNK, RL_DEF_NOMEM, RL_DEF_LAYOUT, RL_DEF_IO
+    int RL_DEF_OK, RL_DEF_MISMATCH, RL_DEF_SHRUNK, RL_DEF_NOMEM, RL_DEF_LAYOUT, RL_DEF_PADDING, RL_DEF_IO
 
 rl_mapped_import()
 
@@ -124,6 +125,20 @@ cdef int64_t _map_budget = 32 << 20
 # the mapped pages bounded (dropping them) costs more than the kernel copy
 # saves.  READERLIB_DEFERRED_READS=mmap picks the mapping.
 cdef bint _via_pread = os.environ.get("READERLIB_DEFERRED_READS", "pread") != "mmap"
+
+
+# The zero padding before a deferred record (page-aligned chunks): checked by
+# the batch's read of the record, in the same pread (True, the default), or
+# read and checked here at chunk load, one pread a record (False: the A/B).
+cdef bint _pads_at_batch = True
+
+
+def _set_deferred_pads_at_batch(flag):
+    """A/B and test hook: see _pads_at_batch; returns the old setting."""
+    global _pads_at_batch
+    old = bool(_pads_at_batch)
+    _pads_at_batch = bool(flag)
+    return old
 
 
 def _set_deferred_mode(mode):
@@ -167,7 +182,8 @@ def _deferred_error(path, chunk, index, code, offset, schema=None):
     if code >= RL_DEF_IO:                 # the read failed (errno), as CK_IO on the reader's path
         msg = f"{_CHUNK_ERRORS[CK_IO]} (record {index} of chunk {chunk}) ({os.strerror(code - RL_DEF_IO)})"
     else:
-        msg = _CHUNK_ERRORS[CK_SHRUNK if code == RL_DEF_SHRUNK else CK_RECORD_CRC]
+        msg = _CHUNK_ERRORS[CK_SHRUNK if code == RL_DEF_SHRUNK else CK_PADDING if code == RL_DEF_PADDING
+                            else CK_RECORD_CRC]
         msg += f" (record {index} of chunk {chunk})"
     return RecordIOError(f"{path}: {msg} at byte offset {offset}", path, offset)
 
@@ -875,7 +891,7 @@ cdef class RecordIOReader(FileReader):
         for k in range(n):
             pad = ((-(payload_abs + pos)) & (PAGE - 1)) if aligned else 0
             size_i = rl_load_u32(T + 4 * k)
-            if pad:
+            if pad and not _pads_at_batch:
                 # read, not mapped: a page faulted in here would stay until its chunk is done
                 got = rl_pread_full(self.fd, padbuf, pad, payload_abs + pos)
                 if got != pad:
@@ -897,6 +913,8 @@ cdef class RecordIOReader(FileReader):
                                   rl_load_u32(T + 4 * (n + k)), self.cur_chunk, k)
             if blk == NULL:
                 return CK_NOMEM
+            if _pads_at_batch:
+                (<rl_dblock *>blk).pad = <int>pad
             self.cur_blocks[k] = blk
             pos += size_i
         return CK_OK

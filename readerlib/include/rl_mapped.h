@@ -76,6 +76,9 @@ typedef struct rl_dblock {
     int64_t chunk;
     int64_t index;              /* record index within its chunk */
     uint32_t crc;               /* expected CRC-32C (from the checked table) */
+    int32_t pad;                /* bytes of padding before the record (page-aligned chunks) that
+                                   the copy reads with the record and checks are zero (0: none,
+                                   or checked by the reader) */
 } rl_dblock;
 
 typedef struct rl_guard {
@@ -244,6 +247,7 @@ static inline rl_block *rl_deferred_new(rl_dchunk *c, const char *data, int64_t 
     d->chunk = chunk;
     d->index = index;
     d->crc = crc;
+    d->pad = 0;
     __atomic_add_fetch(&c->refcnt, 1, __ATOMIC_RELAXED);
     __atomic_add_fetch(&rl_mapped->live, 1, __ATOMIC_RELAXED);
     return &d->b;
@@ -310,7 +314,12 @@ static inline void rl_map_copied(rl_map *m, const char *p, int64_t n) {
 #define RL_DEF_NOMEM 3
 #define RL_DEF_LAYOUT 4      /* the bytes (CRC good) do not fit the schema, or not the sizes the
                                 batch took from them (a sequence record rewritten meanwhile) */
+#define RL_DEF_PADDING 5     /* the padding before the record is not zero */
 #define RL_DEF_IO 1000       /* + errno: pread/preadv failed (EIO, ...), not a short read */
+
+static const char rl_zero_page[4096];
+/* 1 if the n (< 4096) bytes at p are zero */
+static inline int rl_pad_is_zero(const char *p, int64_t n) { return memcmp(p, rl_zero_page, (size_t)n) == 0; }
 
 /* The most pieces one record is copied as: a sequence field is two (its
  * row count, to a scratch word, then its rows). */
@@ -369,7 +378,7 @@ static inline int rl_pread_all(int fd, char *buf, int64_t n, int64_t off, int64_
 static int rl_deferred_read(const rl_record *r, int nf, char *const *dst, const int64_t *src_off,
                             const int64_t *len, int64_t *fault_off) {
     rl_dblock *d = (rl_dblock *)r->block;
-    int64_t off = (int64_t)(r->data - d->map->base), want = 0;
+    int64_t off = (int64_t)(r->data - d->map->base), want = 0, pad = d->pad;
     uint32_t c = 0;
     int code;
     (void)src_off;           /* pieces are contiguous, in order */
@@ -380,13 +389,21 @@ static int rl_deferred_read(const rl_record *r, int nf, char *const *dst, const 
          * the fused CRC + copy into the batch with streaming stores: the batch's
          * lines are never read in (no read-for-ownership) and there is no
          * separate CRC pass */
-        int64_t done = 0, in_f = 0;
+        int64_t done = 0, in_f = 0, total = pad + want;     /* the padding first, in the same read */
         int f = 0;
-        while (done < want) {
-            int64_t piece = want - done < RL_STAGE_BYTES ? want - done : RL_STAGE_BYTES;
-            code = rl_pread_all(d->map->fd, st, piece, off + done, fault_off);
+        while (done < total) {
+            int64_t piece = total - done < RL_STAGE_BYTES ? total - done : RL_STAGE_BYTES, s = 0;
+            code = rl_pread_all(d->map->fd, st, piece, off - pad + done, fault_off);
             if (code != RL_DEF_OK) { rl_cc_fence(); if (rl_stage_reads == 2) free(st); return code; }
-            for (int64_t s = 0; s < piece;) {
+            if (done == 0 && pad) {                          /* pad < 4096 < the buffer */
+                if (!rl_pad_is_zero(st, pad)) {
+                    if (rl_stage_reads == 2) free(st);
+                    *fault_off = off - pad;
+                    return RL_DEF_PADDING;
+                }
+                s = pad;
+            }
+            for (; s < piece;) {
                 while (in_f == len[f]) { f++; in_f = 0; }      /* f < nf: the pieces cover want */
                 int64_t k = len[f] - in_f < piece - s ? len[f] - in_f : piece - s;
                 c = rl_crc32c_copy_nt(c, dst[f] + in_f, st + s, (size_t)k);
@@ -400,10 +417,17 @@ static int rl_deferred_read(const rl_record *r, int nf, char *const *dst, const 
         *fault_off = off;
         return c == d->crc ? RL_DEF_OK : RL_DEF_MISMATCH;
     }
-    struct iovec iov[RL_DEF_MAX_PIECES];
+    struct iovec iov[RL_DEF_MAX_PIECES + 1];
+    char padb[4096];
     int cnt = 0;
     int64_t got = 0;
-    for (int f = 0; f < nf && cnt < RL_DEF_MAX_PIECES; f++) {
+    if (pad) {
+        iov[0].iov_base = padb;
+        iov[0].iov_len = (size_t)pad;
+        cnt = 1;
+        want += pad;
+    }
+    for (int f = 0; f < nf && cnt < RL_DEF_MAX_PIECES + 1; f++) {
         if (len[f] == 0) continue;
         iov[cnt].iov_base = dst[f];
         iov[cnt].iov_len = (size_t)len[f];
@@ -413,7 +437,7 @@ static int rl_deferred_read(const rl_record *r, int nf, char *const *dst, const 
         ssize_t k;
         /* resume after a short read */
         int64_t skip = got;
-        struct iovec v[RL_DEF_MAX_PIECES];
+        struct iovec v[RL_DEF_MAX_PIECES + 1];
         int n = 0;
         for (int i = 0; i < cnt; i++) {
             if (skip >= (int64_t)iov[i].iov_len) { skip -= (int64_t)iov[i].iov_len; continue; }
@@ -422,11 +446,12 @@ static int rl_deferred_read(const rl_record *r, int nf, char *const *dst, const 
             skip = 0;
             n++;
         }
-        k = preadv(d->map->fd, v, n, (off_t)(off + got));
+        k = preadv(d->map->fd, v, n, (off_t)(off - pad + got));
         if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) { *fault_off = off + got; return k < 0 ? RL_DEF_IO + errno : RL_DEF_SHRUNK; }
+        if (k <= 0) { *fault_off = off - pad + got; return k < 0 ? RL_DEF_IO + errno : RL_DEF_SHRUNK; }
         got += k;
     }
+    if (pad && !rl_pad_is_zero(padb, pad)) { *fault_off = off - pad; return RL_DEF_PADDING; }
     for (int f = 0; f < nf; f++) c = rl_crc32c(c, dst[f], (size_t)len[f]);
     *fault_off = off;
     return c == d->crc ? RL_DEF_OK : RL_DEF_MISMATCH;
@@ -454,6 +479,13 @@ static int rl_deferred_copy(const rl_record *r, int nf, char *const *dst, const 
     __atomic_signal_fence(__ATOMIC_SEQ_CST);
     *slot = &g;
     __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    if (d->pad && !rl_pad_is_zero(r->data - d->pad, d->pad)) {
+        __atomic_signal_fence(__ATOMIC_SEQ_CST);
+        *slot = g.prev;
+        __atomic_signal_fence(__ATOMIC_SEQ_CST);
+        *fault_off = (int64_t)(r->data - d->pad - d->map->base);
+        return RL_DEF_PADDING;
+    }
     {
         uint32_t c = 0;
         for (int f = 0; f < nf; f++)
