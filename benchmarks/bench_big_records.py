@@ -16,6 +16,10 @@ and median of ``--repeats``:
 * ``rio v2 staged``  the two-copy path with each group read into an L2-resident
                   buffer and copied to the records' blocks by the fused CRC + copy
                   loop with streaming stores (``_recordio._set_staged_reads(True)``)
+* ``rio v2 LoD``  the same bytes as a sequence (LoD) field, 64 rows of 1 KiB a
+                  record, read the default way (deferred: the batch sizes from each
+                  record's size, one fused CRC + copy per record)
+* ``rio v2 LoD two-copy``  that file with ``_set_mapped_reads(False)``
 * ``rio v1``      the same data in format version 1 (one CRC per chunk)
 * ``tfrecord``    readerlib's TFRecord reader over the same records
 * ``torch``       a PyTorch DataLoader (shuffle=True, batch_size=256,
@@ -68,6 +72,8 @@ from readerlib.formats._tfrecord import TFRecordReader, TFRecordWriter
 
 SIZE = 65536
 BUFFER, BATCH = 10_000, 256
+LOD_ROW = 1024
+LOD_SCHEMA = rl.Schema([rl.Field("s", "uint8", (LOD_ROW,), lod_level=1)])
 
 
 def write_files(d, n, seed=0):
@@ -75,11 +81,14 @@ def write_files(d, n, seed=0):
     x = rng.integers(0, 256, size=(n, SIZE), dtype=np.uint8)
     schema = rl.Schema([rl.Field("x", "uint8", (SIZE,))])
     paths = {"rio v2": os.path.join(d, "v2.rio"), "rio v1": os.path.join(d, "v1.rio"),
-             "tfrecord": os.path.join(d, "x.tfrecord")}
+             "tfrecord": os.path.join(d, "x.tfrecord"), "rio v2 LoD": os.path.join(d, "lod.rio")}
     for key, version in (("rio v2", 2), ("rio v1", 1)):
         with rl.RecordIOWriter(paths[key], schema, version=version) as w:
             for i in range(0, n, 256):
                 w.write_batch({"x": x[i:i + 256]})
+    with rl.RecordIOWriter(paths["rio v2 LoD"], LOD_SCHEMA) as w:
+        for i in range(0, n, 256):
+            w.write_batch({"s": [r.reshape(-1, LOD_ROW) for r in x[i:i + 256]]})
     with TFRecordWriter(paths["tfrecord"]) as w:
         for i in range(0, n, 256):
             w.write_batch(x[i:i + 256])
@@ -111,7 +120,7 @@ def v2_record_offsets(path):
 def run_chain(chain):
     n = 0
     for (t,) in chain:
-        n += t.data.shape[0]
+        n += len(t.lod[0]) - 1 if t.lod else t.data.shape[0]
     chain.close()
     return n
 
@@ -188,6 +197,13 @@ def make_peers(x, schema, paths, torch_batches, with_torch=True):
         finally:
             _set_mapped_reads(old)
 
+    def rio_lod_two_copy(seed):
+        old = _set_mapped_reads(False)
+        try:
+            return rio("rio v2 LoD")(seed)
+        finally:
+            _set_mapped_reads(old)
+
     def rio_mmap(seed):
         old = _set_deferred_mode("mmap")
         try:
@@ -196,7 +212,8 @@ def make_peers(x, schema, paths, torch_batches, with_torch=True):
             _set_deferred_mode(old)
 
     peers = {"rio v2": rio("rio v2"), "rio v2 mmap": rio_mmap, "rio v2 two-copy": rio_two_copy,
-             "rio v2 staged": rio_staged, "rio v1": rio("rio v1"), "tfrecord": tfr,
+             "rio v2 staged": rio_staged, "rio v2 LoD": rio("rio v2 LoD"),
+             "rio v2 LoD two-copy": rio_lod_two_copy, "rio v1": rio("rio v1"), "tfrecord": tfr,
              "torch": torch_dl, "memcpy": memcpy, "memcpy gather": memcpy_gather, "mmap fused": mmap_gather(True),
              "mmap memcpy": mmap_gather(False)}
     if not with_torch:
@@ -238,6 +255,7 @@ def peak_rss(path, **env_extra):
     return peak["peak_MB"], res[1]
 
 
+LOD_RATIOS = [("rio v2 LoD", "rio v2 LoD two-copy"), ("rio v2 LoD", "torch"), ("rio v2 LoD", "rio v2")]
 RATIO_PEERS = ("memcpy", "memcpy gather", "torch", "rio v2 two-copy", "rio v2 mmap", "rio v1", "rio v2 staged",
                "tfrecord", "mmap fused")
 
@@ -282,8 +300,9 @@ def main(argv=None):
                       [[k, f"{v.rate_best:.2f}", f"{v.rate_median:.2f}", f"{v.spread:.0%}"] for k, v in st.items()],
                       title=f"{busy} competing busy process(es), best / median of {args.repeats} rounds:")
             rep.table(["ratio", "best", "median"],
-                      [[f"rio v2 / {peer}", *(f"{r:.2f}" for r in harness.speedup(st, "rio v2", peer))]
-                       for peer in RATIO_PEERS if peer in st])
+                      [[f"{mine} / {peer}", *(f"{r:.2f}" for r in harness.speedup(st, mine, peer))]
+                       for mine, peer in [("rio v2", p) for p in RATIO_PEERS] + LOD_RATIOS
+                       if peer in st and mine in st])
         buf = min(BUFFER, args.records) * SIZE / 2**20
         result["peak_rss_MB"] = {"shuffle_buffer": buf}
         for label, env in (("default v2 chain", {}), ("v2 mmap", {"READERLIB_DEFERRED_READS": "mmap"}),

@@ -84,6 +84,7 @@ cdef extern from "rl_mapped.h":
         int fd
     ctypedef struct rl_dblock:
         rl_map *map
+        int pad
         int64_t chunk
         int64_t index
         uint32_t crc
@@ -102,7 +103,7 @@ cdef extern from "rl_mapped.h":
     rl_block *rl_deferred_materialize(const rl_record *r, int *code, int64_t *off) nogil
     int rl_map_all_zero(rl_map *m, const char *p, int64_t n, int64_t *fault_off) nogil
     void rl_map_incref(rl_map *m) nogil
-    int RL_DEF_OK, RL_DEF_MISMATCH, RL_DEF_SHRUNK, RL_DEF_NOMEM, RL_DEF_IO
+    int RL_DEF_OK, RL_DEF_MISMATCH, RL_DEF_SHRUNK, RL_DEF_NOMEM, RL_DEF_LAYOUT, RL_DEF_PADDING, RL_DEF_IO
 
 rl_mapped_import()
 
@@ -124,6 +125,20 @@ cdef int64_t _map_budget = 32 << 20
 # the mapped pages bounded (dropping them) costs more than the kernel copy
 # saves.  READERLIB_DEFERRED_READS=mmap picks the mapping.
 cdef bint _via_pread = os.environ.get("READERLIB_DEFERRED_READS", "pread") != "mmap"
+
+
+# The zero padding before a deferred record (page-aligned chunks): checked by
+# the batch's read of the record, in the same pread (True, the default), or
+# read and checked here at chunk load, one pread a record (False: the A/B).
+cdef bint _pads_at_batch = True
+
+
+def _set_deferred_pads_at_batch(flag):
+    """A/B and test hook: see _pads_at_batch; returns the old setting."""
+    global _pads_at_batch
+    old = bool(_pads_at_batch)
+    _pads_at_batch = bool(flag)
+    return old
 
 
 def _set_deferred_mode(mode):
@@ -155,30 +170,36 @@ def _set_map_budget(nbytes):
     return old
 
 
-def _deferred_error(path, chunk, index, code, offset):
+def _deferred_error(path, chunk, index, code, offset, schema=None):
     """The RecordIOError of a deferred record that failed where it was copied
     (the same messages as the reader's own checks)."""
+    if code == RL_DEF_LAYOUT:             # CRC good, the bytes do not fit the schema (sequence records)
+        msg = f"{_CHUNK_ERRORS[CK_RECORD]} (record {index} of chunk {chunk})"
+        return RecordIOSchemaError(f"{path}: {msg} at byte offset {offset}: schema {schema}",
+                                   path, offset, index)
     if code == RL_DEF_NOMEM:
         return MemoryError(f"{path}: out of memory copying record {index} of chunk {chunk}")
     if code >= RL_DEF_IO:                 # the read failed (errno), as CK_IO on the reader's path
         msg = f"{_CHUNK_ERRORS[CK_IO]} (record {index} of chunk {chunk}) ({os.strerror(code - RL_DEF_IO)})"
     else:
-        msg = _CHUNK_ERRORS[CK_SHRUNK if code == RL_DEF_SHRUNK else CK_RECORD_CRC]
+        msg = _CHUNK_ERRORS[CK_SHRUNK if code == RL_DEF_SHRUNK else CK_PADDING if code == RL_DEF_PADDING
+                            else CK_RECORD_CRC]
         msg += f" (record {index} of chunk {chunk})"
     return RecordIOError(f"{path}: {msg} at byte offset {offset}", path, offset)
 
 
-cdef object _deferred_error_of(const rl_record *r, int code, int64_t offset):
+cdef object _deferred_error_of(const rl_record *r, int code, int64_t offset, schema=None):
     cdef rl_dblock *d = <rl_dblock *>r.block
-    return _deferred_error(d.map.path.decode("utf-8", "surrogateescape"), d.chunk, d.index, code, offset)
+    return _deferred_error(d.map.path.decode("utf-8", "surrogateescape"), d.chunk, d.index, code, offset,
+                           schema)
 
 
-def _deferred_error_py(size_t block, int code, int64_t offset):
+def _deferred_error_py(size_t block, int code, int64_t offset, schema=None):
     """_deferred_error for a deferred record's block (its address), for the
     modules that copy deferred records (the batch, the shuffle)."""
     cdef rl_record r
     r.block = <rl_block *>block
-    return _deferred_error_of(&r, code, offset)
+    return _deferred_error_of(&r, code, offset, schema)
 
 # Version-2 big records: (False, the default) read a group straight into the
 # records' blocks and CRC each there, still in cache; or (True) read it into a
@@ -219,10 +240,11 @@ def _crc32c_copy(dst, src, uint32_t crc=0):
     return crc
 
 
-def _gather_copy(dst, src, offsets, bint fused):
+def _gather_copy(dst, src, offsets, bint fused, bint nt=False):
     """Benchmark hook (the mmap floor, benchmarks/bench_big_records.py): row i
     of `dst` (a C-contiguous uint8 [B, size] array) <- src[offsets[i]:+size],
-    with the fused CRC + copy (returns the rows' CRCs) or plain memcpy."""
+    with the fused CRC + copy (returns the rows' CRCs; `nt`: its streaming
+    stores, as the batch's copy) or plain memcpy."""
     cdef unsigned char[:, ::1] d = dst
     cdef const unsigned char[::1] s = memoryview(src).cast("B")
     cdef const int64_t[::1] o = np.ascontiguousarray(offsets, dtype=np.int64)
@@ -236,10 +258,13 @@ def _gather_copy(dst, src, offsets, bint fused):
     cdef uint32_t[::1] c = crcs
     with nogil:
         for i in range(B):
-            if fused:
+            if fused and nt:
+                c[i] = rl_crc32c_copy_nt(0, <char *>&d[i, 0], <const char *>&s[0] + o[i], size)
+            elif fused:
                 c[i] = rl_crc32c_copy(0, <char *>&d[i, 0], <const char *>&s[0] + o[i], size)
             else:
                 memcpy(&d[i, 0], <const char *>&s[0] + o[i], size)
+        rl_cc_fence()
     return crcs
 
 
@@ -709,6 +734,7 @@ cdef class RecordIOReader(FileReader):
     cdef rl_map *dmap                  # the file mapped for a negotiated batch (NULL: none)
     cdef int64_t cur_chunk             # the chunk _load_chunk is loading
     cdef readonly int64_t _records_deferred  # test hook: records handed out deferred
+    cdef int64_t _min_size             # the smallest record the schema allows (no rows)
 
     def __cinit__(self):
         self.fd = -1
@@ -774,12 +800,16 @@ cdef class RecordIOReader(FileReader):
         """A BatchReader over this reader (through decorators that only move
         items) asks for deferred records: maps the file (once) and returns the
         mapping's address with a reference for the caller, or 0 (no: mapped
-        reads off, version 1, sequence fields, on_error="skip", closed)."""
+        reads off, version 1, on_error="skip", closed)."""
         cdef void *p
         cdef rl_map *m
-        if (not _mapped or self.version != 2 or self.layout.n_lod != 0 or self.skip_errors
+        cdef int f
+        if (not _mapped or self.version != 2 or self.layout.bare or self.skip_errors
                 or self.fd < 0 or self.fsize <= 0):
             return 0
+        self._min_size = 0
+        for f in range(self.layout.nfields):
+            self._min_size += 8 if self.layout.lod[f] else self.layout.row_bytes[f]
         if self.dmap == NULL:
             if _via_pread:
                 p = <void *>(<size_t>1 << 40)    # never dereferenced: offsets only
@@ -861,7 +891,7 @@ cdef class RecordIOReader(FileReader):
         for k in range(n):
             pad = ((-(payload_abs + pos)) & (PAGE - 1)) if aligned else 0
             size_i = rl_load_u32(T + 4 * k)
-            if pad:
+            if pad and not _pads_at_batch:
                 # read, not mapped: a page faulted in here would stay until its chunk is done
                 got = rl_pread_full(self.fd, padbuf, pad, payload_abs + pos)
                 if got != pad:
@@ -872,7 +902,10 @@ cdef class RecordIOReader(FileReader):
                     self.err_off = payload_abs + pos
                     return CK_PADDING
             pos += pad
-            if size_i != self.layout.fixed_size:
+            # fixed schemas: the size is the whole check; sequence schemas: what
+            # the size alone can tell, the row counts are the batch's (it reads them)
+            if (size_i != self.layout.fixed_size if self.layout.n_lod == 0
+                    else size_i < self._min_size):
                 self.err_record = k
                 self.err_off = payload_abs + pos
                 return CK_RECORD
@@ -880,6 +913,8 @@ cdef class RecordIOReader(FileReader):
                                   rl_load_u32(T + 4 * (n + k)), self.cur_chunk, k)
             if blk == NULL:
                 return CK_NOMEM
+            if _pads_at_batch:
+                (<rl_dblock *>blk).pad = <int>pad
             self.cur_blocks[k] = blk
             pos += size_i
         return CK_OK
@@ -1399,7 +1434,7 @@ cdef class RecordIOReader(FileReader):
         code = self._v2_layout(T, n, stored, payload_abs, aligned)
         if code != CK_OK:
             return code
-        if (self.dmap != NULL and self.dmap.pull and self.layout.n_lod == 0
+        if (self.dmap != NULL and self.dmap.pull
                 and off + CHUNK_HEADER + stored <= self.dmap.len):
             return self._load_v2_deferred(T, n, payload_abs, aligned)
         if aligned and self.padbuf == NULL:
@@ -1602,6 +1637,13 @@ cdef class RecordIOReader(FileReader):
         if nb == NULL:
             with gil:
                 err = _deferred_error_of(out, code, off)
+                rl_block_decref(self.cur_blocks[i])
+                self.cur_blocks[i] = NULL
+                raise err
+        if self.layout.n_lod and layout_parse(&self.layout, nb.data, nb.size, self._ptrs, self._rows) != 0:
+            with gil:
+                err = _deferred_error_of(out, RL_DEF_LAYOUT, out.data - self.dmap.base, self.schema)
+                rl_block_decref(nb)
                 rl_block_decref(self.cur_blocks[i])
                 self.cur_blocks[i] = NULL
                 raise err

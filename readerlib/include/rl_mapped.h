@@ -76,6 +76,9 @@ typedef struct rl_dblock {
     int64_t chunk;
     int64_t index;              /* record index within its chunk */
     uint32_t crc;               /* expected CRC-32C (from the checked table) */
+    int32_t pad;                /* bytes of padding before the record (page-aligned chunks) that
+                                   the copy reads with the record and checks are zero (0: none,
+                                   or checked by the reader) */
 } rl_dblock;
 
 typedef struct rl_guard {
@@ -244,6 +247,7 @@ static inline rl_block *rl_deferred_new(rl_dchunk *c, const char *data, int64_t 
     d->chunk = chunk;
     d->index = index;
     d->crc = crc;
+    d->pad = 0;
     __atomic_add_fetch(&c->refcnt, 1, __ATOMIC_RELAXED);
     __atomic_add_fetch(&rl_mapped->live, 1, __ATOMIC_RELAXED);
     return &d->b;
@@ -308,80 +312,146 @@ static inline void rl_map_copied(rl_map *m, const char *p, int64_t n) {
 #define RL_DEF_MISMATCH 1
 #define RL_DEF_SHRUNK 2
 #define RL_DEF_NOMEM 3
+#define RL_DEF_LAYOUT 4      /* the bytes (CRC good) do not fit the schema, or not the sizes the
+                                batch took from them (a sequence record rewritten meanwhile) */
+#define RL_DEF_PADDING 5     /* the padding before the record is not zero */
 #define RL_DEF_IO 1000       /* + errno: pread/preadv failed (EIO, ...), not a short read */
 
-/* Copy deferred record r's bytes to dst (r->size bytes; fields at the given
- * offsets and lengths, in order, to their destinations: nf pieces covering
- * the record exactly), fused CRC + copy with streaming stores (plain stores
- * when nt == 0), inside the SIGBUS guard.  Returns RL_DEF_OK / MISMATCH /
- * SHRUNK; *fault_off: the file offset of the fault or of the record. */
+static const char rl_zero_page[4096];
+/* 1 if the n (< 4096) bytes at p are zero */
+static inline int rl_pad_is_zero(const char *p, int64_t n) { return memcmp(p, rl_zero_page, (size_t)n) == 0; }
+
+/* The most pieces one record is copied as: a sequence field is two (its
+ * row count, to a scratch word, then its rows). */
+#define RL_DEF_MAX_PIECES 128
+
 #include <sys/uio.h>
 #include <errno.h>
-/* pread mode, one piece (a single-field record): through a 64 KiB buffer that
- * stays in cache, then the fused CRC + copy with streaming stores (measured
- * 4-8% faster than reading straight into the row and CRC-ing it there:
- * benchmarks/results/big_records.md).  0: straight into the row. */
-#define RL_STAGE_BYTES 65536
-static int rl_stage_reads = 1;
+#include <pthread.h>
+/* pread mode: through a 68 KiB buffer that stays in cache, then the fused
+ * CRC + copy with streaming stores (measured 4-8% faster than reading
+ * straight into the row and CRC-ing it there:
+ * benchmarks/results/big_records.md).  0: straight into the row.  68 KiB, not
+ * 64: a 64 KiB sequence record is 64 KiB of rows plus its 8-byte row count,
+ * and one pread of it costs one syscall and page-cache walk, not two. */
+#define RL_STAGE_BYTES (65536 + 4096)
+static int rl_stage_reads = 1;      /* 2: a buffer malloc'd per record (the A/B against the per-thread one) */
+
+/* One staging buffer per thread (and per module that includes this header),
+ * made on its first use and freed when the thread exits: no malloc / free
+ * per record. */
+static __thread char *rl_stage_tls;
+static pthread_key_t rl_stage_key;
+static pthread_once_t rl_stage_once = PTHREAD_ONCE_INIT;
+static int rl_stage_key_ok = 0;
+static void rl_stage_key_make(void) { rl_stage_key_ok = pthread_key_create(&rl_stage_key, free) == 0; }
+static inline char *rl_stage_buffer(void) {
+    char *p = rl_stage_tls;
+    if (p) return p;
+    pthread_once(&rl_stage_once, rl_stage_key_make);
+    if (!rl_stage_key_ok) return NULL;           /* then the unstaged read */
+    if (posix_memalign((void **)&p, 64, RL_STAGE_BYTES) != 0) return NULL;
+    if (pthread_setspecific(rl_stage_key, p) != 0) { free(p); return NULL; }
+    rl_stage_tls = p;
+    return p;
+}
+
+/* pread(2) of n bytes at off into buf, on after EINTR and short reads:
+ * RL_DEF_OK, SHRUNK (end of file) or IO + errno; *at: where it stopped. */
+static inline int rl_pread_all(int fd, char *buf, int64_t n, int64_t off, int64_t *at) {
+    int64_t g = 0;
+    while (g < n) {
+        ssize_t k = pread(fd, buf + g, (size_t)(n - g), (off_t)(off + g));
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) { int e = errno; *at = off + g; return k < 0 ? RL_DEF_IO + e : RL_DEF_SHRUNK; }
+        g += k;
+    }
+    return RL_DEF_OK;
+}
+
+/* Copy deferred record r's bytes to dst (r->size bytes, as nf pieces in
+ * order, lengths len[], covering the record exactly: piece f is record bytes
+ * [src_off[f], src_off[f] + len[f]) to dst[f]; pieces may be empty), fused
+ * CRC + copy with streaming stores (plain stores when nt == 0), inside the
+ * SIGBUS guard.  Returns RL_DEF_OK / MISMATCH / SHRUNK / IO + errno;
+ * *fault_off: the file offset of the fault or of the record. */
 static int rl_deferred_read(const rl_record *r, int nf, char *const *dst, const int64_t *src_off,
                             const int64_t *len, int64_t *fault_off) {
     rl_dblock *d = (rl_dblock *)r->block;
-    struct iovec iov[64];
-    int64_t off = (int64_t)(r->data - d->map->base), got = 0, want = 0;
+    int64_t off = (int64_t)(r->data - d->map->base), want = 0, pad = d->pad;
     uint32_t c = 0;
-    int cnt = 0;
-    for (int f = 0; f < nf && f < 64; f++) {
-        iov[cnt].iov_base = dst[f];
-        iov[cnt].iov_len = (size_t)len[f];
-        want += len[f];
-        cnt++;
-    }
-    (void)src_off;           /* fields are contiguous, in order */
-    if (rl_stage_reads && nf == 1) {
+    int code;
+    (void)src_off;           /* pieces are contiguous, in order */
+    for (int f = 0; f < nf; f++) want += len[f];
+    char *st = rl_stage_reads == 1 ? rl_stage_buffer() : rl_stage_reads == 2 ? (char *)malloc(RL_STAGE_BYTES) : NULL;
+    if (st) {
         /* read a piece into a small buffer that stays in this core's cache, then
          * the fused CRC + copy into the batch with streaming stores: the batch's
          * lines are never read in (no read-for-ownership) and there is no
          * separate CRC pass */
-        char *st = (char *)malloc(RL_STAGE_BYTES);
-        if (st) {
-            int64_t done = 0;
-            while (done < want) {
-                int64_t piece = want - done < RL_STAGE_BYTES ? want - done : RL_STAGE_BYTES;
-                int64_t g = 0;
-                while (g < piece) {
-                    ssize_t k = pread(d->map->fd, st + g, (size_t)(piece - g), (off_t)(off + done + g));
-                    if (k < 0 && errno == EINTR) continue;
-                    if (k <= 0) { int e = errno; free(st); rl_cc_fence(); *fault_off = off + done + g; return k < 0 ? RL_DEF_IO + e : RL_DEF_SHRUNK; }
-                    g += k;
+        int64_t done = 0, in_f = 0, total = pad + want;     /* the padding first, in the same read */
+        int f = 0;
+        while (done < total) {
+            int64_t piece = total - done < RL_STAGE_BYTES ? total - done : RL_STAGE_BYTES, s = 0;
+            code = rl_pread_all(d->map->fd, st, piece, off - pad + done, fault_off);
+            if (code != RL_DEF_OK) { rl_cc_fence(); if (rl_stage_reads == 2) free(st); return code; }
+            if (done == 0 && pad) {                          /* pad < 4096 < the buffer */
+                if (!rl_pad_is_zero(st, pad)) {
+                    if (rl_stage_reads == 2) free(st);
+                    *fault_off = off - pad;
+                    return RL_DEF_PADDING;
                 }
-                c = rl_crc32c_copy_nt(c, dst[0] + done, st, (size_t)piece);
-                done += piece;
+                s = pad;
             }
-            free(st);
-            rl_cc_fence();           /* streaming stores: complete before the record is handed on */
-            *fault_off = off;
-            return c == d->crc ? RL_DEF_OK : RL_DEF_MISMATCH;
+            for (; s < piece;) {
+                while (in_f == len[f]) { f++; in_f = 0; }      /* f < nf: the pieces cover want */
+                int64_t k = len[f] - in_f < piece - s ? len[f] - in_f : piece - s;
+                c = rl_crc32c_copy_nt(c, dst[f] + in_f, st + s, (size_t)k);
+                s += k;
+                in_f += k;
+            }
+            done += piece;
         }
+        rl_cc_fence();           /* streaming stores: complete before the record is handed on */
+        if (rl_stage_reads == 2) free(st);
+        *fault_off = off;
+        return c == d->crc ? RL_DEF_OK : RL_DEF_MISMATCH;
+    }
+    struct iovec iov[RL_DEF_MAX_PIECES + 1];
+    char padb[4096];
+    int cnt = 0;
+    int64_t got = 0;
+    if (pad) {
+        iov[0].iov_base = padb;
+        iov[0].iov_len = (size_t)pad;
+        cnt = 1;
+        want += pad;
+    }
+    for (int f = 0; f < nf && cnt < RL_DEF_MAX_PIECES + 1; f++) {
+        if (len[f] == 0) continue;
+        iov[cnt].iov_base = dst[f];
+        iov[cnt].iov_len = (size_t)len[f];
+        cnt++;
     }
     while (got < want) {
         ssize_t k;
         /* resume after a short read */
-        int i = 0;
         int64_t skip = got;
-        struct iovec v[64];
+        struct iovec v[RL_DEF_MAX_PIECES + 1];
         int n = 0;
-        for (i = 0; i < cnt; i++) {
+        for (int i = 0; i < cnt; i++) {
             if (skip >= (int64_t)iov[i].iov_len) { skip -= (int64_t)iov[i].iov_len; continue; }
             v[n].iov_base = (char *)iov[i].iov_base + skip;
             v[n].iov_len = iov[i].iov_len - (size_t)skip;
             skip = 0;
             n++;
         }
-        k = preadv(d->map->fd, v, n, (off_t)(off + got));
+        k = preadv(d->map->fd, v, n, (off_t)(off - pad + got));
         if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) { *fault_off = off + got; return k < 0 ? RL_DEF_IO + errno : RL_DEF_SHRUNK; }
+        if (k <= 0) { *fault_off = off - pad + got; return k < 0 ? RL_DEF_IO + errno : RL_DEF_SHRUNK; }
         got += k;
     }
+    if (pad && !rl_pad_is_zero(padb, pad)) { *fault_off = off - pad; return RL_DEF_PADDING; }
     for (int f = 0; f < nf; f++) c = rl_crc32c(c, dst[f], (size_t)len[f]);
     *fault_off = off;
     return c == d->crc ? RL_DEF_OK : RL_DEF_MISMATCH;
@@ -403,7 +473,19 @@ static int rl_deferred_copy(const rl_record *r, int nf, char *const *dst, const 
         *fault_off = (int64_t)(g.fault - (uintptr_t)d->map->base);
         return RL_DEF_SHRUNK;
     }
+    /* the guard is complete before the handler can see it, and the copy
+       starts only once it is armed (a compiler barrier: the handler runs on
+       this thread, so no CPU fence is needed) */
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
     *slot = &g;
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    if (d->pad && !rl_pad_is_zero(r->data - d->pad, d->pad)) {
+        __atomic_signal_fence(__ATOMIC_SEQ_CST);
+        *slot = g.prev;
+        __atomic_signal_fence(__ATOMIC_SEQ_CST);
+        *fault_off = (int64_t)(r->data - d->pad - d->map->base);
+        return RL_DEF_PADDING;
+    }
     {
         uint32_t c = 0;
         for (int f = 0; f < nf; f++)
@@ -411,7 +493,9 @@ static int rl_deferred_copy(const rl_record *r, int nf, char *const *dst, const 
                    : rl_crc32c_copy(c, dst[f], r->data + src_off[f], (size_t)len[f]);
         crc = c;
     }
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);    /* every read of the mapping is done before disarming */
     *slot = g.prev;
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
     *fault_off = (int64_t)(r->data - d->map->base);
     return crc == d->crc ? RL_DEF_OK : RL_DEF_MISMATCH;
 }
@@ -420,6 +504,36 @@ static int rl_deferred_copy(const rl_record *r, int nf, char *const *dst, const 
 static inline int rl_deferred_copy1(const rl_record *r, char *dst, int nt, int64_t *fault_off) {
     int64_t zero = 0, n = r->size;
     return rl_deferred_copy(r, 1, &dst, &zero, &n, nt, fault_off);
+}
+
+/* Bytes [at, at + n) of deferred record r to dst, NOT verified (the batch
+ * reads a sequence record's row counts to size the batch; the fused copy
+ * then checks the CRC of every byte, those included, and that they are still
+ * the counts it sized with).  RL_DEF_OK / SHRUNK / IO + errno, *fault_off. */
+static int rl_deferred_peek(const rl_record *r, int64_t at, char *dst, int64_t n, int64_t *fault_off) {
+    rl_dblock *d = (rl_dblock *)r->block;
+    int64_t off = (int64_t)(r->data - d->map->base) + at;
+    if (d->map->fd >= 0) return rl_pread_all(d->map->fd, dst, n, off, fault_off);
+    rl_guard g;
+    rl_guard **slot = rl_mapped->guard_slot();
+    g.lo = (uintptr_t)d->map->base;
+    g.hi = g.lo + (uintptr_t)d->map->len;
+    g.fault = 0;
+    g.prev = *slot;
+    if (sigsetjmp(g.jb, 0)) {
+        *slot = g.prev;
+        *fault_off = (int64_t)(g.fault - (uintptr_t)d->map->base);
+        return RL_DEF_SHRUNK;
+    }
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    *slot = &g;
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    memcpy(dst, r->data + at, (size_t)n);
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    *slot = g.prev;
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    *fault_off = off;
+    return RL_DEF_OK;
 }
 
 /* 1 if [p, p + n) of map m is all zero, 0 if not, -1 on a fault (*fault_off). */
@@ -436,10 +550,14 @@ static int rl_map_all_zero(rl_map *m, const char *p, int64_t n, int64_t *fault_o
         *fault_off = (int64_t)(g.fault - (uintptr_t)m->base);
         return -1;
     }
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
     *slot = &g;
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
     for (int64_t i = 0; i < n; i++)
         if (p[i]) { ok = 0; break; }
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
     *slot = g.prev;
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
     return ok;
 }
 

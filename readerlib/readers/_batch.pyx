@@ -2,14 +2,14 @@
 """BatchReader: group instances into one batch block (Paddle's BatchReader)."""
 import numpy as np
 from libc.stdlib cimport malloc, free, calloc, realloc
-from libc.string cimport memcpy, memset
+from libc.string cimport memcpy, memmove, memset
 
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
 from readerlib._parallel cimport parallel_for, threads_for
 from readerlib.readers._base cimport (
     ReaderBase, FileReader, DecoratedReader, rl_block, rl_record, rl_layout, rl_columns, rl_rng,
     rl_core_import, rl_block_incref, rl_block_decref, rl_block_new, rl_block_new_static,
-    rl_record_consumed, rl_copy_big, rl_copy_fence, rl_rng_seed, rl_rng_below, rl_store_i64,
+    rl_record_consumed, rl_copy_big, rl_copy_fence, rl_rng_seed, rl_rng_below, rl_store_i64, rl_load_i64,
     layout_parse, columns_encoded_size, columns_encode, encode_instance,
     ITEM_INSTANCE, ITEM_BATCH, RL_MAX_FIELDS)
 from readerlib.readers._base import _check_positive_int, _check_reader, _record_schema_error
@@ -22,6 +22,7 @@ rl_core_import()
 cdef extern from "rl_mapped.h":
     ctypedef struct rl_map:
         int pull
+        char *base
     ctypedef struct rl_mapped_api:
         void (*map_decref)(rl_map *m) noexcept nogil
     ctypedef struct rl_dblock:
@@ -32,6 +33,9 @@ cdef extern from "rl_mapped.h":
     int rl_deferred_copy(const rl_record *r, int nf, char **dst, const int64_t *src_off,
                          const int64_t *len, int nt, int64_t *fault_off) nogil
     int rl_deferred_copy1(const rl_record *r, char *dst, int nt, int64_t *fault_off) nogil
+    int rl_deferred_peek(const rl_record *r, int64_t at, char *dst, int64_t n, int64_t *fault_off) nogil
+    rl_block *rl_deferred_materialize(const rl_record *r, int *code, int64_t *off) nogil
+    int RL_DEF_LAYOUT, RL_DEF_MAX_PIECES
     void rl_map_copied(rl_map *m, const char *p, int64_t n) nogil
     int rl_stage_reads
 
@@ -39,10 +43,12 @@ cdef extern from "rl_mapped.h":
 def _set_staged_deferred_reads(flag):
     """A/B and test hook: deferred records (pread mode) read through a small
     cached buffer and the fused CRC + copy (True, the default) or straight
-    into the batch row, CRC-checked there; returns the old setting."""
+    into the batch row, CRC-checked there; "malloc": staged through a buffer
+    allocated per record (the A/B against the per-thread buffer); returns the
+    old setting."""
     global rl_stage_reads
-    old = bool(rl_stage_reads)
-    rl_stage_reads = bool(flag)
+    old = "malloc" if rl_stage_reads == 2 else bool(rl_stage_reads)
+    rl_stage_reads = 2 if flag == "malloc" else int(bool(flag))
     return old
 
 rl_mapped_import()
@@ -110,6 +116,46 @@ cdef struct _assemble_job:
     const char **parsed_ptrs
     int64_t *parsed_rows
     rl_record *recs
+    int *codes                    # deferred records: RL_DEF_* of each copy (NULL: none deferred)
+    int64_t *offs
+
+
+cdef int _copy_deferred_instance(_assemble_job *j, int64_t i) noexcept nogil:
+    """Deferred sequence record i to its places in the batch, in one fused
+    CRC + copy: its pieces in record order (each sequence field's row count
+    to a scratch word, then its rows; fixed fields to their rows); then the
+    counts read are checked against the ones the batch was sized with."""
+    cdef const rl_layout *L = j.L
+    cdef int nf = L.nfields
+    cdef int f, k = 0, code
+    cdef int64_t rb, pos = 0
+    cdef int64_t *rows = j.parsed_rows + i * nf
+    cdef int64_t counts[RL_MAX_FIELDS]
+    cdef char *dst[2 * RL_MAX_FIELDS]
+    cdef int64_t src[2 * RL_MAX_FIELDS]
+    cdef int64_t lens[2 * RL_MAX_FIELDS]
+    for f in range(nf):
+        rb = L.row_bytes[f]
+        if L.lod[f]:
+            dst[k] = <char *>&counts[f]
+            src[k] = pos
+            lens[k] = 8
+            pos += 8
+            k += 1
+            dst[k] = j.base + j.doff[f] + (<int64_t *>(j.base + j.loff[f]))[i] * rb
+            lens[k] = rows[f] * rb
+        else:
+            dst[k] = j.base + j.doff[f] + i * rb
+            lens[k] = rb
+        src[k] = pos
+        pos += lens[k]
+        k += 1
+    code = rl_deferred_copy(&j.recs[i], k, dst, src, lens, 1, &j.offs[i])
+    if code == 0:
+        for f in range(nf):
+            if L.lod[f] and rl_load_i64(<char *>&counts[f]) != rows[f]:
+                return RL_DEF_LAYOUT
+    return code
 
 
 cdef void _copy_instances(void *ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
@@ -123,6 +169,9 @@ cdef void _copy_instances(void *ctx, int64_t begin, int64_t end, int tid) noexce
     cdef const char **ptrs
     cdef int64_t *rows
     for i in range(begin, end):
+        if j.codes != NULL and rl_record_is_deferred(&j.recs[i]):
+            j.codes[i] = _copy_deferred_instance(j, i)
+            continue
         ptrs = j.parsed_ptrs + i * nf
         rows = j.parsed_rows + i * nf
         for f in range(nf):
@@ -166,6 +215,9 @@ cdef class BatchReader(DecoratedReader):
     cdef int64_t *parsed_rows
     cdef rl_map *dmap             # negotiated: the file reader below hands out deferred records
     cdef int *dcodes              # per record of a parallel copy: RL_DEF_* (deferred records)
+    cdef int d_last               # sequence schemas: the last sequence field with rows of > 0
+                                  # bytes (its row count follows from the size), or -1
+    cdef int64_t d_min            # the smallest record the schema allows (no rows)
     cdef int64_t *doffs
     # A deferred record that failed its check this epoch was dropped: the
     # batches after it hold one record more of the source than position x
@@ -202,10 +254,17 @@ cdef class BatchReader(DecoratedReader):
     def _negotiate(self):
         """Ask the source chain for deferred records (mapped reads of big v2
         RecordIO records, verified by this batch's copy): only through
-        decorators that only move items, only for fixed-size schemas.  Every
-        epoch asks again (the switch, a holder's new reader)."""
+        decorators that only move items (fixed-size and sequence schemas).
+        Every epoch asks again (the switch, a holder's new reader)."""
         cdef size_t addr = 0
-        if self.layout.n_lod == 0:
+        cdef int f
+        self.d_min = 0
+        self.d_last = -1
+        for f in range(self.layout.nfields):
+            self.d_min += 8 if self.layout.lod[f] else self.layout.row_bytes[f]
+            if self.layout.lod[f]:
+                self.d_last = f if self.layout.row_bytes[f] > 0 else self.d_last
+        if not self.layout.bare:
             src = _mapped_source(self.reader)
             if src is not None:
                 addr = src._mapped_negotiate()
@@ -236,7 +295,7 @@ cdef class BatchReader(DecoratedReader):
 
     cdef object _deferred_error(self, const rl_record *r, int code, int64_t off):
         from readerlib.formats._recordio import _deferred_error_py
-        err = _deferred_error_py(<size_t>r.block, code, off)
+        err = _deferred_error_py(<size_t>r.block, code, off, self.schema)
         self._dropped = str(err)
         return err
 
@@ -285,13 +344,15 @@ cdef class BatchReader(DecoratedReader):
         if self.layout.n_lod == 0:
             return self._next_fixed(out)
         while n < self.batch_size:
-            r = self.reader.c_next(&rec)  # may raise: recs[:nrecs] stay held
+            r = self._pull(&rec)          # may raise: recs[:nrecs] stay held
             if r == 0:
                 break
             # parsed as it arrives (the data is hot), so that a malformed
             # record is rejected alone and the batch around it survives
-            if layout_parse(&self.layout, rec.data, rec.size, self.parsed_ptrs + n * nf,
-                            self.parsed_rows + n * nf) != 0:
+            if self.dmap != NULL and rl_record_is_deferred(&rec):
+                self._deferred_rows(&rec, self.parsed_rows + n * nf)   # may raise (the record is dropped)
+            elif layout_parse(&self.layout, rec.data, rec.size, self.parsed_ptrs + n * nf,
+                              self.parsed_rows + n * nf) != 0:
                 with gil:
                     raise _record_schema_error("BatchReader", self.schema,
                                                rec.data[:rec.size], self.layout.bare, index=n)
@@ -454,6 +515,78 @@ cdef class BatchReader(DecoratedReader):
         with gil:
             raise err
 
+    cdef int _deferred_rows(self, const rl_record *r, int64_t *rows) except -1 nogil:
+        """A deferred sequence record's rows per field, from its size and (for
+        all but the last sequence field) the row counts read from the file:
+        what layout_parse checks of a record in memory.  The counts are not
+        verified yet: the fused copy checks the CRC of every byte and that the
+        counts it copied are these.  A record that does not fit raises (its
+        CRC error if its bytes are bad, else the schema error), and is dropped."""
+        cdef const rl_layout *L = &self.layout
+        cdef int f, code
+        cdef int64_t pos = 0, rest = r.size - self.d_min, n, rb, foff
+        cdef char word[8]
+        if rest < 0:
+            return self._deferred_bad(r)
+        for f in range(L.nfields):
+            rb = L.row_bytes[f]
+            if not L.lod[f]:
+                rows[f] = 1
+                pos += rb
+                continue
+            if f == self.d_last:
+                if rest % rb:
+                    return self._deferred_bad(r)
+                n = rest // rb
+            else:
+                code = rl_deferred_peek(r, pos, word, 8, &foff)
+                if code != 0:
+                    with gil:
+                        raise self._deferred_error(r, code, foff)
+                n = rl_load_i64(word)
+                if n < 0 or (rb and n > rest // rb):
+                    return self._deferred_bad(r)
+            rows[f] = n
+            rest -= n * rb
+            pos += 8 + n * rb
+        if rest != 0:
+            return self._deferred_bad(r)
+        return 0
+
+    cdef int _deferred_bad(self, const rl_record *r) except -1 nogil:
+        """A deferred record whose sizes do not fit the schema: its bytes read
+        and checked (a bad CRC is the error to report, as the reader's own
+        path reports it), else the schema error; raises either way."""
+        cdef int code
+        cdef int64_t off
+        cdef rl_block *nb = rl_deferred_materialize(r, &code, &off)
+        if nb != NULL:
+            rl_block_decref(nb)
+            code = RL_DEF_LAYOUT
+            off = r.data - (<rl_dblock *>r.block).map.base
+        with gil:
+            raise self._deferred_error(r, code, off)
+
+    cdef int _deferred_failed_seq(self, int64_t i) except -1 nogil:
+        """Record i of a sequence batch failed its check at the copy: raise its
+        error and keep the others held (with their parse), so that reading on
+        loses only that record (the next call sizes and copies the batch again)."""
+        cdef int64_t k
+        cdef int nf = self.layout.nfields
+        cdef rl_record bad = self.recs[i]
+        with gil:
+            err = self._deferred_error(&bad, self.dcodes[i], self.doffs[i])
+        for k in range(i + 1, self.nrecs):
+            self.recs[k - 1] = self.recs[k]
+        memmove(self.parsed_rows + i * nf, self.parsed_rows + (i + 1) * nf,
+                (self.nrecs - i - 1) * nf * sizeof(int64_t))
+        memmove(self.parsed_ptrs + i * nf, self.parsed_ptrs + (i + 1) * nf,
+                (self.nrecs - i - 1) * nf * sizeof(char *))
+        self.nrecs -= 1
+        rl_block_decref(bad.block)
+        with gil:
+            raise err
+
     cdef int _assemble(self, int64_t n, rl_record *out) except -1 nogil:
         """Sequence schemas: parse each held record once, size the batch, copy."""
         cdef const rl_layout *L = &self.layout
@@ -515,11 +648,24 @@ cdef class BatchReader(DecoratedReader):
         job.parsed_ptrs = self.parsed_ptrs
         job.parsed_rows = self.parsed_rows
         job.recs = self.recs
+        job.codes = self.dcodes if self.dmap != NULL else NULL
+        job.offs = self.doffs
+        if job.codes != NULL:
+            for i in range(n):
+                job.codes[i] = 0
         if data_bytes >= (4 << 20) and data_bytes >= n * 32768:
             parallel_for(threads_for(data_bytes), n, _copy_instances, &job)
         else:
             _copy_instances(&job, 0, n, 0)
         rl_copy_fence()
+        if job.codes != NULL:
+            for i in range(n):
+                if job.codes[i] != 0:
+                    rl_block_decref(b)
+                    self._deferred_failed_seq(i)    # raises; the records around it stay held
+            for i in range(n):
+                if rl_record_is_deferred(&self.recs[i]):
+                    _copied(&self.recs[i])
         for i in range(n):
             rl_record_consumed(&self.recs[i])
         out.block = b

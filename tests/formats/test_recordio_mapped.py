@@ -123,7 +123,7 @@ def test_deferred_chain_is_bitwise_the_pread_path(tmp_path, mode, copy_path, cha
     assert_exactly_once(flat, want * passes)
 
 
-def test_sequence_schema_keeps_the_pread_path(tmp_path, mode):
+def test_sequence_schema_takes_the_one_copy_path(tmp_path, mode):
     p = str(tmp_path / "seq.rio")
     schema = rl.Schema([rl.Field("s", "uint8", (4000,), lod_level=1)])
     rng = np.random.default_rng(1)
@@ -133,9 +133,9 @@ def test_sequence_schema_keeps_the_pread_path(tmp_path, mode):
     make = lambda: rl.RecordIOReader(p).shuffle(10, seed=0).batch(4)
     ref = _reference(make)
     c = make()
-    assert not c._mapped                     # deferral is for fixed-size schemas only
+    assert c._mapped                         # sequence schemas are deferred too (issue 16)
     assert _batches(c) == ref
-    assert c.reader.reader._records_deferred == 0
+    assert c.reader.reader._records_deferred == 30
     c.close()
 
 
@@ -483,3 +483,39 @@ def test_mapped_pages_are_bounded(tmp_path):
     # 200 x 40 kB = 8 MB of file; a fault maps up to a page-cache folio (512 KiB
     # here) around the record: without dropping nearly all of it stays resident
     assert peak < 6 << 20, peak
+
+
+@pytest.mark.parametrize("pads_at_batch", [True, False])
+def test_nonzero_padding_before_a_deferred_record(tmp_path, mode, copy_path, pads_at_batch):
+    # page-aligned chunks pad each record to a page; the zero padding before a
+    # deferred record is checked by the batch's read of the record (one pread
+    # for both), or (the A/B switch) by the reader at chunk load
+    p = str(tmp_path / "big.rio")
+    x, want = _write(p, n=40)
+    data = open(p, "rb").read()
+    k = 13
+    off = data.find(x[k].tobytes())
+    assert off % 4096 == 0 and data[off - 1] == 0 and off % (1 << 18) != 0
+    pad0 = off - 1
+    while data[pad0 - 1] == 0:
+        pad0 -= 1
+    pad0 = max(pad0, off - 4095)
+    with open(p, "r+b") as f:
+        f.seek(off - 7)
+        f.write(b"\x01")
+    old = R._set_deferred_pads_at_batch(pads_at_batch)
+    try:
+        c = rl.RecordIOReader(p).shuffle(12, seed=4).batch(6)
+        assert c._mapped
+        batches, errors = read_past_errors(c, lambda b: [canon(i) for i in unbatch(b)])
+    finally:
+        R._set_deferred_pads_at_batch(old)
+    got = sum(batches, [])
+    assert len(errors) == 1, errors
+    msg = str(errors[0])
+    assert msg.startswith(f"{p}: nonzero padding before a page-aligned record (record "), msg
+    assert errors[0].path == p and pad0 <= errors[0].offset < off, (errors[0].offset, pad0, off)
+    if pads_at_batch:
+        assert_exactly_once(got, want[:k] + want[k + 1:])    # only the record after the padding
+    else:
+        assert set(got) < set(want) and canon((x[k],)) not in set(got)   # the reader drops the chunk
