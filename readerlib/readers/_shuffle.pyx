@@ -418,6 +418,7 @@ cdef class ShuffleReader(DecoratedReader):
     cdef bint i_decided          # whether to inline is settled (for this reader)
     cdef bint i_probe            # a new block came and the one before is ours alone: decide
     cdef int i_tries
+    cdef bint i_restoring        # a restore's fill: the source's chunk cache holds blocks (not a sign)
     cdef rl_block *outb          # the output block being filled (one reference)
     cdef int64_t out_used
     cdef int64_t n_inlined       # records copied into cells (a test hook)
@@ -530,7 +531,7 @@ cdef class ShuffleReader(DecoratedReader):
             # let go of it), copies would free memory
             if self.btab[i].block.refcnt == 1:
                 self.i_probe = True
-            else:
+            elif not self.i_restoring:
                 self.i_tries += 1
                 self.i_decided = self.i_tries >= INLINE_PROBES
         i = self._new_entry()
@@ -1096,6 +1097,7 @@ cdef class ShuffleReader(DecoratedReader):
             tmpv = np.empty(cn, np.int64)
             _radix_order(&pos[0], cn, &order[0], &tmpv[0])
         self.count = 0
+        self.i_restoring = True
         try:
             with nogil:
                 self._fill_by_index(&pos[0], &order[0] if cn > 0 else NULL, cn)
@@ -1105,7 +1107,10 @@ cdef class ShuffleReader(DecoratedReader):
                 self._unref(s_)
             self.count = 0
             raise
+        finally:
+            self.i_restoring = False
         self._close_random_access()
+        self.i_probe = not self.i_decided   # the blocks are the buffer's alone now: decide
         self.filled = True
         if D >= 0 and D < n:
             self.upstream_done = True
