@@ -137,9 +137,15 @@ cdef extern from *:
     #else
     static inline void rl_shuffle_copy_small(char *d, const char *s, size_t n) { memcpy(d, s, n); }
     #endif
+    /* Nobody but the caller holds b (acquire: whoever let go of it, on any
+     * thread, has finished reading it before the caller writes into it). */
+    static inline int rl_shuffle_sole(rl_block *b) {
+        return __atomic_load_n(&b->refcnt, __ATOMIC_ACQUIRE) == 1;
+    }
     """
     void __builtin_prefetch(const void *p) nogil
     void rl_shuffle_copy_small(char *d, const char *s, size_t n) nogil
+    bint rl_shuffle_sole(rl_block *b) nogil
 
 
 def _addressable(reader, bint may_become=False):
@@ -283,11 +289,14 @@ cdef class ShuffleReader(DecoratedReader):
     Every item comes out exactly once per epoch.  The order is a function of
     (seed, epoch): the same seed gives the same order, and each `reset()`
     starts a new epoch with a new order.  The buffer holds references to
-    records, not copies; when small records would keep much more memory alive
-    than they are (their source blocks), it copies the few survivors of
-    mostly-drained blocks into blocks of its own, so that its memory stays
-    about 1.5-1.6x the buffered payload plus 4 MiB.  Compaction never changes
-    the order.
+    records, not copies, except for a big buffer of small records from a
+    source that lets go of its blocks: those (up to 256 bytes, one cell size
+    per buffer) are copied into cells of the buffer's own, so its memory is
+    about the buffered payload plus 20 bytes a slot.  Records it references
+    that would keep much more memory alive than they are (their source
+    blocks) are compacted: the few survivors of mostly-drained blocks are
+    copied into blocks of its own, so that memory stays about 1.5-1.6x their
+    payload plus 4 MiB.  Neither changes the order.
 
     Parameters
     ----------
@@ -578,15 +587,17 @@ cdef class ShuffleReader(DecoratedReader):
         or 0..n-1): see "Inline" in the design note.  Yes: the cells are made
         and those records copied into them.  Out of memory: no (compaction
         goes on as before)."""
-        cdef int64_t cnt[INLINE_MAX_LIMIT + 1]
-        cdef int64_t i, s, z, c, best_c = -1, e, total = 0, small = 0, k
+        cdef int64_t *cnt
+        cdef int64_t i, s, z, c, best_c = -1, e, total = 0, small = 0
         cdef double cost, best
         cdef char *p
         self.i_probe = False
         if self.i_decided or n <= 0:
             return
         self.i_decided = True
-        memset(cnt, 0, (self.i_max + 1) * sizeof(int64_t))
+        cnt = <int64_t *>calloc(self.i_max + 1, sizeof(int64_t))
+        if cnt == NULL:
+            return
         for i in range(n):
             s = idx[i] if idx != NULL else i
             z = self._size(s)
@@ -594,6 +605,7 @@ cdef class ShuffleReader(DecoratedReader):
             if z <= self.i_max and self.slots[s].ref != INL:
                 cnt[z] += 1
         if <double>self.cap * total < <double>self.i_min_payload * n:
+            free(cnt)
             return
         # cost(c) = n x c + 2 x bytes of records > c, against 2 x all bytes
         best = 2.0 * total
@@ -608,6 +620,7 @@ cdef class ShuffleReader(DecoratedReader):
                 if cost < best:
                     best = cost
                     best_c = c
+        free(cnt)
         if best_c <= 0:
             return
         self.cells = <char *>malloc(self.scap * best_c)
@@ -636,7 +649,7 @@ cdef class ShuffleReader(DecoratedReader):
         if self.outb != NULL:
             if self.out_used + need <= self.outb.size:
                 return 0
-            if self.outb.refcnt == 1 and need <= self.outb.size:
+            if rl_shuffle_sole(self.outb) and need <= self.outb.size:
                 self.out_used = 0
                 return 0
             rl_block_decref(self.outb)
@@ -1217,8 +1230,11 @@ cdef class ShuffleReader(DecoratedReader):
 
     def _memory_stats(self):
         """Test hook: what the buffer holds now.  `pinned_bytes`: the sizes of
-        the distinct blocks it references; `payload_bytes`: of the records;
-        `passes` / `copied_records` / `copied_bytes`: compaction so far."""
+        the distinct blocks it references; `payload_bytes`: of the records it
+        references; `passes` / `copied_records` / `copied_bytes`: compaction so
+        far; `cell` (0: not inlining), `cells_bytes` (allocated),
+        `inline_records` / `inline_payload_bytes` (in cells now),
+        `inlined_records` (copied into cells so far)."""
         cdef int64_t i, blocks = 0, inl = 0, inl_bytes = 0
         for i in range(self.btab_hw):
             if self.btab[i].block != NULL:
