@@ -139,6 +139,9 @@ cdef extern from *:
     #endif
     /* Nobody but the caller holds b (acquire: whoever let go of it, on any
      * thread, has finished reading it before the caller writes into it). */
+    /* Branch hint: the referenced path's code stays straight (the inline
+     * path takes a jump; its branch is predicted either way). */
+    #define rl_shuffle_rare(x) __builtin_expect(!!(x), 0)
     static inline int rl_shuffle_sole(rl_block *b) {
         return __atomic_load_n(&b->refcnt, __ATOMIC_ACQUIRE) == 1;
     }
@@ -146,6 +149,7 @@ cdef extern from *:
     void __builtin_prefetch(const void *p) nogil
     void rl_shuffle_copy_small(char *d, const char *s, size_t n) nogil
     bint rl_shuffle_sole(rl_block *b) nogil
+    bint rl_shuffle_rare(bint x) nogil
 
 
 def _addressable(reader, bint may_become=False):
@@ -535,6 +539,12 @@ cdef class ShuffleReader(DecoratedReader):
             self.btab[i].count += 1
             self.btab[i].bytes += size
             return i
+        return self._acquire_new(b, size)
+
+    cdef int64_t _acquire_new(self, rl_block *b, int64_t size) noexcept nogil:
+        # a block not the last one's (out of line: _acquire stays small enough
+        # to be inlined into the per-record paths)
+        cdef int64_t i = self.btab_last
         if not self.i_decided and i >= 0:
             # the block before this one: held by the shuffle alone (the source
             # let go of it), copies would free memory
@@ -566,16 +576,19 @@ cdef class ShuffleReader(DecoratedReader):
         # slot s <- the source's record: into its cell when it fits (a deferred
         # record never does: it is >= 32 KiB, a cell <= INLINE_MAX_LIMIT), else
         # referenced
-        cdef char *p
-        if rec.size <= self.cell:
-            p = self.cells + s * self.cell
-            rl_shuffle_copy_small(p, rec.data, <size_t>rec.size)
-            self.slots[s].data = p
-            self.slots[s].size = <uint32_t>rec.size
-            self.slots[s].ref = INL
-            self.n_inlined += 1
+        if rl_shuffle_rare(rec.size <= self.cell):
+            self._take_cell(s, rec)
         else:
             self._put(s, rec, self._acquire(rec.block, rec.size))
+
+    cdef inline void _take_cell(self, int64_t s, const rl_record *rec) noexcept nogil:
+        # slot s <- a copy of the record in its cell (rec.size <= cell)
+        cdef char *p = self.cells + s * self.cell
+        rl_shuffle_copy_small(p, rec.data, <size_t>rec.size)
+        self.slots[s].data = p
+        self.slots[s].size = <uint32_t>rec.size
+        self.slots[s].ref = INL
+        self.n_inlined += 1
 
     cdef inline void _unref(self, int64_t s) noexcept nogil:
         # slot s lets go of its record
@@ -830,10 +843,11 @@ cdef class ShuffleReader(DecoratedReader):
         if self.in_upstream:            # the last call below raised: positions may have shifted
             self.in_upstream = False
             self.track_ok = False
-        if self.i_probe:
-            self._decide(NULL, self.count)
-        if self.due:
-            self._compact()
+        if rl_shuffle_rare(self.due or self.i_probe):
+            if self.i_probe:
+                self._decide(NULL, self.count)
+            if self.due:
+                self._compact()
         if not self.filled:
             while self.count < self.cap:
                 if self.count == self.scap:
@@ -847,7 +861,10 @@ cdef class ShuffleReader(DecoratedReader):
                     self.upstream_done = True
                     self.done_at = self.emitted
                     break
-                self._take(self.count, &rec)
+                if rl_shuffle_rare(rec.size <= self.cell):     # (_take, spelled out: inlined)
+                    self._take_cell(self.count, &rec)
+                else:
+                    self._put(self.count, &rec, self._acquire(rec.block, rec.size))
                 if self.track:
                     self._took(self.count)
                 self.count += 1
@@ -864,7 +881,7 @@ cdef class ShuffleReader(DecoratedReader):
             # next call emits this same slot (the order is the one the
             # failed record's absence gives, and nothing is lost or repeated)
             self.next_j = <int64_t>j
-        if self.slots[j].ref == INL:
+        if rl_shuffle_rare(self.slots[j].ref == INL):
             return self._next_inline(j, out)
         self._get(j, &cur)
         if rl_record_is_deferred(&cur) and not rl_deferred_may_go_out(&cur):
@@ -884,7 +901,10 @@ cdef class ShuffleReader(DecoratedReader):
                 self.ring_a[self.emitted & RING_MASK] = self.slot_pos[j]
             self.emitted += 1
             if r == 1:
-                self._take(j, &rec)
+                if rl_shuffle_rare(rec.size <= self.cell):
+                    self._take_cell(j, &rec)
+                else:
+                    self._put(j, &rec, self._acquire(rec.block, rec.size))
                 if self.track:
                     self._took(j)
                 self._draw_ahead()
@@ -923,7 +943,10 @@ cdef class ShuffleReader(DecoratedReader):
                 self.ring_a[self.emitted & RING_MASK] = self.slot_pos[j]
             self.emitted += 1
             if r == 1:
-                self._take(j, &rec)
+                if rl_shuffle_rare(rec.size <= self.cell):
+                    self._take_cell(j, &rec)
+                else:
+                    self._put(j, &rec, self._acquire(rec.block, rec.size))
                 if self.track:
                     self._took(j)
                 self._draw_ahead()
