@@ -1,4 +1,4 @@
-"""Shuffle compaction: ns per record and peak RSS, this build against another.
+"""Shuffle memory (compaction, inline small records): ns per record and peak RSS, this build against another.
 
     python benchmarks/bench_shuffle_memory.py --old /tmp/compact_old [--repeats 3] [--big] [--out FILE]
 
@@ -114,7 +114,7 @@ def main(argv=None):
         args.no_tf = True
     q = 100 if args.quick else 1                # --quick: 1/100 of every size
     builds = {"old": args.old, "new": HERE}
-    rep = harness.Report(args, "Shuffle compaction: ns per record and peak RSS, old and new build")
+    rep = harness.Report(args, "Shuffle memory (compaction, inline small records): ns per record and peak RSS, old and new build")
     with rep:
         _run(args, q, builds, rep)
 

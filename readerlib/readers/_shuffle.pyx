@@ -72,8 +72,84 @@ def _compaction_settings(enabled=None, slack_bytes=None, factor=None, fill=None)
     return old
 
 
+# Inline small records (see "Inline" in ShuffleReader's design note): module-level
+# so that tests and benchmarks can switch it; each ShuffleReader copies them at
+# construction.
+cdef bint _INLINE_ON = True
+cdef int64_t _INLINE_MAX = 256               # the largest cell considered (bytes)
+cdef int64_t _INLINE_MIN_PAYLOAD = 256 << 10  # projected buffer payload below which it stays off
+cdef int64_t _INLINE_CELL = 0                # > 0: this cell size, not the chosen one (tests)
+DEF INLINE_MAX_LIMIT = 4096                 # < 32 KiB: a deferred record (>= 32 KiB) never fits a cell
+DEF INLINE_PROBES = 16                      # new blocks looked at before giving up on a source
+DEF OUT_BYTES = 16384                       # an output block (the copies handed out); L1-sized
+
+
+def _inline_settings(enabled=None, max_cell=None, min_payload=None, cell=None):
+    """Test/benchmark hook: the inline settings new ShuffleReaders take
+    (`enabled`; cells of at most `max_cell` bytes; only when the buffer's
+    projected payload is at least `min_payload` bytes; `cell` > 0 forces the
+    cell size, 0 lets the shuffle choose); returns the previous ones as a dict."""
+    global _INLINE_ON, _INLINE_MAX, _INLINE_MIN_PAYLOAD, _INLINE_CELL
+    old = {"enabled": bool(_INLINE_ON), "max_cell": int(_INLINE_MAX),
+           "min_payload": int(_INLINE_MIN_PAYLOAD), "cell": int(_INLINE_CELL)}
+    if max_cell is not None and not 1 <= int(max_cell) <= INLINE_MAX_LIMIT:
+        raise ValueError(f"max_cell must be in [1, {INLINE_MAX_LIMIT}], got {max_cell}")
+    if cell is not None and not 0 <= int(cell) <= INLINE_MAX_LIMIT:
+        raise ValueError(f"cell must be in [0, {INLINE_MAX_LIMIT}], got {cell}")
+    if min_payload is not None and int(min_payload) < 0:
+        raise ValueError(f"min_payload must be >= 0, got {min_payload}")
+    if enabled is not None:
+        _INLINE_ON = bool(enabled)
+    if max_cell is not None:
+        _INLINE_MAX = int(max_cell)
+    if min_payload is not None:
+        _INLINE_MIN_PAYLOAD = int(min_payload)
+    if cell is not None:
+        _INLINE_CELL = int(cell)
+    return old
+
+
 cdef extern from *:
+    """
+    /* A copy of n bytes (small: a record going into or out of its cell) without
+     * a call: two overlapping loads and stores per size class, exact (reads and
+     * writes only [0, n)). */
+    #if defined(__x86_64__)
+    #include <emmintrin.h>
+    static inline void rl_shuffle_copy_small(char *d, const char *s, size_t n) {
+        if (n > 64) { memcpy(d, s, n); return; }
+        if (n >= 32) {
+            __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(s + n - 32)), e = _mm_loadu_si128((const __m128i *)(s + n - 16));
+            _mm_storeu_si128((__m128i *)d, a); _mm_storeu_si128((__m128i *)(d + 16), b);
+            _mm_storeu_si128((__m128i *)(d + n - 32), c); _mm_storeu_si128((__m128i *)(d + n - 16), e);
+        } else if (n >= 16) {
+            __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + n - 16));
+            _mm_storeu_si128((__m128i *)d, a); _mm_storeu_si128((__m128i *)(d + n - 16), b);
+        } else if (n >= 8) {
+            uint64_t a, b; memcpy(&a, s, 8); memcpy(&b, s + n - 8, 8); memcpy(d, &a, 8); memcpy(d + n - 8, &b, 8);
+        } else if (n >= 4) {
+            uint32_t a, b; memcpy(&a, s, 4); memcpy(&b, s + n - 4, 4); memcpy(d, &a, 4); memcpy(d + n - 4, &b, 4);
+        } else {
+            for (size_t i = 0; i < n; i++) d[i] = s[i];
+        }
+    }
+    #else
+    static inline void rl_shuffle_copy_small(char *d, const char *s, size_t n) { memcpy(d, s, n); }
+    #endif
+    /* Nobody but the caller holds b (acquire: whoever let go of it, on any
+     * thread, has finished reading it before the caller writes into it). */
+    /* Branch hint: the referenced path's code stays straight (the inline
+     * path takes a jump; its branch is predicted either way). */
+    #define rl_shuffle_rare(x) __builtin_expect(!!(x), 0)
+    static inline int rl_shuffle_sole(rl_block *b) {
+        return __atomic_load_n(&b->refcnt, __ATOMIC_ACQUIRE) == 1;
+    }
+    """
     void __builtin_prefetch(const void *p, ...) nogil
+    void rl_shuffle_copy_small(char *d, const char *s, size_t n) nogil
+    bint rl_shuffle_sole(rl_block *b) nogil
+    bint rl_shuffle_rare(bint x) nogil
 
 
 def _addressable(reader, bint may_become=False):
@@ -356,8 +432,10 @@ cdef struct _slot:
 cdef extern from *:
     """
     #define RL_SHUFFLE_BIG ((int64_t)0xFFFFFFFFu)
+    #define RL_SHUFFLE_INL ((uint32_t)0xFFFFFFFFu)
     """
     const int64_t BIG "RL_SHUFFLE_BIG"
+    const uint32_t INL "RL_SHUFFLE_INL"      # a slot's ref: its record is in its cell, no block
 DEF MAX_BUFFER = 1 << 31                   # ref is 32 bits: at most this + 2 table entries
 
 
@@ -367,11 +445,14 @@ cdef class ShuffleReader(DecoratedReader):
     Every item comes out exactly once per epoch.  The order is a function of
     (seed, epoch): the same seed gives the same order, and each `reset()`
     starts a new epoch with a new order.  The buffer holds references to
-    records, not copies; when small records would keep much more memory alive
-    than they are (their source blocks), it copies the few survivors of
-    mostly-drained blocks into blocks of its own, so that its memory stays
-    about 1.5-1.6x the buffered payload plus 4 MiB.  Compaction never changes
-    the order.
+    records, not copies, except for a big buffer of small records from a
+    source that lets go of its blocks: those (up to 256 bytes, one cell size
+    per buffer) are copied into cells of the buffer's own, so its memory is
+    about the buffered payload plus 20 bytes a slot.  Records it references
+    that would keep much more memory alive than they are (their source
+    blocks) are compacted: the few survivors of mostly-drained blocks are
+    copied into blocks of its own, so that memory stays about 1.5-1.6x their
+    payload plus 4 MiB.  Neither changes the order.
 
     Parameters
     ----------
@@ -406,6 +487,30 @@ cdef class ShuffleReader(DecoratedReader):
     # and its block-table entry (32 bits; the block is btab[ref].block).  A
     # record of 4 GiB or more has size BIG and an entry of its own that
     # holds its size.
+    #
+    # Inline.  For a big buffer of small records compaction still pins 1.5x
+    # the payload plus the arenas (results/shuffle_memory.md).  So when the
+    # shuffle sees, early in its first fill, that its source lets go of its
+    # blocks (the block before a new one is held by the shuffle alone: copies
+    # would free memory), that the buffer's payload will not be tiny (cap x
+    # the mean size so far >= 256 KiB: below that, measured, the two copies
+    # cost more than the pinning and compaction they save) and that cells of
+    # one size would cost less than referencing (n x cell + 2 x the bytes of
+    # larger records < 2 x all bytes; 2: compaction's 1.5x plus its arenas),
+    # it copies every record of at most `cell` bytes into a cell of its own:
+    # slot s's cell is cells + s x cell, written only by a record that comes
+    # into slot s (after a slot moves -- the source ran out, a deferred
+    # record dropped -- it may point at the cell of a slot index >= count,
+    # which is not refilled before the next epoch).  No source block stays
+    # pinned for them and compaction has nothing to do for them; larger
+    # records take the referenced path (and compaction) as before.  A record
+    # handed out is copied from its cell into an output block (OUT_BYTES,
+    # appended to; reused from its start when the shuffle is its only holder
+    # -- a consumer that keeps a record holds a reference to its block -- or
+    # replaced by a fresh one), so the cell can take the slot's next record.
+    # The draws do not depend on where a record is kept: the order is the
+    # same as without inlining.  Cost: two copies of a small record (in, out)
+    # instead of none; memory: cap x (cell + 16 B slot) + positions.
     #
     # Restore.  Over a source whose epoch is addressable (_addressable: item
     # i of the epoch is c_read_at(i)), each slot also keeps its record's
@@ -468,6 +573,20 @@ cdef class ShuffleReader(DecoratedReader):
     cdef rl_rng base_rng         # RNG before the draw of step base_t
     cdef object _pending         # set_state's saved buffer, for the first c_skip
     cdef readonly int64_t restores   # bounded restores made (a test hook)
+    # Inline small records (see "Inline" in the design note).
+    cdef char *cells             # scap x cell bytes (NULL: not inline)
+    cdef int64_t cell            # a record of at most this many bytes is inlined; -1: none is
+    cdef bint i_on               # the settings, copied at construction
+    cdef int64_t i_max
+    cdef int64_t i_min_payload
+    cdef int64_t i_cell
+    cdef bint i_decided          # whether to inline is settled (for this reader)
+    cdef bint i_probe            # a new block came and the one before is ours alone: decide
+    cdef int i_tries
+    cdef bint i_restoring        # a restore's fill: the source's chunk cache holds blocks (not a sign)
+    cdef rl_block *outb          # the output block being filled (one reference)
+    cdef int64_t out_used
+    cdef int64_t n_inlined       # records copied into cells (a test hook)
 
     def __init__(self, reader, buffer_size, seed=None):
         _check_reader(reader, "ShuffleReader")
@@ -493,6 +612,14 @@ cdef class ShuffleReader(DecoratedReader):
         self.c_slack = _COMPACT_SLACK
         self.c_factor = _COMPACT_FACTOR
         self.c_fill = _COMPACT_FILL
+        self.cells = NULL
+        self.cell = -1
+        self.outb = NULL
+        self.i_on = _INLINE_ON
+        self.i_max = _INLINE_MAX
+        self.i_min_payload = _INLINE_MIN_PAYLOAD
+        self.i_cell = _INLINE_CELL
+        self.i_decided = not self.i_on
         self.track = _addressable(reader, True)
         if self.track:
             self.ring_a = <uint32_t *>malloc(RING * sizeof(uint32_t))
@@ -511,6 +638,7 @@ cdef class ShuffleReader(DecoratedReader):
         cdef _slot *s2
         cdef uint32_t *p2
         cdef _bref *b2
+        cdef char *c2
         if n <= old:
             return 0
         s2 = <_slot *>realloc(self.slots, n * sizeof(_slot))
@@ -533,6 +661,16 @@ cdef class ShuffleReader(DecoratedReader):
             with gil:
                 raise MemoryError(f"shuffle buffer of {n} items")
         self.btab = b2
+        if self.cells != NULL:
+            c2 = <char *>realloc(self.cells, n * self.cell)
+            if c2 == NULL:
+                with gil:
+                    raise MemoryError(f"shuffle buffer of {n} items")
+            if c2 != self.cells:            # the inline slots point into the cells
+                for i in range(self.count):
+                    if self.slots[i].ref == INL:
+                        self.slots[i].data = c2 + (self.slots[i].data - self.cells)
+            self.cells = c2
         self.scap = n
         return 0
 
@@ -553,6 +691,20 @@ cdef class ShuffleReader(DecoratedReader):
             self.btab[i].count += 1
             self.btab[i].bytes += size
             return i
+        return self._acquire_new(b, size)
+
+    cdef int64_t _acquire_new(self, rl_block *b, int64_t size) noexcept nogil:
+        # a block not the last one's (out of line: _acquire stays small enough
+        # to be inlined into the per-record paths)
+        cdef int64_t i = self.btab_last
+        if not self.i_decided and i >= 0:
+            # the block before this one: held by the shuffle alone (the source
+            # let go of it), copies would free memory
+            if self.btab[i].block.refcnt == 1:
+                self.i_probe = True
+            elif not self.i_restoring:
+                self.i_tries += 1
+                self.i_decided = self.i_tries >= INLINE_PROBES
         i = self._new_entry()
         self.btab[i].block = b
         self.btab[i].count = 1
@@ -571,6 +723,116 @@ cdef class ShuffleReader(DecoratedReader):
         self.slots[s].data = rec.data
         self.slots[s].size = <uint32_t>(rec.size if rec.size < BIG else BIG)
         self.slots[s].ref = <uint32_t>ref
+
+    cdef inline void _take(self, int64_t s, const rl_record *rec) noexcept nogil:
+        # slot s <- the source's record: into its cell when it fits (a deferred
+        # record never does: it is >= 32 KiB, a cell <= INLINE_MAX_LIMIT), else
+        # referenced
+        if rl_shuffle_rare(rec.size <= self.cell):
+            self._take_cell(s, rec)
+        else:
+            self._put(s, rec, self._acquire(rec.block, rec.size))
+
+    cdef inline void _take_cell(self, int64_t s, const rl_record *rec) noexcept nogil:
+        # slot s <- a copy of the record in its cell (rec.size <= cell)
+        cdef char *p = self.cells + s * self.cell
+        rl_shuffle_copy_small(p, rec.data, <size_t>rec.size)
+        self.slots[s].data = p
+        self.slots[s].size = <uint32_t>rec.size
+        self.slots[s].ref = INL
+        self.n_inlined += 1
+
+    cdef inline void _unref(self, int64_t s) noexcept nogil:
+        # slot s lets go of its record
+        if self.slots[s].ref != INL:
+            self._release(self.slots[s].ref, self._size(s))
+
+    cdef void _decide(self, const int64_t *idx, int64_t n) noexcept nogil:
+        """Whether to inline, from the n records buffered so far (slots idx[:n],
+        or 0..n-1): see "Inline" in the design note.  Yes: the cells are made
+        and those records copied into them.  Out of memory: no (compaction
+        goes on as before)."""
+        cdef int64_t *cnt
+        cdef int64_t i, s, z, c, best_c = -1, e, total = 0, small = 0
+        cdef double cost, best
+        cdef char *p
+        self.i_probe = False
+        if self.i_decided or n <= 0:
+            return
+        self.i_decided = True
+        cnt = <int64_t *>calloc(self.i_max + 1, sizeof(int64_t))
+        if cnt == NULL:
+            return
+        for i in range(n):
+            s = idx[i] if idx != NULL else i
+            z = self._size(s)
+            total += z
+            if z <= self.i_max and self.slots[s].ref != INL:
+                cnt[z] += 1
+        if <double>self.cap * total < <double>self.i_min_payload * n:
+            free(cnt)
+            return
+        # cost(c) = n x c + 2 x bytes of records > c, against 2 x all bytes
+        best = 2.0 * total
+        if self.i_cell > 0:
+            best_c = self.i_cell
+        else:
+            for c in range(1, self.i_max + 1):
+                small += cnt[c] * c
+                if cnt[c] == 0:
+                    continue
+                cost = <double>n * c + 2.0 * (total - small)
+                if cost < best:
+                    best = cost
+                    best_c = c
+        free(cnt)
+        if best_c <= 0:
+            return
+        self.cells = <char *>malloc(self.scap * best_c)
+        if self.cells == NULL:
+            return
+        self.cell = best_c
+        for i in range(n):
+            s = idx[i] if idx != NULL else i
+            e = self.slots[s].ref
+            if e == INL:
+                continue
+            z = self._size(s)
+            if z > best_c:
+                continue
+            p = self.cells + s * best_c
+            memcpy(p, self.slots[s].data, <size_t>z)
+            self.slots[s].data = p
+            self.slots[s].ref = INL
+            self.n_inlined += 1
+            self._release(e, z)
+
+    cdef int _out_room(self, int64_t need) except -1 nogil:
+        """Room for `need` bytes in the output block: the block's start again
+        when nobody else holds it (the record handed out last was borrowed
+        until this call), else a fresh block.  Raises with nothing moved."""
+        if self.outb != NULL:
+            if self.out_used + need <= self.outb.size:
+                return 0
+            if rl_shuffle_sole(self.outb) and need <= self.outb.size:
+                self.out_used = 0
+                return 0
+            rl_block_decref(self.outb)
+        self.outb = rl_block_new(max(<int64_t>OUT_BYTES, need))
+        self.out_used = 0
+        if self.outb == NULL:
+            with gil:
+                raise MemoryError(f"shuffle output block of {max(<int64_t>OUT_BYTES, need)} bytes")
+        return 0
+
+    cdef inline void _out(self, int64_t j, int64_t need, rl_record *out) noexcept nogil:
+        # the record of inline slot j, copied into the output block (room made)
+        cdef char *p = self.outb.data + self.out_used
+        rl_shuffle_copy_small(p, self.slots[j].data, self.slots[j].size)
+        self.out_used += need
+        out.block = self.outb
+        out.data = p
+        out.size = self.slots[j].size
 
     cdef inline int64_t _size(self, int64_t s) noexcept nogil:
         cdef int64_t z = self.slots[s].size
@@ -648,6 +910,8 @@ cdef class ShuffleReader(DecoratedReader):
         self.n_passes += 1
         for s in range(self.count):
             e = self.slots[s].ref
+            if e == INL:                       # in its cell: nothing pinned
+                continue
             if self.btab[e].mark != self.gen:
                 if self.btab[e].mark == -self.gen:
                     continue
@@ -677,12 +941,16 @@ cdef class ShuffleReader(DecoratedReader):
     cdef void _drop(self) noexcept nogil:
         cdef int64_t i
         for i in range(self.count):
-            self._release(self.slots[i].ref, self._size(i))
+            self._unref(i)
         self.count = 0
         if self.hold >= 0:
             self._release(self.hold, self.hold_size)
             self.hold = -1
         self._drop_arena()
+        if self.outb != NULL:
+            rl_block_decref(self.outb)
+            self.outb = NULL
+        self.out_used = 0
         self.due = False
         self.since = 0
 
@@ -705,6 +973,8 @@ cdef class ShuffleReader(DecoratedReader):
             self._drop()
         free(self.slots)
         free(self.btab)
+        free(self.cells)
+        self.cells = NULL
         free(self.slot_pos)
         free(self.ring_a)
         free(self.ring_s)
@@ -725,8 +995,11 @@ cdef class ShuffleReader(DecoratedReader):
         if self.in_upstream:            # the last call below raised: positions may have shifted
             self.in_upstream = False
             self.track_ok = False
-        if self.due:
-            self._compact()
+        if rl_shuffle_rare(self.due or self.i_probe):
+            if self.i_probe:
+                self._decide(NULL, self.count)
+            if self.due:
+                self._compact()
         if not self.filled:
             while self.count < self.cap:
                 if self.count == self.scap:
@@ -740,10 +1013,15 @@ cdef class ShuffleReader(DecoratedReader):
                     self.upstream_done = True
                     self.done_at = self.emitted
                     break
-                self._put(self.count, &rec, self._acquire(rec.block, rec.size))
+                if rl_shuffle_rare(rec.size <= self.cell):     # (_take, spelled out: inlined)
+                    self._take_cell(self.count, &rec)
+                else:
+                    self._put(self.count, &rec, self._acquire(rec.block, rec.size))
                 if self.track:
                     self._took(self.count)
                 self.count += 1
+                if self.i_probe:
+                    self._decide(NULL, self.count)
             self.filled = True
         if self.count == 0:
             return 0
@@ -755,6 +1033,8 @@ cdef class ShuffleReader(DecoratedReader):
             # next call emits this same slot (the order is the one the
             # failed record's absence gives, and nothing is lost or repeated)
             self.next_j = <int64_t>j
+        if rl_shuffle_rare(self.slots[j].ref == INL):
+            return self._next_inline(j, out)
         self._get(j, &cur)
         if rl_record_is_deferred(&cur) and not rl_deferred_may_go_out(&cur):
             self._verify_slot(j)
@@ -773,7 +1053,10 @@ cdef class ShuffleReader(DecoratedReader):
                 self.ring_a[self.emitted & RING_MASK] = self.slot_pos[j]
             self.emitted += 1
             if r == 1:
-                self._put(j, &rec, self._acquire(rec.block, rec.size))
+                if rl_shuffle_rare(rec.size <= self.cell):
+                    self._take_cell(j, &rec)
+                else:
+                    self._put(j, &rec, self._acquire(rec.block, rec.size))
                 if self.track:
                     self._took(j)
                 self._draw_ahead()
@@ -785,6 +1068,46 @@ cdef class ShuffleReader(DecoratedReader):
             self._get(j, out)
             self.hold = self.slots[j].ref
             self.hold_size = out.size
+            if self.track:
+                self.ring_a[self.emitted & RING_MASK] = self.slot_pos[j]
+            self.emitted += 1
+        self.count -= 1
+        self.slots[j] = self.slots[self.count]
+        if self.track:
+            self.slot_pos[j] = self.slot_pos[self.count]
+        self._draw_ahead()
+        return 1
+
+    cdef int _next_inline(self, int64_t j, rl_record *out) except -1 nogil:
+        """c_next's step when the drawn slot j holds its record in its cell: the
+        same step, the record handed out as a copy in the output block."""
+        cdef rl_record rec
+        cdef int r
+        cdef int64_t need = (<int64_t>self.slots[j].size + 7) & ~(<int64_t>7)
+        self._out_room(need)              # may raise: nothing has moved yet
+        if not self.upstream_done:
+            self.in_upstream = True
+            r = self.reader.c_next(&rec)  # may raise: the next call emits slot j again
+            self.in_upstream = False
+            self.next_j = -1
+            self._out(j, need, out)       # out of the cell before the refill overwrites it
+            if self.track:
+                self.ring_a[self.emitted & RING_MASK] = self.slot_pos[j]
+            self.emitted += 1
+            if r == 1:
+                if rl_shuffle_rare(rec.size <= self.cell):
+                    self._take_cell(j, &rec)
+                else:
+                    self._put(j, &rec, self._acquire(rec.block, rec.size))
+                if self.track:
+                    self._took(j)
+                self._draw_ahead()
+                return 1
+            self.upstream_done = True
+            self.done_at = self.emitted - 1
+        else:
+            self.next_j = -1
+            self._out(j, need, out)
             if self.track:
                 self.ring_a[self.emitted & RING_MASK] = self.slot_pos[j]
             self.emitted += 1
@@ -907,6 +1230,7 @@ cdef class ShuffleReader(DecoratedReader):
         cdef int64_t[::1] js
         cdef uint64_t[::1] keys
         cdef uint64_t[::1] tmpk
+        cdef int64_t[::1] order
         cdef int64_t which, lo
         if n > E or n < t_a or E <= 0 or cnt < 0 or cnt > self.cap or t_a < 0:
             return -1
@@ -957,6 +1281,8 @@ cdef class ShuffleReader(DecoratedReader):
                              f"buffer needs {src}")
         if self.scap < cn:
             self._grow(cn)
+        order_a = np.empty(max(cn, 1), np.int64)        # the slots in fill order (_decide)
+        order = order_a
         keys_a = np.empty(max(cn, 1), np.uint64)        # file order: each chunk loaded once
         tmp_a = np.empty(max(cn, 1), np.uint64)
         keys = keys_a
@@ -969,21 +1295,25 @@ cdef class ShuffleReader(DecoratedReader):
             lo = pos[<int64_t><uint32_t>keys[0]] - <int64_t>(keys[0] >> 32)
         cdef bint copy = self.c_on and not self._in_memory()
         self.count = 0
+        self.i_restoring = True
         try:
             with nogil:
-                self._fill_by_index(&keys[0], lo, cn, copy)
+                self._fill_by_index(&keys[0], lo, cn, copy, &order[0])
         except BaseException:
             for i in range(self.count):     # slots filled so far, in `keys` order
                 s_ = <int64_t><uint32_t>keys[i]
-                self._release(self.slots[s_].ref, self._size(s_))
+                self._unref(s_)
             self.count = 0
             raise
+        finally:
+            self.i_restoring = False
         self._close_random_access()
         if not copy:
             # records left in their source blocks: an in-memory array (shared with
             # its view, nothing to free) or compaction off; no pass is due for them
             self.due = False
             self.since = 0
+        self.i_probe = not self.i_decided   # the blocks are the buffer's alone now: decide
         self.filled = True
         if D >= 0 and D < n:
             self.upstream_done = True
@@ -1002,7 +1332,7 @@ cdef class ShuffleReader(DecoratedReader):
         return n
 
     cdef int _fill_by_index(self, const uint64_t *keys, int64_t lo, int64_t cn,
-                            bint copy) except -1 nogil:
+                            bint copy, int64_t *order) except -1 nogil:
         # slot keys[i] & 0xFFFFFFFF <- the source's record lo + (keys[i] >> 32)
         # (_file_order); self.count counts the slots filled (in that order),
         # for the caller's cleanup on an error.
@@ -1011,7 +1341,9 @@ cdef class ShuffleReader(DecoratedReader):
         # are scattered over many chunks, which the first compaction pass after
         # the restore would otherwise copy them out of (a 1M buffer: 55-100 ms
         # on the first batch), and only two chunks are held at a time.
-        # Deferred (mapped, unverified) records never are.
+        # Deferred (mapped, unverified) records never are.  Records that fit
+        # the inline cell (when inlining is on) go into their slots' cells.
+        # order[i]: the slot filled i-th (for _decide, which may run mid-fill).
         cdef int64_t i, s_, nx, at
         cdef rl_record rec
         cdef char *p
@@ -1021,20 +1353,26 @@ cdef class ShuffleReader(DecoratedReader):
                 __builtin_prefetch(&self.slots[nx], 1)
                 __builtin_prefetch(&self.slot_pos[nx], 1)
             s_ = <int64_t><uint32_t>keys[i]
+            order[i] = s_
             at = lo + <int64_t>(keys[i] >> 32)
             self.reader.c_read_at(at, &rec)
-            p = NULL
-            if copy and rec.size < COMPACT_MAX_RECORD and not rl_record_is_deferred(&rec):
-                p = self._arena_alloc(rec.size)
-            if p != NULL:
-                memcpy(p, rec.data, <size_t>rec.size)
-                self.slots[s_].data = p
-                self.slots[s_].size = <uint32_t>rec.size
-                self.slots[s_].ref = <uint32_t>self._arena_take(rec.size)
+            if rec.size <= self.cell:           # inline: into its cell (see _take)
+                self._take_cell(s_, &rec)
             else:
-                self._put(s_, &rec, self._acquire(rec.block, rec.size))
+                p = NULL
+                if copy and rec.size < COMPACT_MAX_RECORD and not rl_record_is_deferred(&rec):
+                    p = self._arena_alloc(rec.size)
+                if p != NULL:
+                    memcpy(p, rec.data, <size_t>rec.size)
+                    self.slots[s_].data = p
+                    self.slots[s_].size = <uint32_t>rec.size
+                    self.slots[s_].ref = <uint32_t>self._arena_take(rec.size)
+                else:
+                    self._put(s_, &rec, self._acquire(rec.block, rec.size))
             self.slot_pos[s_] = <uint32_t>at
             self.count += 1
+            if self.i_probe:
+                self._decide(order, self.count)
         return 0
 
     def _in_memory(self):
@@ -1104,6 +1442,13 @@ cdef class ShuffleReader(DecoratedReader):
 
     cdef int c_close(self) except -1:
         self._drop()
+        # no slot refers to a cell now: a later epoch (a reopened source) decides again
+        free(self.cells)
+        self.cells = NULL
+        self.cell = -1
+        self.i_decided = not self.i_on
+        self.i_probe = False
+        self.i_tries = 0
         self.reader.close()
         return 0
 
@@ -1113,15 +1458,25 @@ cdef class ShuffleReader(DecoratedReader):
 
     def _memory_stats(self):
         """Test hook: what the buffer holds now.  `pinned_bytes`: the sizes of
-        the distinct blocks it references; `payload_bytes`: of the records;
-        `passes` / `copied_records` / `copied_bytes`: compaction so far."""
-        cdef int64_t i, blocks = 0
+        the distinct blocks it references; `payload_bytes`: of the records it
+        references; `passes` / `copied_records` / `copied_bytes`: compaction so
+        far; `cell` (0: not inlining), `cells_bytes` (allocated),
+        `inline_records` / `inline_payload_bytes` (in cells now),
+        `inlined_records` (copied into cells so far)."""
+        cdef int64_t i, blocks = 0, inl = 0, inl_bytes = 0
         for i in range(self.btab_hw):
             if self.btab[i].block != NULL:
                 blocks += 1
+        for i in range(self.count):
+            if self.slots[i].ref == INL:
+                inl += 1
+                inl_bytes += self.slots[i].size
         return {"pinned_bytes": int(self.pinned), "payload_bytes": int(self.payload),
                 "blocks": int(blocks), "passes": int(self.n_passes),
-                "copied_records": int(self.n_copied), "copied_bytes": int(self.n_copied_bytes)}
+                "copied_records": int(self.n_copied), "copied_bytes": int(self.n_copied_bytes),
+                "cell": int(max(self.cell, 0)), "cells_bytes": int(self.scap * self.cell if self.cells != NULL else 0),
+                "inline_records": int(inl), "inline_payload_bytes": int(inl_bytes),
+                "inlined_records": int(self.n_inlined)}
 
     def _pinned_bytes(self):
         """Test hook: bytes of the distinct blocks the buffer references now."""

@@ -85,10 +85,14 @@ def model_shuffle(items, buffer_size, seed, epoch=0):
 # ------------------------------------------------------------ sources
 @pytest.fixture
 def forced():
-    """Compaction with no slack: it runs at a test's small scale."""
+    """Compaction with no slack: it runs at a test's small scale (inline
+    records off: these tests are about the referenced path; the inline one
+    is tests/readers/test_shuffle_inline.py)."""
     old = _shuffle._compaction_settings(enabled=True, slack_bytes=0)
+    old_inline = _shuffle._inline_settings(enabled=False)
     yield
     _shuffle._compaction_settings(**old)
+    _shuffle._inline_settings(**old_inline)
 
 
 def _payload(n, rec):
@@ -240,9 +244,15 @@ def test_pinned_bytes_bounded_small_records(tmp_path, forced):
 def test_default_settings_bound_at_scale():
     """Default settings (1.5 x payload + 4 MiB), 1 MiB chunks of 64 B records
     as in the benchmark: pinned stays within 2 x payload + 4 MiB + a chunk +
-    an arena block (without compaction: ~10 x payload, the whole 25 MB here)."""
+    an arena block (without compaction: ~10 x payload, the whole 25 MB here).
+    Inline records off (they would take these records out of the blocks:
+    test_shuffle_inline.py)."""
     n, buf = 400_000, 40_000
-    sh = array(n, 64, 16384).shuffle(buf, seed=1)     # 16384 x 64 B: 1 MiB blocks
+    old = _shuffle._inline_settings(enabled=False)
+    try:
+        sh = array(n, 64, 16384).shuffle(buf, seed=1)     # 16384 x 64 B: 1 MiB blocks
+    finally:
+        _shuffle._inline_settings(**old)
     worst = 0
     seen = np.zeros(n, np.int64)
     for b in sh.batch(512):
