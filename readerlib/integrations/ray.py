@@ -77,6 +77,9 @@ _READ_TASK_ARGS = set(inspect.signature(ReadTask.__init__).parameters)
 # a task; one 64 MiB batch a task costs more (0.8 s against 0.55), 16 and 32 MiB
 # no less (benchmarks/results/ray.md, "Where a 64 KiB pass goes").
 _DEFAULT_BLOCK_BYTES = 8 << 20
+# Ray's DataContext.target_max_block_size default: the most bytes a read task
+# gets when Ray chooses the block count (RecordIODatasource._task_count)
+_TASK_BYTES = 128 << 20
 
 
 # --------------------------------------------------------------------- layout
@@ -146,25 +149,64 @@ def _primitive_dtype(name, t):
 def batch_to_arrow(batch, schema, columns=None):
     """A readerlib batch (tuple of LoDTensor, schema order) as a pyarrow Table."""
     schema = Schema.coerce(schema)
-    names = schema.names if columns is None else list(columns)
+    names = tuple(schema.names if columns is None else columns)
+    out_schema, fields = _batch_layout(schema, names)
     arrays = []
-    for name in names:
-        f = schema[schema.index(name)]
-        t = batch[schema.index(name)]
+    for (f, i), af in zip(fields, out_schema):
+        t = batch[i]
         data = np.ascontiguousarray(t.data)
         if f.lod_level == 0:
             if f.shape:
-                from ray.data.extensions import ArrowTensorArray
-                arrays.append(ArrowTensorArray.from_numpy(data))
+                arrays.append(_tensor_column(data, af.type))
             else:
                 arrays.append(pa.array(data))
         else:
-            values = pa.array(data.reshape(-1))
+            values = _flat_values(data)
             for d in reversed(f.shape):
                 values = pa.FixedSizeListArray.from_arrays(values, d)
             arrays.append(pa.LargeListArray.from_arrays(pa.array(t.lod[0]), values))
-    sub = Schema([schema[schema.index(n)] for n in names])
-    return pa.Table.from_arrays(arrays, schema=arrow_schema(sub))
+    return pa.Table.from_arrays(arrays, schema=out_schema)
+
+
+_LAYOUTS = {}
+
+
+def _batch_layout(schema, names):
+    """(Arrow schema, [(field, batch index)]) for `names` of `schema`, cached:
+    `arrow_schema` serialises the readerlib schema into the metadata, which a
+    read task would otherwise redo for every batch."""
+    key = (schema, names)
+    got = _LAYOUTS.get(key)
+    if got is None:
+        idx = [schema.index(n) for n in names]
+        got = (arrow_schema(Schema([schema[i] for i in idx])), [(schema[i], i) for i in idx])
+        if len(_LAYOUTS) > 64:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = got
+    return got
+
+
+def _flat_values(data):
+    """`data`'s items as a flat Arrow array over its buffer (bool: packed, a copy)."""
+    if data.dtype == np.bool_:
+        return pa.array(data.reshape(-1))
+    return pa.Array.from_buffers(pa.from_numpy_dtype(data.dtype), data.size, [None, pa.py_buffer(data)])
+
+
+def _tensor_column(data, typ):
+    """Ray's tensor column (`typ`, ArrowTensorTypeV2: a large_list of each row's
+    flattened items) over `data` ``[B, *shape]`` without a copy -- what
+    ``ArrowTensorArray.from_numpy`` builds, at a quarter of its cost per batch
+    (it re-derives the type and checks the array every time)."""
+    if data.dtype == np.bool_ or not isinstance(typ, pa.ExtensionType) or not pa.types.is_large_list(
+            typ.storage_type):
+        from ray.data.extensions import ArrowTensorArray
+        return ArrowTensorArray.from_numpy(data)
+    rows = data.shape[0]
+    width = int(np.prod(data.shape[1:], dtype=np.int64))
+    offsets = pa.py_buffer(np.arange(rows + 1, dtype=np.int64) * width)
+    storage = pa.Array.from_buffers(typ.storage_type, rows, [None, offsets], children=[_flat_values(data)])
+    return pa.ExtensionArray.from_storage(typ, storage)
 
 
 def _column_numpy(col, name):
@@ -262,9 +304,12 @@ class RecordIODatasource(Datasource):
     Design).  Use `read_recordio` / `read_tfrecord` rather than this class.
     """
 
-    def __init__(self, paths, schema=None, columns=None, name="RecordIO"):
+    def __init__(self, paths, schema=None, columns=None, name="RecordIO", auto_tasks=False):
         super().__init__()
         self._name = name
+        # True when the caller left the block count to Ray: tasks are then sized
+        # as Ray's own file sources size them (see `_task_count`)
+        self._auto_tasks = bool(auto_tasks)
         self._paths = _expand_paths(paths)
         self._user_schema = None if schema is None else Schema.coerce(schema)
         units = []                   # (file index, chunk or None, records, bytes)
@@ -338,6 +383,26 @@ class RecordIODatasource(Datasource):
             start = stop
         return groups
 
+    def _task_count(self, parallelism, data_context=None):
+        """Read tasks for Ray's `parallelism`.  Asked for a count
+        (``override_num_blocks=``): that many (at most one per chunk).  Left to
+        Ray (`auto_tasks`): Ray's count is sized for its default 200 blocks
+        (`read_op_min_num_blocks`), and Ray's own file sources cap it at one task
+        per file; this source caps it at one task per file or per
+        ``target_max_block_size`` bytes (128 MiB), whichever gives more tasks --
+        so a few big files still spread over a cluster, and no task is so small
+        that Ray's own cost per task (~25-45 ms here, benchmarks/results/ray.md)
+        is the pass."""
+        n = max(int(parallelism), 1)
+        if self._auto_tasks:
+            task_bytes = _TASK_BYTES
+            if data_context is not None and getattr(data_context, "target_max_block_size", None):
+                task_bytes = int(data_context.target_max_block_size)
+            total = sum(u[3] for u in self._units)
+            files = len({u[0] for u in self._units})
+            n = min(n, max(files, -(-total // max(task_bytes, 1))))
+        return n
+
     def get_read_tasks(self, parallelism, per_task_row_limit=None, data_context=None):
         block_bytes = _DEFAULT_BLOCK_BYTES
         if data_context is not None and getattr(data_context, "target_max_block_size", None):
@@ -346,7 +411,7 @@ class RecordIODatasource(Datasource):
         out_schema = arrow_schema(schema if columns is None
                                   else Schema([schema[schema.index(c)] for c in columns]))
         tasks = []
-        for group in self._groups(parallelism):
+        for group in self._groups(self._task_count(parallelism, data_context)):
             plan = []                              # [(path, [chunks] or None)], file order
             for i, c, _, _ in group:
                 if plan and plan[-1][0] == paths[i] and c is not None and plan[-1][1] is not None:
@@ -436,7 +501,9 @@ def read_recordio(paths, *, schema=None, columns=None, override_num_blocks=None,
     columns : list of str, optional
         Only these fields' columns.
     override_num_blocks : int, optional
-        Read tasks to make (at most one per chunk); default: Ray's choice.
+        Read tasks to make (at most one per chunk).  Default: Ray's choice,
+        capped as Ray's own file sources cap it -- one task per file, or per
+        128 MiB (``DataContext.target_max_block_size``) when that gives more.
         ``parallelism=`` is Ray's older name for it.
     ray_remote_args, **read_args
         Passed to `ray.data.read_datasource` (``concurrency=``, ``num_cpus=``, ...).
@@ -458,7 +525,8 @@ def read_recordio(paths, *, schema=None, columns=None, override_num_blocks=None,
     >>> ds = read_recordio("data/*.rio", override_num_blocks=8)
     >>> ds.count()
     """
-    ds = RecordIODatasource(paths, schema=schema, columns=columns)
+    ds = RecordIODatasource(paths, schema=schema, columns=columns,
+                            auto_tasks=override_num_blocks is None and parallelism in (None, -1))
     return ray.data.read_datasource(ds, override_num_blocks=override_num_blocks, parallelism=parallelism,
                                     ray_remote_args=ray_remote_args, **read_args)
 
@@ -471,7 +539,8 @@ def read_tfrecord(paths, *, schema=None, columns=None, override_num_blocks=None,
     index (``<file>.idx``, built by a scan in the driver when missing);
     compressed ones are read whole, one per task at most.  Records whose
     CRCs fail raise `TFRecordError` naming the file and offset."""
-    ds = RecordIODatasource(paths, schema=schema, columns=columns, name="TFRecord")
+    ds = RecordIODatasource(paths, schema=schema, columns=columns, name="TFRecord",
+                            auto_tasks=override_num_blocks is None and parallelism in (None, -1))
     return ray.data.read_datasource(ds, override_num_blocks=override_num_blocks, parallelism=parallelism,
                                     ray_remote_args=ray_remote_args, **read_args)
 

@@ -170,6 +170,78 @@ def test_every_record_exactly_once(files, blocks):
     assert np.array_equal(ids_of(ds), np.arange(N))
 
 
+class _Ctx:
+    """A stand-in for the DataContext Ray hands get_read_tasks (only the block size)."""
+
+    def __init__(self, target_max_block_size):
+        self.target_max_block_size = target_max_block_size
+
+
+def _ids_by_task(tasks):
+    return [np.concatenate([b.column("id").to_numpy() for b in t()] or [np.zeros(0, np.int64)]) for t in tasks]
+
+
+@pytest.mark.parametrize("layout", [[1900], [1000, 50, 600, 250], [5] * 12 + [1500], [300] * 6])
+def test_ray_chosen_block_counts_make_a_task_per_file_or_per_target_block(tmp_path, layout):
+    # Ray's own count (override_num_blocks not given) is sized for 200 blocks; a task
+    # per 4 KB chunk would make the pass Ray's cost per task.  Capped like Ray's file
+    # sources: one task per file, or per target_max_block_size bytes if that makes more.
+    paths = write_files(str(tmp_path), layout)
+    n = sum(layout)
+    src = rlray.RecordIODatasource(paths, auto_tasks=True)
+    chunks = sum(rl.RecordIOReader(p).num_chunks for p in paths)
+    total = sum(t.metadata.size_bytes for t in src.get_read_tasks(1))
+    assert chunks > 2 * len(paths)                      # so that a task per chunk would be many more
+    for parallelism in (1, 3, 200, 10_000):
+        for block in (128 << 20, total // 5, total // 40, 1):
+            tasks = src.get_read_tasks(parallelism, data_context=_Ctx(block))
+            want = min(parallelism, chunks, max(len(paths), -(-total // block)))
+            assert len(tasks) == want, (parallelism, block)
+            # still balanced by bytes (a big file split between tasks), every record once
+            biggest = max(np.diff(np.append(rl.RecordIOReader(p).chunk_table()[0], os.path.getsize(p))).max()
+                          for p in paths)
+            assert max(t.metadata.size_bytes for t in tasks) <= total / len(tasks) + biggest
+            seen = _ids_by_task(tasks)
+            assert sum(len(s) for s in seen) == n == sum(t.metadata.num_rows for t in tasks)
+            assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(n))
+    # a count the caller asked for is not capped: one task per chunk at most
+    asked = rlray.RecordIODatasource(paths)
+    assert len(asked.get_read_tasks(10_000, data_context=_Ctx(128 << 20))) == chunks
+
+
+def test_read_recordio_without_a_block_count_reads_a_task_per_file(files, cluster, monkeypatch):
+    made = []                                            # read tasks per planning, in the driver
+    plain = rlray.RecordIODatasource.get_read_tasks
+
+    def counted(self, parallelism, *a, **k):
+        tasks = plain(self, parallelism, *a, **k)
+        made.append((parallelism, len(tasks)))
+        return tasks
+    monkeypatch.setattr(rlray.RecordIODatasource, "get_read_tasks", counted)
+    two = files[:2]                                      # 1050 records, ~60 chunks
+    assert np.array_equal(ids_of(rlray.read_recordio(two)), np.arange(1050))
+    # Ray asks for more (2 x CPUs at least; 1 when it only plans), the files cap it
+    assert any(asked > 2 for asked, _ in made) and all(got == min(asked, 2) for asked, got in made), made
+    # asked for: honoured, as before
+    made.clear()
+    assert np.array_equal(ids_of(rlray.read_recordio(two, override_num_blocks=7)), np.arange(1050))
+    assert (7, 7) in made and all(got == asked for asked, got in made), made
+
+
+def test_tensor_columns_built_by_hand_match_rays_own():
+    from ray.data.extensions import ArrowTensorArray
+    for dtype, shape in [("float32", (3, 0)), ("int64", (0,)), ("float64", (2, 3)), ("bool", (4,)), ("uint8", (5,))]:
+        for rows in (0, 1, 6):
+            x = (np.arange(rows * int(np.prod(shape))) % 3).astype(dtype).reshape(rows, *shape)
+            sch = rl.Schema([rl.Field("a", dtype, shape)])
+            col = rlray.batch_to_arrow((rl.LoDTensor(x),), sch).column("a").chunk(0)
+            ref = ArrowTensorArray.from_numpy(x)
+            assert col.type == ref.type and col.equals(ref), (dtype, shape, rows)
+            assert col.to_numpy().shape == x.shape and np.array_equal(col.to_numpy(), x)
+            if rows and x.size and dtype != "bool":
+                assert np.shares_memory(col.to_numpy(), x)      # no copy
+
+
 def test_blocks_hold_the_records_bit_for_bit(files):
     ds = rlray.read_recordio(os.path.dirname(files[0]), override_num_blocks=3)
     assert ds.schema().names == list(SCHEMA.names)
