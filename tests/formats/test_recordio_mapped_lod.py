@@ -20,35 +20,7 @@ from readerlib.formats import _recordio as R
 
 from helpers import assert_checkpoint_equal, assert_exactly_once, canon, read_past_errors, unbatch
 
-from test_recordio_mapped import _child
-
-
-@pytest.fixture(params=["pread", "pread-unstaged", "mmap"])
-def mode(request):
-    from readerlib.readers import _batch
-    old = R._set_deferred_mode(request.param.split("-")[0])
-    old_on = R._set_mapped_reads(True)
-    old_st = _batch._set_staged_deferred_reads(request.param != "pread-unstaged")
-    yield request.param.split("-")[0]
-    R._set_deferred_mode(old)
-    R._set_mapped_reads(old_on)
-    _batch._set_staged_deferred_reads(old_st)
-
-
-@pytest.fixture(params=["serial", "parallel"])
-def copy_path(request):
-    old_n = rl.get_num_threads()
-    if request.param == "serial":
-        rl.set_num_threads(1)
-        old_min = None
-    else:
-        rl.set_num_threads(2)
-        old_min = _parallel._set_min_bytes_per_thread(1)
-        _parallel._reset_backoff()
-    yield request.param
-    rl.set_num_threads(old_n)
-    if old_min is not None:
-        _parallel._set_min_bytes_per_thread(old_min)
+from test_recordio_mapped import _child, copy_path, mode  # noqa: F401 (fixtures)
 
 
 ROW = 1024          # the big sequence field: rows of 1 KiB, 33-50 a record (>= 32 KiB: big records)

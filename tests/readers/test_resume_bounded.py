@@ -20,7 +20,7 @@ import pytest
 
 import readerlib as rl
 from readerlib import TFRecordReader, TFRecordWriter
-from helpers import assert_checkpoint_equal
+from helpers import SUPPORT_DIR, assert_checkpoint_equal, run_ok_script
 
 I64 = rl.Schema([rl.Field("x", "int64")])
 N = 600
@@ -250,13 +250,9 @@ _PREFETCH_SCRIPT = textwrap.dedent("""
 
 
 def test_prefetch_resume_and_skip_exact_in_a_subprocess():
-    support = os.path.join(os.path.dirname(os.path.dirname(__file__)), "support")
-    code = _PREFETCH_SCRIPT.format(support=support)
     # the child imports the readerlib under test through conftest's PYTHONPATH
     # (the installed package in CI, not the uncompiled source tree)
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
-                       env=dict(os.environ))
-    assert p.returncode == 0 and "OK" in p.stdout, p.stdout[-2000:] + p.stderr[-4000:]
+    run_ok_script(_PREFETCH_SCRIPT.format(support=SUPPORT_DIR))
 
 
 # ------------------------------------------------------------ the buffer shuffle

@@ -20,7 +20,7 @@ from hypothesis import given, settings, strategies as st, HealthCheck
 
 import readerlib as rl
 from readerlib.readers._map import FilterReader
-from helpers import assert_checkpoint_equal
+from helpers import SUPPORT_DIR, assert_checkpoint_equal, run_ok_script
 
 I64 = rl.Schema([rl.Field("x", "int64")])
 
@@ -367,8 +367,4 @@ _PREFETCH_SCRIPT = textwrap.dedent("""
 
 
 def test_filter_with_prefetch_resumes_exactly_in_a_subprocess():
-    support = os.path.join(os.path.dirname(os.path.dirname(__file__)), "support")
-    code = _PREFETCH_SCRIPT.format(support=support)
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
-                       env=dict(os.environ))
-    assert p.returncode == 0 and "OK" in p.stdout, p.stdout[-2000:] + p.stderr[-4000:]
+    run_ok_script(_PREFETCH_SCRIPT.format(support=SUPPORT_DIR))

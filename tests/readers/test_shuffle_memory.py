@@ -16,7 +16,7 @@ import pytest
 import readerlib as rl
 from readerlib.formats import _recordio
 from readerlib.readers import _shuffle
-from helpers import assert_checkpoint_equal, drain_instances, read_past_errors, unbatch
+from helpers import assert_checkpoint_equal, corrupt_chunk, drain_instances, read_past_errors, unbatch
 
 M64 = (1 << 64) - 1
 
@@ -329,16 +329,7 @@ def test_bad_chunk_mid_epoch_with_compaction(tmp_path, forced):
     on gives every other record exactly once and intact."""
     n = 5000
     path = recordio(tmp_path, n, 64, chunk_size=2048)
-    r = rl.RecordIOReader(path)
-    offs, nrec = r.chunk_table()
-    r.close()
-    bad = len(offs) * 2 // 3
-    lost = set(range(int(nrec[:bad].sum()), int(nrec[:bad + 1].sum())))
-    with open(path, "r+b") as f:
-        f.seek(int(offs[bad]) + 40)
-        b = f.read(1)
-        f.seek(int(offs[bad]) + 40)
-        f.write(bytes([b[0] ^ 0x5A]))
+    bad, lost = corrupt_chunk(path)
     sh = rl.RecordIOReader(path).shuffle(400, seed=3)
     got, errs = read_past_errors(sh, check_intact)
     errors = [str(e) for e in errs]

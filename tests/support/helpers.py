@@ -349,3 +349,35 @@ def make_byte_files(d, kinds, sizes, chunk_size=2048, rec_size=8):
         paths.append(p)
         recs += [x.tobytes() for x in items]
     return paths, recs
+
+
+SUPPORT_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_ok_script(code, timeout=240):
+    """Run `code` in a fresh interpreter (with conftest's PYTHONPATH: the
+    readerlib under test, never the uncompiled source tree) and assert it
+    exits 0 having printed OK; a hang fails after `timeout` seconds."""
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=timeout, env=dict(os.environ))
+    assert p.returncode == 0 and "OK" in p.stdout, p.stdout[-2000:] + p.stderr[-4000:]
+    return p
+
+
+def corrupt_chunk(path, chunk=None, at=40):
+    """Flip one byte `at` bytes into a RecordIO file's chunk (default: the
+    chunk two thirds in).  Returns (chunk index, the set of record indices
+    that chunk holds)."""
+    r = rl.RecordIOReader(path)
+    offs, nrec = r.chunk_table()
+    r.close()
+    bad = len(offs) * 2 // 3 if chunk is None else chunk
+    lost = set(range(int(nrec[:bad].sum()), int(nrec[:bad + 1].sum())))
+    with open(path, "r+b") as f:
+        f.seek(int(offs[bad]) + at)
+        b = f.read(1)
+        f.seek(int(offs[bad]) + at)
+        f.write(bytes([b[0] ^ 0x5A]))
+    return bad, lost
