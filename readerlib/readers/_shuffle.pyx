@@ -28,6 +28,16 @@ cdef extern from "rl_mapped.h":
     bint rl_record_is_deferred(const rl_record *r) nogil
     bint rl_deferred_may_go_out(const rl_record *r) nogil
     rl_block *rl_deferred_materialize(const rl_record *r, int *code, int64_t *off) nogil
+    int RL_DEF_LAYOUT
+
+cdef extern from *:
+    """
+    /* A deferred record's file offset (its bytes' place in the file's mapping). */
+    static inline int64_t rl_shuffle_deferred_offset(const rl_record *r) {
+        return (int64_t)(r->data - ((const rl_dblock *)r->block)->map->base);
+    }
+    """
+    int64_t rl_shuffle_deferred_offset(const rl_record *r) nogil
 
 rl_mapped_import()
 
@@ -1133,12 +1143,22 @@ cdef class ShuffleReader(DecoratedReader):
         cdef int64_t off, size = self._size(j)
         cdef rl_record cur
         cdef rl_block *nb
+        cdef const char *ptrs[RL_MAX_FIELDS]
+        cdef int64_t rows[RL_MAX_FIELDS]
         self._get(j, &cur)
         nb = rl_deferred_materialize(&cur, &code, &off)
+        if nb != NULL and self.layout.n_lod and layout_parse(&self.layout, nb.data, nb.size, ptrs, rows) != 0:
+            # CRC good, but the bytes do not fit the sequence schema: the
+            # reader's error (file, offset), as the batch and the reader raise it
+            rl_block_decref(nb)
+            nb = NULL
+            code = RL_DEF_LAYOUT
+            off = rl_shuffle_deferred_offset(&cur)
         if nb == NULL:
             with gil:
                 from readerlib.formats._recordio import _deferred_error_py
-                err = _deferred_error_py(<size_t>cur.block, code, off)
+                err = _deferred_error_py(<size_t>cur.block, code, off,
+                                         self.schema if code == RL_DEF_LAYOUT else None)
             self._release(self.slots[j].ref, size)
             self.count -= 1
             self.slots[j] = self.slots[self.count]
