@@ -28,6 +28,16 @@ cdef extern from "rl_mapped.h":
     bint rl_record_is_deferred(const rl_record *r) nogil
     bint rl_deferred_may_go_out(const rl_record *r) nogil
     rl_block *rl_deferred_materialize(const rl_record *r, int *code, int64_t *off) nogil
+    int RL_DEF_LAYOUT
+
+cdef extern from *:
+    """
+    /* A deferred record's file offset (its bytes' place in the file's mapping). */
+    static inline int64_t rl_shuffle_deferred_offset(const rl_record *r) {
+        return (int64_t)(r->data - ((const rl_dblock *)r->block)->map->base);
+    }
+    """
+    int64_t rl_shuffle_deferred_offset(const rl_record *r) nogil
 
 rl_mapped_import()
 
@@ -79,7 +89,7 @@ cdef bint _INLINE_ON = True
 cdef int64_t _INLINE_MAX = 256               # the largest cell considered (bytes)
 cdef int64_t _INLINE_MIN_PAYLOAD = 256 << 10  # projected buffer payload below which it stays off
 cdef int64_t _INLINE_CELL = 0                # > 0: this cell size, not the chosen one (tests)
-DEF INLINE_MAX_LIMIT = 4096                 # < 32 KiB: a deferred record (>= 32 KiB) never fits a cell
+DEF INLINE_MAX_LIMIT = 4096                 # the largest cell (deferred records are never inlined: _take)
 DEF INLINE_PROBES = 16                      # new blocks looked at before giving up on a source
 DEF OUT_BYTES = 16384                       # an output block (the copies handed out); L1-sized
 
@@ -725,10 +735,11 @@ cdef class ShuffleReader(DecoratedReader):
         self.slots[s].ref = <uint32_t>ref
 
     cdef inline void _take(self, int64_t s, const rl_record *rec) noexcept nogil:
-        # slot s <- the source's record: into its cell when it fits (a deferred
-        # record never does: it is >= 32 KiB, a cell <= INLINE_MAX_LIMIT), else
-        # referenced
-        if rl_shuffle_rare(rec.size <= self.cell):
+        # slot s <- the source's record: into its cell when it fits and is not
+        # deferred (a chunk of big records can hold small ones too: their bytes
+        # are unverified, and may not even be readable, until the batch copies
+        # them), else referenced
+        if rl_shuffle_rare(rec.size <= self.cell and not rl_record_is_deferred(rec)):
             self._take_cell(s, rec)
         else:
             self._put(s, rec, self._acquire(rec.block, rec.size))
@@ -741,6 +752,12 @@ cdef class ShuffleReader(DecoratedReader):
         self.slots[s].size = <uint32_t>rec.size
         self.slots[s].ref = INL
         self.n_inlined += 1
+
+    cdef inline bint _slot_deferred(self, int64_t s) noexcept nogil:
+        # slot s (referenced) holds a deferred record: never copied into a cell (see _take)
+        cdef rl_record cur
+        cur.block = self.btab[self.slots[s].ref].block
+        return rl_record_is_deferred(&cur)
 
     cdef inline void _unref(self, int64_t s) noexcept nogil:
         # slot s lets go of its record
@@ -767,7 +784,7 @@ cdef class ShuffleReader(DecoratedReader):
             s = idx[i] if idx != NULL else i
             z = self._size(s)
             total += z
-            if z <= self.i_max and self.slots[s].ref != INL:
+            if z <= self.i_max and self.slots[s].ref != INL and not self._slot_deferred(s):
                 cnt[z] += 1
         if <double>self.cap * total < <double>self.i_min_payload * n:
             free(cnt)
@@ -798,7 +815,7 @@ cdef class ShuffleReader(DecoratedReader):
             if e == INL:
                 continue
             z = self._size(s)
-            if z > best_c:
+            if z > best_c or self._slot_deferred(s):
                 continue
             p = self.cells + s * best_c
             memcpy(p, self.slots[s].data, <size_t>z)
@@ -1013,7 +1030,7 @@ cdef class ShuffleReader(DecoratedReader):
                     self.upstream_done = True
                     self.done_at = self.emitted
                     break
-                if rl_shuffle_rare(rec.size <= self.cell):     # (_take, spelled out: inlined)
+                if rl_shuffle_rare(rec.size <= self.cell and not rl_record_is_deferred(&rec)):  # (_take, spelled out)
                     self._take_cell(self.count, &rec)
                 else:
                     self._put(self.count, &rec, self._acquire(rec.block, rec.size))
@@ -1053,7 +1070,7 @@ cdef class ShuffleReader(DecoratedReader):
                 self.ring_a[self.emitted & RING_MASK] = self.slot_pos[j]
             self.emitted += 1
             if r == 1:
-                if rl_shuffle_rare(rec.size <= self.cell):
+                if rl_shuffle_rare(rec.size <= self.cell and not rl_record_is_deferred(&rec)):
                     self._take_cell(j, &rec)
                 else:
                     self._put(j, &rec, self._acquire(rec.block, rec.size))
@@ -1095,7 +1112,7 @@ cdef class ShuffleReader(DecoratedReader):
                 self.ring_a[self.emitted & RING_MASK] = self.slot_pos[j]
             self.emitted += 1
             if r == 1:
-                if rl_shuffle_rare(rec.size <= self.cell):
+                if rl_shuffle_rare(rec.size <= self.cell and not rl_record_is_deferred(&rec)):
                     self._take_cell(j, &rec)
                 else:
                     self._put(j, &rec, self._acquire(rec.block, rec.size))
@@ -1126,12 +1143,22 @@ cdef class ShuffleReader(DecoratedReader):
         cdef int64_t off, size = self._size(j)
         cdef rl_record cur
         cdef rl_block *nb
+        cdef const char *ptrs[RL_MAX_FIELDS]
+        cdef int64_t rows[RL_MAX_FIELDS]
         self._get(j, &cur)
         nb = rl_deferred_materialize(&cur, &code, &off)
+        if nb != NULL and self.layout.n_lod and layout_parse(&self.layout, nb.data, nb.size, ptrs, rows) != 0:
+            # CRC good, but the bytes do not fit the sequence schema: the
+            # reader's error (file, offset), as the batch and the reader raise it
+            rl_block_decref(nb)
+            nb = NULL
+            code = RL_DEF_LAYOUT
+            off = rl_shuffle_deferred_offset(&cur)
         if nb == NULL:
             with gil:
                 from readerlib.formats._recordio import _deferred_error_py
-                err = _deferred_error_py(<size_t>cur.block, code, off)
+                err = _deferred_error_py(<size_t>cur.block, code, off,
+                                         self.schema if code == RL_DEF_LAYOUT else None)
             self._release(self.slots[j].ref, size)
             self.count -= 1
             self.slots[j] = self.slots[self.count]
@@ -1356,7 +1383,7 @@ cdef class ShuffleReader(DecoratedReader):
             order[i] = s_
             at = lo + <int64_t>(keys[i] >> 32)
             self.reader.c_read_at(at, &rec)
-            if rec.size <= self.cell:           # inline: into its cell (see _take)
+            if rec.size <= self.cell and not rl_record_is_deferred(&rec):   # inline: into its cell (see _take)
                 self._take_cell(s_, &rec)
             else:
                 p = NULL

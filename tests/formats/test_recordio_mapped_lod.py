@@ -331,3 +331,28 @@ def test_records_bigger_than_the_staging_buffer(tmp_path, mode, copy_path):
     assert _source(c)._records_deferred == n
     assert got == ref
     assert_exactly_once([i for bt in got for i in bt], want)
+
+
+@pytest.mark.parametrize("which, delta", [("last", 1), ("first", 10 ** 6)])
+def test_a_shuffle_read_directly_rejects_a_sequence_record_that_does_not_fit(tmp_path, mode, which, delta):
+    # a shuffle that a batch filled with deferred records, then read directly:
+    # its verified copies are checked against the schema too, and a record that
+    # passes its CRC but does not fit raises naming the file and the offset
+    # (not a bare schema error from the instance downstream); reading on loses
+    # only that record
+    p = str(tmp_path / "seq.rio")
+    a, s, want = _write_two_lod(p, n=30)
+    k = 4
+    off = _set_count(p, a, s, k, which, (len(s[k]) if which == "last" else len(a[k])) + delta)
+    sh = rl.RecordIOReader(p).shuffle(40, seed=0)
+    b = sh.batch(2)
+    assert b._mapped
+    seen = [canon(i) for i in unbatch(b.read_next())]     # the whole file is in the buffer now
+    assert want[k] not in seen                            # (this seed: k is still buffered)
+    items, errs = read_past_errors(sh, canon)
+    assert len(errs) == 1, errs
+    e = errs[0]
+    assert isinstance(e, RecordIOSchemaError), repr(e)
+    assert str(e).startswith(f"{p}: record does not match the schema (record "), str(e)
+    assert e.path == p and e.offset == off, (str(e), off)
+    assert_exactly_once(seen + items, want[:k] + want[k + 1:])
