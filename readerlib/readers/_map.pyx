@@ -1234,6 +1234,11 @@ cdef class FilterReader(DecoratedReader):
             ended = int(info.get("ended", -1))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where} ({e!r})") from None
+        # hand-edited values past int64 would raise OverflowError in the C-typed code
+        for name, v in (("epoch", ep), ("first", first), ("count0", count0), ("end", end),
+                        ("ended", ended)):
+            if v < -1 or v > (1 << 62):
+                raise ValueError(f"{where} ({name} {v} out of range)")
         if first < 0 or n < 1 or n > F_RING + 1 or count0 < first or not isinstance(text, str):
             raise ValueError(f"{where} (first output {first}, {n} counts from {count0})")
         counts = _unpack_counts(count0, text, n, where)
@@ -1246,7 +1251,7 @@ cdef class FilterReader(DecoratedReader):
                 e, o, i = (int(v) for v in item)
             except (TypeError, ValueError) as err:
                 raise ValueError(f"{where} (a pass {item!r}: {err})") from None
-            if o < 0 or i < o:
+            if o < 0 or i < o or i > (1 << 62) or e < -1 or e > (1 << 62):
                 raise ValueError(f"{where} (pass {e}: {o} outputs from {i} inputs)")
             passes[e] = (o, i)
         self._saved_passes = passes

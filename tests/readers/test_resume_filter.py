@@ -372,3 +372,29 @@ def test_filter_with_prefetch_resumes_exactly_in_a_subprocess():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
                        env=dict(os.environ))
     assert p.returncode == 0 and "OK" in p.stdout, p.stdout[-2000:] + p.stderr[-4000:]
+
+
+@pytest.mark.parametrize("key", ["count0", "end", "ended", "first", "epoch"])
+@pytest.mark.parametrize("value", [2 ** 63, 2 ** 64, -2 ** 64])
+def test_saved_counts_past_int64_are_a_value_error(key, value):
+    # the old code let these through to int64-typed code: OverflowError, not
+    # the ValueError every other damaged count gives
+    state = _state_at(lambda: _src(600).filter(Pred()), 300)
+    state["filter"][key] = value
+    if key == "first":
+        state["filter"]["count0"] = value
+    with pytest.raises(ValueError, match="filter's saved counts are inconsistent"):
+        other = _src(600).filter(Pred())
+        other.set_state(state)
+        _items(other)
+
+
+def test_a_saved_pass_past_int64_is_a_value_error():
+    state = _state_at(lambda: _src(100).filter(Pred()).multi_pass(2), 90)
+    f = state["parent"]["filter"]
+    assert f["passes"], f
+    f["passes"][0][2] = 2 ** 64
+    with pytest.raises(ValueError, match="filter's saved counts are inconsistent"):
+        other = _src(100).filter(Pred()).multi_pass(2)
+        other.set_state(state)
+        _items(other)
