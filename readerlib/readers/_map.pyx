@@ -1218,7 +1218,10 @@ cdef class FilterReader(DecoratedReader):
         return {"epoch": int(self.epoch)}
 
     def _set_epoch_state(self, state):
-        self.epoch = int(state.get("epoch", self.epoch))
+        ep = state.get("epoch", self.epoch)
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < -1 or ep > (1 << 62):
+            raise ValueError(f"set_state: the filter's saved epoch {ep!r} is not an int in range")
+        self.epoch = ep
         self._pending = None
         self.has_pending = False
         info = state.get("filter")
@@ -1246,7 +1249,10 @@ cdef class FilterReader(DecoratedReader):
                 (ended >= 0 and ended < counts[n - 1]):
             raise ValueError(f"{where} (the counts do not grow by at least one per output)")
         passes = {}
-        for item in info.get("passes", []):
+        saved = info.get("passes", [])
+        if not isinstance(saved, list):
+            raise ValueError(f"{where} (passes must be a list, got {type(saved).__name__})")
+        for item in saved:
             try:
                 e, o, i = (int(v) for v in item)
             except (TypeError, ValueError) as err:

@@ -398,3 +398,18 @@ def test_a_saved_pass_past_int64_is_a_value_error():
         other = _src(100).filter(Pred()).multi_pass(2)
         other.set_state(state)
         _items(other)
+
+
+@pytest.mark.parametrize("where, value", [("epoch", None), ("epoch", [1]), ("epoch", 2 ** 64),
+                                          ("passes", None), ("passes", 5), ("passes", "x")])
+def test_a_damaged_epoch_or_passes_is_a_value_error(where, value):
+    # the old code raised TypeError / OverflowError for these
+    state = _state_at(lambda: _src(100).filter(Pred()).multi_pass(2), 90)
+    if where == "epoch":
+        state["parent"]["epoch"] = value
+    else:
+        state["parent"]["filter"]["passes"] = value
+    with pytest.raises(ValueError, match="set_state: the filter's saved"):
+        other = _src(100).filter(Pred()).multi_pass(2)
+        other.set_state(state)
+        _items(other)
