@@ -1218,7 +1218,10 @@ cdef class FilterReader(DecoratedReader):
         return {"epoch": int(self.epoch)}
 
     def _set_epoch_state(self, state):
-        self.epoch = int(state.get("epoch", self.epoch))
+        ep = state.get("epoch", self.epoch)
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < -1 or ep > (1 << 62):
+            raise ValueError(f"set_state: the filter's saved epoch {ep!r} is not an int in range")
+        self.epoch = ep
         self._pending = None
         self.has_pending = False
         info = state.get("filter")
@@ -1234,6 +1237,11 @@ cdef class FilterReader(DecoratedReader):
             ended = int(info.get("ended", -1))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where} ({e!r})") from None
+        # hand-edited values past int64 would raise OverflowError in the C-typed code
+        for name, v in (("epoch", ep), ("first", first), ("count0", count0), ("end", end),
+                        ("ended", ended)):
+            if v < -1 or v > (1 << 62):
+                raise ValueError(f"{where} ({name} {v} out of range)")
         if first < 0 or n < 1 or n > F_RING + 1 or count0 < first or not isinstance(text, str):
             raise ValueError(f"{where} (first output {first}, {n} counts from {count0})")
         counts = _unpack_counts(count0, text, n, where)
@@ -1241,12 +1249,15 @@ cdef class FilterReader(DecoratedReader):
                 (ended >= 0 and ended < counts[n - 1]):
             raise ValueError(f"{where} (the counts do not grow by at least one per output)")
         passes = {}
-        for item in info.get("passes", []):
+        saved = info.get("passes", [])
+        if not isinstance(saved, list):
+            raise ValueError(f"{where} (passes must be a list, got {type(saved).__name__})")
+        for item in saved:
             try:
                 e, o, i = (int(v) for v in item)
             except (TypeError, ValueError) as err:
                 raise ValueError(f"{where} (a pass {item!r}: {err})") from None
-            if o < 0 or i < o:
+            if o < 0 or i < o or i > (1 << 62) or e < -1 or e > (1 << 62):
                 raise ValueError(f"{where} (pass {e}: {o} outputs from {i} inputs)")
             passes[e] = (o, i)
         self._saved_passes = passes

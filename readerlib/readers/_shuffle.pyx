@@ -300,6 +300,23 @@ cdef str _pack_ages(const uint32_t *vals, int64_t n, int64_t src):
     return f"p{w}:" + base64.b64encode(memoryview(out)[:nbytes]).decode("ascii")
 
 
+def _check_saved_buffer(dict buf):
+    """The saved buffer's counts are ints in range and its generator state is 4
+    words, not all zero (a hand-edited state: a short list read past its end,
+    the all-zero state drew forever, others raised OverflowError / TypeError
+    / KeyError in the int64-typed restore)."""
+    where = "set_state: the shuffle's saved buffer is inconsistent"
+    for key in ("epoch", "emitted", "source_position", "count", "done_at", "anchor"):
+        v = buf.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < -1 or v > (1 << 62):
+            raise ValueError(f"{where} ({key} {v!r}: not an int in range)")
+    rs = buf.get("rng")
+    if (not isinstance(rs, (list, tuple)) or len(rs) != 4
+            or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 or v >= (1 << 64) for v in rs)
+            or not any(rs)):
+        raise ValueError(f"{where} (rng {rs!r}: not 4 words of a generator state)")
+
+
 def _pack_positions(pos, int64_t src):
     """Source positions (< src) as a short string (see _pack_ages)."""
     a = np.ascontiguousarray(np.asarray(pos, np.int64).astype(np.uint32))
@@ -1527,6 +1544,8 @@ cdef class ShuffleReader(DecoratedReader):
         if buf is not None and not isinstance(buf, dict):
             raise ValueError(f"set_state: the shuffle's saved buffer must be a dict, got "
                              f"{type(buf).__name__}")
+        if buf is not None:
+            _check_saved_buffer(buf)
         self._pending = buf
 
     def _reduce_args(self):

@@ -591,3 +591,42 @@ def test_restored_buffer_needs_no_compaction_pass(tmp_path):
             assert len(rest) == len(ref) - k and all(np.array_equal(a, b) for a, b in zip(rest, ref[k:]))
     finally:
         _compaction_settings(**old)
+
+
+_DAMAGED_BUFFER_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import readerlib as rl
+    make = lambda: rl.ArrayReader(np.arange(3000, dtype=np.int64)).shuffle(100, seed=1).batch(5)
+    c = make()
+    it = iter(c)
+    for _ in range(50):
+        next(it)
+    state = json.loads(json.dumps(c.get_state()))
+    key, value = json.loads(sys.argv[1])
+    if value == "DELETE":
+        del state["parent"]["buffer"][key]
+    else:
+        state["parent"]["buffer"][key] = value
+    try:
+        make().set_state(state)
+    except ValueError as e:
+        print("VALUEERROR", e)
+    else:
+        print("NO ERROR")
+""")
+
+
+@pytest.mark.parametrize("key, value", [
+    ("rng", [1, 2, 3]),                  # read past the list's end: a crash
+    ("rng", [0, 0, 0, 0]),               # the generator's all-zero state: draws forever
+    ("rng", [-1, 0, 0, 0]), ("rng", [2 ** 64, 0, 0, 0]), ("rng", 7), ("rng", ["a", 0, 0, 0]),
+    ("emitted", 2 ** 64), ("anchor", -2 ** 64), ("count", None), ("done_at", [1]),
+    ("source_position", "DELETE"), ("emitted", True)])
+def test_a_damaged_saved_buffer_is_a_value_error_in_a_subprocess(key, value):
+    # the old code crashed (a 3-word rng), hung (an all-zero one) or raised
+    # OverflowError / TypeError / KeyError from the int64-typed restore
+    p = subprocess.run([sys.executable, "-c", _DAMAGED_BUFFER_SCRIPT, json.dumps([key, value])],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
+    assert "VALUEERROR set_state: the shuffle's saved buffer" in p.stdout, p.stdout + p.stderr[-2000:]

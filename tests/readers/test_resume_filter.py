@@ -368,3 +368,44 @@ _PREFETCH_SCRIPT = textwrap.dedent("""
 
 def test_filter_with_prefetch_resumes_exactly_in_a_subprocess():
     run_ok_script(_PREFETCH_SCRIPT.format(support=SUPPORT_DIR))
+
+
+@pytest.mark.parametrize("key", ["count0", "end", "ended", "first", "epoch"])
+@pytest.mark.parametrize("value", [2 ** 63, 2 ** 64, -2 ** 64])
+def test_saved_counts_past_int64_are_a_value_error(key, value):
+    # the old code let these through to int64-typed code: OverflowError, not
+    # the ValueError every other damaged count gives
+    state = _state_at(lambda: _src(600).filter(Pred()), 300)
+    state["filter"][key] = value
+    if key == "first":
+        state["filter"]["count0"] = value
+    with pytest.raises(ValueError, match="filter's saved counts are inconsistent"):
+        other = _src(600).filter(Pred())
+        other.set_state(state)
+        _items(other)
+
+
+def test_a_saved_pass_past_int64_is_a_value_error():
+    state = _state_at(lambda: _src(100).filter(Pred()).multi_pass(2), 90)
+    f = state["parent"]["filter"]
+    assert f["passes"], f
+    f["passes"][0][2] = 2 ** 64
+    with pytest.raises(ValueError, match="filter's saved counts are inconsistent"):
+        other = _src(100).filter(Pred()).multi_pass(2)
+        other.set_state(state)
+        _items(other)
+
+
+@pytest.mark.parametrize("where, value", [("epoch", None), ("epoch", [1]), ("epoch", 2 ** 64),
+                                          ("passes", None), ("passes", 5), ("passes", "x")])
+def test_a_damaged_epoch_or_passes_is_a_value_error(where, value):
+    # the old code raised TypeError / OverflowError for these
+    state = _state_at(lambda: _src(100).filter(Pred()).multi_pass(2), 90)
+    if where == "epoch":
+        state["parent"]["epoch"] = value
+    else:
+        state["parent"]["filter"]["passes"] = value
+    with pytest.raises(ValueError, match="set_state: the filter's saved"):
+        other = _src(100).filter(Pred()).multi_pass(2)
+        other.set_state(state)
+        _items(other)
