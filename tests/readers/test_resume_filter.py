@@ -22,6 +22,8 @@ import readerlib as rl
 from readerlib.readers._map import FilterReader
 from helpers import SUPPORT_DIR, assert_checkpoint_equal, run_ok_script
 
+from test_resume_bounded import _flat, _rest_items as _items
+
 I64 = rl.Schema([rl.Field("x", "int64")])
 
 
@@ -42,19 +44,6 @@ class Pred:
 
 def _double(x):
     return (x[0] * 2,)
-
-
-def _flat(item):
-    return np.concatenate([np.asarray(getattr(v, "data", v)).reshape(-1) for v in item])
-
-
-def _items(chain):
-    out = []
-    while True:
-        x = chain.read_next()
-        if x is None:
-            return out
-        out.append(_flat(x))
 
 
 def _filter_of(chain):
