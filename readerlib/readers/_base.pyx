@@ -72,6 +72,12 @@ cdef int layout_from_schema(rl_layout *L, object schema) except -1:
     return 0
 
 
+# The most rows a record may hold of a zero-width sequence field (shape with
+# a 0, e.g. (0,)): its byte size does not bound the count, and summed over a
+# batch a count near 2^63 would wrap (negative dimensions).  Also _batch.pyx.
+cdef int64_t RL_MAX_EMPTY_ROWS = (<int64_t>1) << 31
+
+
 cdef int layout_parse(const rl_layout *L, const char *data, int64_t size,
                       const char **ptrs, int64_t *rows) noexcept nogil:
     cdef int f
@@ -99,6 +105,8 @@ cdef int layout_parse(const rl_layout *L, const char *data, int64_t size,
                 return -1
             if L.row_bytes[f] and n > (size - pos) // L.row_bytes[f]:
                 return -1
+            if not L.row_bytes[f] and n > RL_MAX_EMPTY_ROWS:
+                return -1                   # (a batch's row count would wrap)
             nbytes = n * L.row_bytes[f]
             rows[f] = n
         else:

@@ -15,6 +15,8 @@ from readerlib.readers._base cimport (
 from readerlib.readers._base import _check_positive_int, _check_reader, _record_schema_error
 from readerlib.tensor import LoDTensor
 
+cdef int64_t RL_MAX_EMPTY_ROWS = (<int64_t>1) << 31           # as layout_parse (_base.pyx) caps a zero-width sequence field
+
 rl_core_import()
 
 # ---- deferred records (include/rl_mapped.h): big records of a mapped v2
@@ -544,7 +546,7 @@ cdef class BatchReader(DecoratedReader):
                     with gil:
                         raise self._deferred_error(r, code, foff)
                 n = rl_load_i64(word)
-                if n < 0 or (rb and n > rest // rb):
+                if n < 0 or (rb and n > rest // rb) or (not rb and n > RL_MAX_EMPTY_ROWS):
                     return self._deferred_bad(r)
             rows[f] = n
             rest -= n * rb

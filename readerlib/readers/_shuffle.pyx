@@ -424,10 +424,17 @@ def _unpack_positions(text, int64_t src, int64_t n, where):
 
 def _unpack_positions_v1(text, int64_t src, int64_t n, where):
     # states written before the bit-packed form: uint32 ages, deflated, base64
+    # inflate at most the 4 n bytes n positions take (a tiny hand-edited
+    # string can inflate to gigabytes)
     try:
-        raw = zlib.decompress(base64.b64decode(text.encode("ascii"), validate=True))
+        z = zlib.decompressobj()
+        raw = z.decompress(base64.b64decode(text.encode("ascii"), validate=True), 4 * n + 4)
     except Exception as e:
         raise ValueError(f"{where} (positions do not decode: {e})") from None
+    if z.unconsumed_tail or len(raw) > 4 * n:
+        raise ValueError(f"{where} (more than the {n} positions expected)")
+    if not z.eof:
+        raise ValueError(f"{where} (positions do not decode: a truncated deflate stream)")
     if len(raw) % 4:
         raise ValueError(f"{where} (positions of {len(raw)} bytes)")
     age = np.frombuffer(raw, "<u4").astype(np.int64)
@@ -1281,6 +1288,9 @@ cdef class ShuffleReader(DecoratedReader):
         where = "set_state: the shuffle's saved buffer is inconsistent"
         if src != E + cnt:                  # every record taken is handed out or buffered
             raise ValueError(f"{where} ({src} records taken, {E} handed out + {cnt} buffered)")
+        if E - t_a > RING:                  # get_state saves at most RING steps (_resume_state)
+            raise ValueError(f"{where} ({E - t_a} steps from the anchor {t_a} to {E}, "
+                             f"more than the {RING} a state holds)")
         pos_a = np.empty(max(self.cap, 1), np.int64)
         pos = pos_a
         _decode_positions(info["slots"], src, cnt, &pos[0], where)
