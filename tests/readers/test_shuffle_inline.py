@@ -24,7 +24,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import readerlib as rl
 from readerlib.formats import _recordio
 from readerlib.readers import _shuffle
-from helpers import assert_checkpoint_equal, corrupt_chunk, drain_instances, read_past_errors, unbatch
+from helpers import (SUPPORT_DIR, assert_checkpoint_equal, corrupt_chunk, drain_instances,
+                     read_past_errors, unbatch)
 
 
 @contextlib.contextmanager
@@ -368,9 +369,11 @@ WRITE = textwrap.dedent(r"""
 
 
 def _run(code, *args, timeout=240):
-    here = os.path.dirname(os.path.dirname(os.path.abspath(rl.__file__)))
-    env = dict(os.environ, PYTHONPATH=here)
-    p = subprocess.run([sys.executable, "-c", code] + [str(a) for a in args], env=env, cwd=here,
+    # conftest's PYTHONPATH (the readerlib under test: the installed package in
+    # CI, never the uncompiled source tree), plus tests/support for `helpers`
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [SUPPORT_DIR]))
+    p = subprocess.run([sys.executable, "-c", code] + [str(a) for a in args], env=env,
                        capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stderr[-2000:]
     return p.stdout
@@ -467,7 +470,6 @@ DEFERRED_SMALL = textwrap.dedent("""
     import readerlib as rl
     from readerlib.formats import _recordio as R
     from readerlib.readers import _shuffle
-    sys.path.insert(0, "tests/support")
     from helpers import unbatch
     path, mode, flip = sys.argv[1], sys.argv[2], int(sys.argv[3])
     R._set_mapped_reads(True)
