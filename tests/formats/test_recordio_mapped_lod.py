@@ -20,7 +20,7 @@ from readerlib.formats import _recordio as R
 
 from helpers import assert_checkpoint_equal, assert_exactly_once, canon, read_past_errors, unbatch
 
-from test_recordio_mapped import _child, copy_path, mode  # noqa: F401 (fixtures)
+from test_recordio_mapped import _batches, _child, _reference, copy_path, mode  # noqa: F401 (fixtures)
 
 
 ROW = 1024          # the big sequence field: rows of 1 KiB, 33-50 a record (>= 32 KiB: big records)
@@ -40,22 +40,6 @@ def _write_two_lod(path, n=40, seed=0, chunk_size=1 << 18):
         w.write_batch({"a": a, "label": label, "s": s})
     want = [canon((a[i], label[i], s[i])) for i in range(n)]
     return a, s, want
-
-
-def _batches(chain):
-    return [[canon(i) for i in unbatch(b)] for b in chain]
-
-
-def _reference(make):
-    old = R._set_mapped_reads(False)
-    try:
-        c = make()
-        assert not c._mapped
-        got = _batches(c)
-        c.close()
-    finally:
-        R._set_mapped_reads(old)
-    return got
 
 
 def _source(chain):
