@@ -1110,9 +1110,27 @@ cdef class FilterReader(DecoratedReader):
                 return got
         return ReaderBase.c_skip(self, n)
 
+    cdef int _skip_below_to(self, int64_t up, str what) except -1:
+        """The reader below skips to its item `up` with its own c_skip (the
+        predicate is not called); a ValueError when it has fewer items."""
+        cdef int64_t want = up - self.in_pos, got
+        self.in_upstream = True
+        try:
+            with nogil:
+                got = self.reader.c_skip(want)
+        finally:
+            self.in_upstream = False
+        if got != want:
+            self.in_pos += got
+            self.track_ok = False
+            raise ValueError(f"set_state: the filter's saved {what} needs {up} items from the "
+                             f"reader below it, which has {self.in_pos}")
+        self.in_pos = up
+        return 0
+
     def _skip_saved(self, int64_t n):
         """Skip n outputs by the saved input counts; -1 when they do not reach."""
-        cdef int64_t first, target, up, want, got, last, ended, before = self.emitted
+        cdef int64_t first, target, up, last, ended, before = self.emitted
         ep, first, counts, end, ended = self._pending
         if ep < self.epoch:
             self._drop_pending(True)
@@ -1124,17 +1142,7 @@ cdef class FilterReader(DecoratedReader):
             whole = self._saved_passes.get(int(self.epoch)) if self._saved_passes else None
             if whole is None or self.emitted + n < whole[0] or whole[1] < self.in_pos:
                 return -1
-            want = whole[1] - self.in_pos
-            self.in_upstream = True
-            with nogil:
-                got = self.reader.c_skip(want)
-            self.in_upstream = False
-            if got != want:
-                self.in_pos += got
-                self.track_ok = False
-                raise ValueError(f"set_state: the filter's saved pass {self.epoch} needs {whole[1]} "
-                                 f"items from the reader below it, which has {self.in_pos}")
-            self.in_pos = whole[1]
+            self._skip_below_to(whole[1], f"pass {self.epoch}")
             self.emitted = whole[0]
             self.base_n = self.emitted
             self.base_in = self.in_pos
@@ -1153,17 +1161,7 @@ cdef class FilterReader(DecoratedReader):
             up = end if (end >= 0 and target == last) else int(counts[target - first])
         if up < self.in_pos:
             return -1
-        want = up - self.in_pos
-        self.in_upstream = True
-        with nogil:
-            got = self.reader.c_skip(want)
-        self.in_upstream = False
-        if got != want:
-            self.in_pos += got
-            self.track_ok = False
-            raise ValueError(f"set_state: the filter's saved position needs {up} items from the "
-                             f"reader below it, which has {self.in_pos}")
-        self.in_pos = up
+        self._skip_below_to(up, "position")
         self.emitted = target
         self.base_n = target
         self.base_in = up
