@@ -68,14 +68,20 @@ def _rest(chain):
         out.append(int(_flat(x)[0]))
 
 
-def _restore_at(make, k):
-    """(items after k, restored chain) via a JSON round trip of the state at k."""
+def _state_at(make, k):
+    """The state of a fresh chain after k items, through a JSON round trip."""
     c = make()
     it = iter(c)
     for _ in range(k):
         next(it)
     state = json.loads(json.dumps(c.get_state()))
     c.close()
+    return state
+
+
+def _restore_at(make, k):
+    """A fresh chain restored to the state at k (its next item is item k)."""
+    state = _state_at(make, k)
     other = make()
     other.set_state(state)
     return other

@@ -22,7 +22,7 @@ import readerlib as rl
 from readerlib.readers._map import FilterReader
 from helpers import SUPPORT_DIR, assert_checkpoint_equal, run_ok_script
 
-from test_resume_bounded import _flat, _rest_items as _items
+from test_resume_bounded import _flat, _rest_items as _items, _state_at
 
 I64 = rl.Schema([rl.Field("x", "int64")])
 
@@ -48,16 +48,6 @@ def _double(x):
 
 def _filter_of(chain):
     return next(r for r in chain._walk() if isinstance(r, FilterReader))
-
-
-def _state_at(make, k):
-    c = make()
-    it = iter(c)
-    for _ in range(k):
-        next(it)
-    state = json.loads(json.dumps(c.get_state()))
-    c.close()
-    return state
 
 
 def _same(a, b):
