@@ -82,6 +82,7 @@ cdef extern from "rl_mapped.h":
         int64_t budget
         char *path
         int fd
+        int keep
     ctypedef struct rl_dblock:
         rl_map *map
         int pad
@@ -116,15 +117,25 @@ cdef bint _mapped = os.environ.get("READERLIB_MAPPED_READS", "1") != "0"
 # much has been copied out of it since the last drop: the bound on the file
 # pages a mapped chain keeps resident
 cdef int64_t _map_budget = 32 << 20
-# How the batch takes a deferred record's bytes: "pread" (default) reads them
-# with pread(2) straight into its row of the batch and checks the CRC of the
-# row (from cache: the row was just written); "mmap" maps the file and copies
-# with the fused CRC + copy, SIGBUS-guarded.  Measured on the 64 KiB chain
-# (benchmarks/results/big_records.md) the mapping is the slower of the two on
-# this kernel: a fault maps a whole page-cache folio (512 KiB here), and keeping
-# the mapped pages bounded (dropping them) costs more than the kernel copy
-# saves.  READERLIB_DEFERRED_READS=mmap picks the mapping.
-cdef bint _via_pread = os.environ.get("READERLIB_DEFERRED_READS", "pread") != "mmap"
+# How the batch takes a deferred record's bytes.  "pread" reads them with
+# pread(2) into a cache-resident staging buffer and copies them into the batch
+# with the fused CRC + copy; "mmap" maps the file and copies from the mapping
+# with the fused CRC + copy, SIGBUS-guarded.  "auto" (the default): pread for
+# a reader with low_memory=True, the mapping with its pages kept (rl_map.keep)
+# for low_memory=False.  Measured on the 64 KiB chain
+# (benchmarks/results/big_records.md): a fault maps a whole page-cache folio
+# (512 KiB here), so a mapping whose pages are dropped as records are copied
+# (what bounds the file pages a low_memory chain keeps resident) refaults each
+# folio once per record in it and costs as much as the kernel copy saves; a
+# mapping whose pages are kept costs one fault per folio per mapping and no
+# drop, and reads each byte once.  READERLIB_DEFERRED_READS=pread|mmap forces
+# one mode for every reader (mmap keeps the pages only for low_memory=False);
+# "keep" maps with kept pages for every reader (the A/B, and the tests of that
+# path).
+_DEFERRED_MODES = ("auto", "pread", "mmap", "keep")
+_deferred_mode = os.environ.get("READERLIB_DEFERRED_READS", "auto")
+if _deferred_mode not in _DEFERRED_MODES:
+    _deferred_mode = "auto"
 
 
 # The zero padding before a deferred record (page-aligned chunks): checked by
@@ -142,13 +153,13 @@ def _set_deferred_pads_at_batch(flag):
 
 
 def _set_deferred_mode(mode):
-    """A/B and test hook: "pread" or "mmap" (see above) for chains negotiated
-    from now on; returns the old mode."""
-    global _via_pread
-    if mode not in ("pread", "mmap"):
-        raise ValueError(f"mode must be 'pread' or 'mmap', got {mode!r}")
-    old = "pread" if _via_pread else "mmap"
-    _via_pread = mode == "pread"
+    """A/B and test hook: "auto", "pread", "mmap" or "keep" (see above) for
+    chains negotiated from now on; returns the old mode."""
+    global _deferred_mode
+    if mode not in _DEFERRED_MODES:
+        raise ValueError(f"mode must be one of {_DEFERRED_MODES}, got {mode!r}")
+    old = _deferred_mode
+    _deferred_mode = mode
     return old
 
 
@@ -686,10 +697,17 @@ cdef class RecordIOReader(FileReader):
     low_memory : bool
         True (default): the pages of a record of 32 KiB or more leave this
         process as soon as a batch has copied it, so a shuffle over big
-        records holds about its buffer's worth of file pages.  False: pages
-        go when their whole chunk has been consumed -- faster (one madvise
-        per chunk, not per record), but a shuffle buffer can then keep most
-        of a file's chunks, and their pages, alive.
+        records holds about its buffer's worth of file pages.  False:
+        faster, with the file's pages resident.  A batch over big records of
+        a version-2 file copies them straight from a mapping of the file
+        (one copy per byte, no kernel copy), and the mapping's pages stay
+        mapped until the reader is closed: no page drop, no refault, also
+        across epochs of the same reader.  They count in the process's RSS
+        (RssFile) up to the file's size; they are the page cache that a
+        pread fills too, and the kernel can still reclaim them.  Records
+        read otherwise go when their whole chunk has been consumed (one
+        madvise per chunk, not per record), so a shuffle buffer can keep
+        most of a file's chunks, and their pages, alive.
     """
     cdef readonly str path
     cdef int fd                        # open until close(); -1 when closed
@@ -810,8 +828,9 @@ cdef class RecordIOReader(FileReader):
         self._min_size = 0
         for f in range(self.layout.nfields):
             self._min_size += 8 if self.layout.lod[f] else self.layout.row_bytes[f]
+        cdef bint via_pread = _deferred_mode == "pread" or _deferred_mode == "auto" and self.low_memory
         if self.dmap == NULL:
-            if _via_pread:
+            if via_pread:
                 p = <void *>(<size_t>1 << 40)    # never dereferenced: offsets only
             else:
                 p = mmap(NULL, <size_t>self.fsize, PROT_READ, MAP_SHARED, self.fd, 0)
@@ -823,11 +842,11 @@ cdef class RecordIOReader(FileReader):
                 m.path = <char *>malloc(len(path) + 1)
             if m == NULL or m.path == NULL:
                 free(m)
-                if not _via_pread:
+                if not via_pread:
                     munmap(p, <size_t>self.fsize)
                 raise MemoryError()
             m.fd = -1
-            if _via_pread:
+            if via_pread:
                 try:
                     m.fd = os.dup(self.fd)
                 except OSError:              # out of descriptors (EMFILE): the reader's own path
@@ -839,6 +858,7 @@ cdef class RecordIOReader(FileReader):
             m.base = <char *>p
             m.len = self.fsize
             m.budget = _map_budget
+            m.keep = not via_pread and (not self.low_memory or _deferred_mode == "keep")
             self.dmap = m
         rl_map_incref(self.dmap)         # the caller's (records may be let go on other threads)
         return <size_t>self.dmap

@@ -58,6 +58,8 @@ typedef struct rl_map {
     int fd;                     /* >= 0: no mapping; records are read (pread) straight into
                                    the batch (base is then the file offset 0, never dereferenced) */
     int64_t off0;
+    int keep;                   /* 1: no page drops; the pages stay mapped until the map goes
+                                   (low_memory=False: no refaults, the file's pages count in RSS) */
 } rl_map;
 
 /* The deferred records of one chunk: when the last is released, the chunk's
@@ -178,7 +180,7 @@ static void rl_deferred_release_impl(rl_block *b) {
     rl_dchunk *c = (rl_dchunk *)b->ctx;
     __atomic_sub_fetch(&rl_mapped_state.live, 1, __ATOMIC_RELAXED);
     if (__atomic_sub_fetch(&c->refcnt, 1, __ATOMIC_ACQ_REL) == 0) {
-        if (c->map->fd < 0) rl_drop_range(c->lo, c->hi);
+        if (c->map->fd < 0 && !c->map->keep) rl_drop_range(c->lo, c->hi);
         rl_map_decref_impl(c->map);
         free(c);
     }
@@ -286,7 +288,7 @@ static void rl_map_drop_copied(rl_map *m) {
  * thread after its copies are done (never while another thread copies from
  * the same map: one chain reads one map at a time). */
 static inline void rl_map_copied(rl_map *m, const char *p, int64_t n) {
-    if (m->fd >= 0) return;
+    if (m->fd >= 0 || m->keep) return;
     uintptr_t a = (uintptr_t)p, z = a + (uintptr_t)n;
     uintptr_t base = (uintptr_t)m->base, end = base + (uintptr_t)m->len;
     if (!m->ranges) {
@@ -487,10 +489,16 @@ static int rl_deferred_copy(const rl_record *r, int nf, char *const *dst, const 
         return RL_DEF_PADDING;
     }
     {
+        /* plain stores, whatever nt asks: streaming stores fed from a source
+         * that misses the cache (the page cache, through the mapping) ran 6x
+         * slower than plain ones (0.83 against 0.13 CPU s/GB, 64 KiB records
+         * gathered from a mapped file into 16 MiB batches,
+         * benchmarks/results/big_records.md); the pread path's source is its
+         * cache-resident staging buffer, where they win */
         uint32_t c = 0;
+        (void)nt;
         for (int f = 0; f < nf; f++)
-            c = nt ? rl_crc32c_copy_nt(c, dst[f], r->data + src_off[f], (size_t)len[f])
-                   : rl_crc32c_copy(c, dst[f], r->data + src_off[f], (size_t)len[f]);
+            c = rl_crc32c_copy(c, dst[f], r->data + src_off[f], (size_t)len[f]);
         crc = c;
     }
     __atomic_signal_fence(__ATOMIC_SEQ_CST);    /* every read of the mapping is done before disarming */

@@ -4,8 +4,9 @@ A BatchReader over a RecordIOReader (through shuffle / multi_pass / holder)
 negotiates deferred records: the reader checks the tables, sizes and padding
 and hands out descriptors; the batch reads each record's bytes straight into
 its row ("pread" mode, the default) or copies them from a mapping of the file
-with the fused CRC + copy ("mmap" mode, SIGBUS-guarded), and checks the CRC of
-the bytes stored.  Every test runs in both modes; the reference is the pread
+with the fused CRC + copy ("mmap" mode, SIGBUS-guarded; "keep": the mapping
+whose pages stay mapped, low_memory=False's), and checks the CRC of the bytes
+stored.  Every test runs in every mode; the reference is the pread
 path of today (`_set_mapped_reads(False)`).
 """
 import os
@@ -26,7 +27,7 @@ from helpers import assert_checkpoint_equal, assert_exactly_once, canon, read_pa
 SIZE = 40000                      # >= 32 KiB: the big-record path, a block (or descriptor) each
 
 
-@pytest.fixture(params=["pread", "pread-unstaged", "mmap"])
+@pytest.fixture(params=["pread", "pread-unstaged", "mmap", "keep"])
 def mode(request):
     from readerlib.readers import _batch
     old = R._set_deferred_mode(request.param.split("-")[0])
@@ -344,7 +345,7 @@ TRUNCATE += TRUNCATE_READ
 def test_truncated_while_read_raises_and_exits_normally(tmp_path, mode, faulthandler):
     fh = "import faulthandler; faulthandler.enable()" if faulthandler else ""
     # which thread meets the cut (the caller or a pool worker) varies: a few runs
-    for _ in range(3 if mode == "mmap" else 1):
+    for _ in range(3 if mode in ("mmap", "keep") else 1):
         res = _child(TRUNCATE.format(mode=mode, faulthandler=fh).replace("sys.argv[1]", repr(str(tmp_path / "t.rio"))))
         assert res.returncode == 0, (res.returncode, res.stdout, res.stderr[-2000:])
         assert "RAISED" in res.stdout, res.stdout + res.stderr[-2000:]
@@ -525,3 +526,74 @@ def test_nonzero_padding_before_a_deferred_record(tmp_path, mode, copy_path, pad
         assert_exactly_once(got, want[:k] + want[k + 1:])    # only the record after the padding
     else:
         assert set(got) < set(want) and canon((x[k],)) not in set(got)   # the reader drops the chunk
+
+
+KEEP_CHILD = """
+import resource, numpy as np, readerlib as rl
+from readerlib.formats import _recordio as R
+R._set_deferred_mode({mode!r})
+def rss_file():
+    for l in open("/proc/self/status"):
+        if l.startswith("RssFile"):
+            return int(l.split()[1]) * 1024
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+r = rl.RecordIOReader({p!r}, low_memory={low_memory!r})
+c = r.shuffle(150, seed=0).batch(4)
+base = rss_file(); peak = 0; epochs = []
+for epoch in range(2):
+    f0 = faults(); n = 0
+    for (t,) in c:
+        n += t.data.shape[0]
+        peak = max(peak, rss_file() - base)
+    assert c._mapped
+    epochs.append((n, faults() - f0))
+print("OUT", peak, epochs)
+"""
+
+
+@pytest.mark.parametrize("low_memory", [True, False])
+def test_low_memory_false_maps_and_keeps_the_pages(tmp_path, low_memory):
+    """The default mode ("auto"): a low_memory=False reader's batch copies
+    from a mapping whose pages stay mapped (the second epoch of the same
+    reader faults nothing in); a low_memory=True reader reads with pread and
+    keeps no file pages mapped."""
+    p = str(tmp_path / "big.rio")
+    _write(p, n=200)
+    res = _child(KEEP_CHILD.format(mode="auto", p=p, low_memory=low_memory))
+    assert res.returncode == 0, res.stderr[-2000:]
+    peak, epochs = res.stdout.split("OUT")[1].split(" ", 2)[1:]
+    peak, epochs = int(peak), eval(epochs)
+    assert [n for n, _ in epochs] == [200, 200]
+    if low_memory:
+        assert peak < 1 << 20, peak                  # pread: nothing of the file mapped
+    else:
+        assert peak >= 7 << 20, peak                 # 200 x 40 kB = 8 MB of file, all of it kept
+        first, second = epochs[0][1], epochs[1][1]
+        # the first epoch faults the file in (>= one fault a 512 KiB folio); the
+        # second faults none of it in again (what it faults is the batch's memory)
+        assert first >= 15, epochs
+        assert second < first // 3, epochs
+
+
+def test_low_memory_false_reads_bitwise_the_pread_path(tmp_path):
+    p = str(tmp_path / "big.rio")
+    _write(p, n=120, two_fields=True)
+    make = lambda: rl.RecordIOReader(p, low_memory=False).shuffle(50, seed=3).batch(7)
+
+    def two_epochs(mapped):
+        c = make()
+        got = [_batches(c) for _ in range(2)]        # two epochs of one reader (one mapping)
+        assert c._mapped == mapped
+        c.close()
+        return got
+    old, old_on = R._set_deferred_mode("auto"), R._set_mapped_reads(False)
+    try:
+        want = two_epochs(False)
+        R._set_mapped_reads(True)
+        got = two_epochs(True)
+    finally:
+        R._set_deferred_mode(old)
+        R._set_mapped_reads(old_on)
+    assert want[0] != want[1]                        # each epoch its own order
+    assert got == want
