@@ -309,6 +309,31 @@ static inline void rl_map_copied(rl_map *m, const char *p, int64_t n) {
     if (m->dirty >= m->budget || m->nranges == RL_MAP_RANGES) rl_map_drop_copied(m);
 }
 
+/* A guard over map m's range, not armed yet (the caller's sigsetjmp(g->jb, 0)
+ * comes next, in the caller's own frame). */
+static inline void rl_guard_init(rl_guard *g, const rl_map *m, rl_guard **slot) {
+    g->lo = (uintptr_t)m->base;
+    g->hi = g->lo + (uintptr_t)m->len;
+    g->fault = 0;
+    g->prev = *slot;
+}
+
+/* Arm: the guard is complete before the handler can see it, and the reads of
+ * the mapping start only once it is armed (compiler barriers: the handler
+ * runs on this thread, so no CPU fence is needed). */
+static inline void rl_guard_arm(rl_guard **slot, rl_guard *g) {
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    *slot = g;
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+}
+
+/* Disarm: every read of the mapping is done before. */
+static inline void rl_guard_disarm(rl_guard **slot, rl_guard *g) {
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    *slot = g->prev;
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+}
+
 /* Error codes of a guarded read. */
 #define RL_DEF_OK 0
 #define RL_DEF_MISMATCH 1
@@ -466,25 +491,15 @@ static int rl_deferred_copy(const rl_record *r, int nf, char *const *dst, const 
     rl_guard g;
     rl_guard **slot = rl_mapped->guard_slot();
     volatile uint32_t crc = 0;
-    g.lo = (uintptr_t)d->map->base;
-    g.hi = g.lo + (uintptr_t)d->map->len;
-    g.fault = 0;
-    g.prev = *slot;
+    rl_guard_init(&g, d->map, slot);
     if (sigsetjmp(g.jb, 0)) {
         *slot = g.prev;
         *fault_off = (int64_t)(g.fault - (uintptr_t)d->map->base);
         return RL_DEF_SHRUNK;
     }
-    /* the guard is complete before the handler can see it, and the copy
-       starts only once it is armed (a compiler barrier: the handler runs on
-       this thread, so no CPU fence is needed) */
-    __atomic_signal_fence(__ATOMIC_SEQ_CST);
-    *slot = &g;
-    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    rl_guard_arm(slot, &g);
     if (d->pad && !rl_pad_is_zero(r->data - d->pad, d->pad)) {
-        __atomic_signal_fence(__ATOMIC_SEQ_CST);
-        *slot = g.prev;
-        __atomic_signal_fence(__ATOMIC_SEQ_CST);
+        rl_guard_disarm(slot, &g);
         *fault_off = (int64_t)(r->data - d->pad - d->map->base);
         return RL_DEF_PADDING;
     }
@@ -501,9 +516,7 @@ static int rl_deferred_copy(const rl_record *r, int nf, char *const *dst, const 
             c = rl_crc32c_copy(c, dst[f], r->data + src_off[f], (size_t)len[f]);
         crc = c;
     }
-    __atomic_signal_fence(__ATOMIC_SEQ_CST);    /* every read of the mapping is done before disarming */
-    *slot = g.prev;
-    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    rl_guard_disarm(slot, &g);
     *fault_off = (int64_t)(r->data - d->map->base);
     return crc == d->crc ? RL_DEF_OK : RL_DEF_MISMATCH;
 }
@@ -518,60 +531,46 @@ static inline int rl_deferred_copy1(const rl_record *r, char *dst, int nt, int64
  * reads a sequence record's row counts to size the batch; the fused copy
  * then checks the CRC of every byte, those included, and that they are still
  * the counts it sized with).  RL_DEF_OK / SHRUNK / IO + errno, *fault_off. */
-static int rl_deferred_peek(const rl_record *r, int64_t at, char *dst, int64_t n, int64_t *fault_off) {
+__attribute__((unused)) static int rl_deferred_peek(const rl_record *r, int64_t at, char *dst, int64_t n, int64_t *fault_off) {
     rl_dblock *d = (rl_dblock *)r->block;
     int64_t off = (int64_t)(r->data - d->map->base) + at;
     if (d->map->fd >= 0) return rl_pread_all(d->map->fd, dst, n, off, fault_off);
     rl_guard g;
     rl_guard **slot = rl_mapped->guard_slot();
-    g.lo = (uintptr_t)d->map->base;
-    g.hi = g.lo + (uintptr_t)d->map->len;
-    g.fault = 0;
-    g.prev = *slot;
+    rl_guard_init(&g, d->map, slot);
     if (sigsetjmp(g.jb, 0)) {
         *slot = g.prev;
         *fault_off = (int64_t)(g.fault - (uintptr_t)d->map->base);
         return RL_DEF_SHRUNK;
     }
-    __atomic_signal_fence(__ATOMIC_SEQ_CST);
-    *slot = &g;
-    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    rl_guard_arm(slot, &g);
     memcpy(dst, r->data + at, (size_t)n);
-    __atomic_signal_fence(__ATOMIC_SEQ_CST);
-    *slot = g.prev;
-    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    rl_guard_disarm(slot, &g);
     *fault_off = off;
     return RL_DEF_OK;
 }
 
 /* 1 if [p, p + n) of map m is all zero, 0 if not, -1 on a fault (*fault_off). */
-static int rl_map_all_zero(rl_map *m, const char *p, int64_t n, int64_t *fault_off) {
+__attribute__((unused)) static int rl_map_all_zero(rl_map *m, const char *p, int64_t n, int64_t *fault_off) {
     rl_guard g;
     rl_guard **slot = rl_mapped->guard_slot();
     volatile int ok = 1;
-    g.lo = (uintptr_t)m->base;
-    g.hi = g.lo + (uintptr_t)m->len;
-    g.fault = 0;
-    g.prev = *slot;
+    rl_guard_init(&g, m, slot);
     if (sigsetjmp(g.jb, 0)) {
         *slot = g.prev;
         *fault_off = (int64_t)(g.fault - (uintptr_t)m->base);
         return -1;
     }
-    __atomic_signal_fence(__ATOMIC_SEQ_CST);
-    *slot = &g;
-    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    rl_guard_arm(slot, &g);
     for (int64_t i = 0; i < n; i++)
         if (p[i]) { ok = 0; break; }
-    __atomic_signal_fence(__ATOMIC_SEQ_CST);
-    *slot = g.prev;
-    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    rl_guard_disarm(slot, &g);
     return ok;
 }
 
 /* A verified copy of deferred record r in a block of its own (refcnt 1), for
  * a consumer that is not the fused batch copy; NULL with *code and *off set. */
-static rl_block *rl_deferred_materialize(const rl_record *r, int *code, int64_t *off) {
+__attribute__((unused)) static rl_block *rl_deferred_materialize(const rl_record *r, int *code, int64_t *off) {
     rl_block *b = rl_block_new(r->size);
     if (!b) { *code = RL_DEF_NOMEM; *off = 0; return NULL; }
     *code = rl_deferred_copy1(r, b->data, 0, off);
