@@ -974,6 +974,14 @@ cdef class FilterReader(DecoratedReader):
     below the filter this epoch, a position further back than the saved
     outputs reach, an earlier pass of a multi_pass/repeat above it) the
     restore replays, calling the predicate: never a wrong position.
+
+    A buffer shuffle directly above (one or more) filters over a source with
+    random access keeps each buffered record's position in that source and
+    restores its buffer by reading those records there: the predicate is not
+    called for them (they passed it when first read), and this filter is
+    positioned by its saved counts.  Only the fallback replay calls the
+    predicate again, and so assumes it deterministic (as tf.data and Grain
+    assume for checkpoints): a random predicate may then keep other items.
     """
     cdef readonly object predicate
     cdef object _spare
@@ -1175,6 +1183,19 @@ cdef class FilterReader(DecoratedReader):
         if m == self.base_n:
             return self.base_in
         return self.ring[(m - 1) & F_MASK]
+
+    def _input_count_address(self):
+        """For a buffer shuffle above: the address of this filter's input count
+        (in_pos; its last output is input in_pos - 1), which the shuffle reads
+        once per record it takes to keep that record's position in the source
+        below (see ShuffleReader, "Restore through filters").  Valid while this
+        reader lives; the shuffle holds it as its source."""
+        return <size_t>&self.in_pos
+
+    def _counts_exact(self):
+        """True while in_pos counts exactly the items taken from the reader below
+        this epoch (no error below, no call below in progress)."""
+        return bool(self.track_ok and not self.in_upstream)
 
     def _inputs_ahead(self, a):
         """For a shuffle below: how many items this filter may have taken beyond
