@@ -1160,8 +1160,11 @@ cdef class FilterReader(DecoratedReader):
             return self.emitted - before
         target = self.emitted + n
         last = first + counts.shape[0] - 1
-        if target > last and ended >= 0:
-            target = last                   # the epoch ends there: every item below goes
+        if target >= last and ended >= 0:
+            # the epoch ends there: every item below goes (those after the last
+            # output were dropped: the saved chain read them), and this pass is
+            # recorded even if nothing above asks this filter again
+            target = last
             up = ended
         elif target < first or target > last:
             return -1
@@ -1174,6 +1177,10 @@ cdef class FilterReader(DecoratedReader):
         self.base_n = target
         self.base_in = up
         self.at_end = ended >= 0 and up == ended
+        if self.at_end:
+            # positioned at the end: a reader above that asks no further (a buffer
+            # shuffle whose source had run out) must still find this pass recorded
+            self._passed()
         self._spare = None
         self.restores += 1
         return target - before
@@ -1191,6 +1198,20 @@ cdef class FilterReader(DecoratedReader):
         below (see ShuffleReader, "Restore through filters").  Valid while this
         reader lives; the shuffle holds it as its source."""
         return <size_t>&self.in_pos
+
+    def _saved_pass_outputs(self):
+        """For a buffer shuffle above: how many items this filter hands out in this
+        epoch, when set_state's saved counts know it (the epoch, or this pass of a
+        multi_pass/repeat above, was read to its end); else None.  The shuffle
+        then skips the epoch whole with c_skip, which skips below by the counts."""
+        info = self._pending
+        if info is None or info[0] < self.epoch:
+            return None
+        if info[0] == self.epoch:
+            ep, first, counts, end, ended = info
+            return int(first + counts.shape[0] - 1) if ended >= 0 else None
+        whole = self._saved_passes.get(int(self.epoch)) if self._saved_passes else None
+        return None if whole is None else int(whole[0])
 
     def _counts_exact(self):
         """True while in_pos counts exactly the items taken from the reader below

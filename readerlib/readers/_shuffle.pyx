@@ -1082,7 +1082,11 @@ cdef class ShuffleReader(DecoratedReader):
             self.hold = -1
         if self.in_upstream:            # the last call below raised: positions may have shifted
             self.in_upstream = False
-            self.track_ok = False
+            if self.f_in == NULL:
+                self.track_ok = False
+            else:                       # (not when a predicate raised: the filters' counts hold)
+                with gil:
+                    self._check_filters()
         if rl_shuffle_rare(self.due or self.i_probe):
             if self.i_probe:
                 self._decide(NULL, self.count)
@@ -1304,6 +1308,8 @@ cdef class ShuffleReader(DecoratedReader):
                     return got
         from readerlib.readers._slice import length_of
         m = length_of(self.reader) if self.track else None
+        if m is None and self.f_in != NULL:     # an earlier pass through the filters, if they saved it
+            m = self.reader._saved_pass_outputs()
         if m is None or n < m:
             return -1
         N = m
@@ -1528,9 +1534,10 @@ cdef class ShuffleReader(DecoratedReader):
         epoch (None when that is not possible here: the caller replays)."""
         cdef int64_t E = self.emitted, lo, want, t_a, i, k
         cdef rl_rng g
-        if (not self.track or not self.track_ok or self.in_upstream or E <= 0
-                or not self.filled or not _addressable(self.ra_src)
-                or (self._filters is not None and not all(f._counts_exact() for f in self._filters))):
+        if (not self.track or not self.track_ok or E <= 0 or not self.filled
+                or not _addressable(self.ra_src)
+                or (self.in_upstream and self.f_in == NULL)
+                or (self._filters is not None and not self._filters_exact())):
             return {"buffer": None}
         G = _ahead_bound(above)
         lo = max(self.base_t, E - RING + 64, 0)
@@ -1572,6 +1579,15 @@ cdef class ShuffleReader(DecoratedReader):
         if self.f_in != NULL:
             buf["base_position"] = int(B)    # positions are in the source below the filters
         return {"buffer": buf}
+
+    def _check_filters(self):
+        if not self._filters_exact():
+            self.track_ok = False
+
+    def _filters_exact(self):
+        # the filters' counts are exact (a predicate that raised keeps them so;
+        # an error below them does not): positions taken through them hold
+        return self._filters is not None and all(f._counts_exact() for f in self._filters)
 
     def _restores_through_filters(self):
         """True: this shuffle's source is filters over a source with random access
