@@ -76,6 +76,8 @@ CASES = [
       "| recordio |"], []),
     ("bench_resume.py", ["--window-sweep"],
      ["| window_chunks (N=20,000) |", "| 1 |", "| 32 |", "| sequential RecordIO |"], []),
+    ("bench_resume.py", ["--filter-shuffle"],
+     ["| memory | 20,000 | filter/shuffle |", "| recordio | 20,000 | filter/shuffle/old |"], []),
     ("bench_global_shuffle.py", ["--peers", "none"],
      ["20,000 x 64 B (0.00 GB), RecordIO file, batch 256", "open_files(4 files), batch 256",
       "| global_shuffle |", "| window shuffle(2,000) |", "| buffer shuffle(16) |",

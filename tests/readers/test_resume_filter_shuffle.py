@@ -190,9 +190,10 @@ def test_restore_from_recordio_reads_no_chunk_before_the_buffer(tmp_path):
     assert _same(_rest_items(other), ref[k:])
 
 
-def test_restore_after_a_predicate_error_replays_exactly():
-    # an error raised by the predicate: the shuffle's positions are not trusted
-    # for the rest of the epoch (its call below raised), so it saves no buffer
+def test_predicate_errors_resume_exactly_without_replay():
+    # an error raised by the predicate leaves the filter's counts exact (the item
+    # is counted as read and dropped), so the shuffle keeps its positions; the old
+    # code replayed, and the replay raised the error again inside set_state
     def keep(x):
         v = int(x[0])
         if v == 40:
@@ -227,6 +228,7 @@ def test_restore_after_a_predicate_error_replays_exactly():
                 break
             rest.append(int(x[0]))
         assert rest == seen[k:], f"restored at call {k}"
+        assert k < 8 or other.restores == 1, k      # (before: the buffer is still filling)
 
 
 # States made by the code before this change (a shuffle over a filter saved no
