@@ -249,6 +249,13 @@ cdef class MapReader(DecoratedReader):
         The schema of `fn`'s outputs.  Inferred from the output for the first
         instance when omitted (see `infer_instance_schema`).
 
+    Resume: `set_state` skips the reader below without calling `fn`.  A
+    buffer shuffle above a map over a source with random access (directly or
+    through filters) restores its buffer by reading the buffered records
+    through the map, calling `fn` once for each of them (at most the buffer
+    size, whatever the position): `fn` is assumed pure there, as a replay of
+    the epoch assumes it.
+
     Raises
     ------
     Whatever `fn` raises, from the read that would have returned that
@@ -606,6 +613,46 @@ cdef class MapReader(DecoratedReader):
         arrays = None
         if self.spare_ok:
             self._spare = x
+        out.block = self.arena
+        out.data = p
+        out.size = size
+        return 1
+
+    cdef int c_read_at(self, int64_t index, rl_record *out) except -1 nogil:
+        # fn(the record `index` of the source), for a buffer shuffle above that
+        # restores its buffer by position (ShuffleReader, "Restore through maps
+        # and filters"): fn is called again for each buffered record, so it is
+        # assumed pure (as a replay, which calls it for every earlier record, is).
+        # The sequential position is untouched.  Valid until the next call.
+        cdef rl_record rec
+        self.reader.c_read_at(index, &rec)
+        with gil:
+            return self._call_at(index, &rec, out)
+
+    cdef int _call_at(self, int64_t index, rl_record *rec, rl_record *out) except -1:
+        cdef int64_t size
+        cdef char *p
+        where = f"record {index} of the source of {type(self).__name__}"
+        try:
+            x = self.incodec.decode(rec.data, rec.size)
+        except ValueError as e:
+            _note(e, f"at {where}")
+            raise
+        try:
+            y = self.fn(x)
+        except Exception as e:
+            _note(e, f"raised by the function of MapReader on {where}")
+            raise
+        x = None
+        try:
+            arrays = self.outcodec.normalize(y, "map: the function's output")
+        except (TypeError, ValueError) as e:
+            _note(e, f"at {where}")
+            raise
+        y = None
+        size = self.outcodec.encoded_size(arrays)
+        p = self._arena_alloc(size)
+        self.outcodec.encode_into(arrays, p)
         out.block = self.arena
         out.data = p
         out.size = size

@@ -170,6 +170,9 @@ def _addressable(reader, bint may_become=False):
     whether to keep positions at all)."""
     from readerlib.readers._sources import _ChunkedSource
     from readerlib.readers._global_shuffle import GlobalShuffleReader
+    from readerlib.readers._map import MapReader
+    if isinstance(reader, MapReader):       # item i is fn(its source's item i): MapReader.c_read_at
+        return _addressable(reader.reader, may_become)
     if isinstance(reader, (_ChunkedSource, GlobalShuffleReader)):
         return (<ReaderBase>reader).c_num_records() >= 0
     f = getattr(reader, "_reads_in_file_order", None)       # RecordIO, TFRecord
@@ -595,8 +598,14 @@ cdef class ShuffleReader(DecoratedReader):
     # their own saved counts: get_state asks them for as many outputs back
     # as this shuffle may undo, _upstream_ahead) and the buffer is read from
     # the source below them by position.  No predicate is called: the
-    # buffered records passed when they were first read.  A map between the
-    # shuffle and the source (or an error below this epoch) replays.
+    # buffered records passed when they were first read.
+    #
+    # Maps.  A MapReader over an addressable source is addressable too
+    # (MapReader.c_read_at: fn of the source's record; fn is called again
+    # for each buffered record, so it is assumed pure, as a replay assumes),
+    # below the filters or in place of them.  A map between the shuffle and
+    # a filter (its output is not a source's record at a position), or an
+    # error below the filters this epoch, replays.
     cdef _slot *slots
     cdef int64_t scap            # allocated slots (grows up to cap)
     cdef _bref *btab
@@ -1524,6 +1533,8 @@ cdef class ShuffleReader(DecoratedReader):
         # view stays: the array block it shares with the buffer is then not
         # one that compaction would copy records out of (to free nothing)
         cdef ReaderBase src = self.ra_src
+        while type(src).__name__ == "MapReader":    # (reads through it: its source's cache)
+            src = src.reader
         ra = src._random_access
         if ra is not None and type(src).__name__ != "GlobalShuffleReader" and not self._in_memory():
             src._random_access = None

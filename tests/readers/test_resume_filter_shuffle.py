@@ -10,10 +10,11 @@ every item before the position.  Exactness: the shared
 (positions, seeds, predicates, buffer and batch sizes, passes, epochs, a
 second save right after a restore); "does not replay": the predicate's calls
 during set_state (0), the shuffle's `restores` hook and a corrupt chunk
-before the position that a replay would read.  Chains that still replay
-(a map between the shuffle and the filter or below the filter, a source
-without random access) and states made before this change restore exactly
-by replay.
+before the position that a replay would read.  A map below the filters
+(or a map alone) is read through (fn called once per buffered record).
+Chains that still replay (a map between the shuffle and a filter, a filter
+over a source without random access) and states made before this change
+restore exactly by replay.
 """
 import json
 import os
@@ -139,11 +140,54 @@ def test_a_shuffle_over_a_filter_over_a_shuffle_replays_exactly(rio):
     assert _same(_rest_items(other), ref[200:])
 
 
-# a map between the shuffle and the source: a map's output is not the record at
-# a position of the source, so these replay (correct, the function called again)
+class Fn:
+    """A map function (pure) that counts its calls (all instances)."""
+
+    calls = 0
+
+    def __call__(self, x):
+        Fn.calls += 1
+        return (x[0] * 2,)
+
+
+# A map between the source and the filters (or the shuffle): the buffer is read
+# through it (MapReader.c_read_at: fn of the source's record), so fn is called
+# once per buffered record in set_state -- at most the buffer size, whatever
+# the position -- and the predicate never.
+MAPPED = {
+    "map_below_filter": lambda rio: rl.RecordIOReader(rio[600]).map(Fn(), output_schema=I64).filter(Pred())
+    .shuffle(30, seed=1).batch(3),
+    "threaded_map_below_filter": lambda rio: _arr(600).map(Fn(), num_threads=2, output_schema=I64)
+    .filter(Pred()).shuffle(30, seed=1).batch(3),
+    "map_no_filter": lambda rio: _arr(600).map(Fn(), output_schema=I64).shuffle(30, seed=1).batch(3),
+    "filter_map_filter": lambda rio: _arr(600).filter(Pred(5, (2,))).map(Fn(), output_schema=I64)
+    .filter(Pred()).shuffle(30, seed=1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MAPPED))
+def test_a_map_below_the_filters_restores_by_position(rio, name):
+    make = lambda: MAPPED[name](rio)
+    ref = _rest_items(make())
+    for k in (1, len(ref) // 2, len(ref) * 9 // 10):
+        state = _state_at(make, k)
+        other = make()
+        Pred.calls = Fn.calls = 0
+        other.set_state(state)
+        if name == "filter_map_filter":       # a filter below the map: not random access
+            assert Pred.calls > 0 and _shuffle_of(other).restores == 0
+        else:
+            assert Pred.calls == 0 and _shuffle_of(other).restores == 1, (name, k)
+            assert Fn.calls <= 30, (name, k, Fn.calls)     # the buffer's records, no more
+        assert _same(_rest_items(other), ref[k:]), (name, k)
+    assert_checkpoint_equal(make, epochs=2)
+
+
+# a map between the shuffle and the filter: the filter's output is not the
+# record at a position of a source, so these replay (correct, the predicate and
+# the function called again)
 FALLBACK = {
     "map_between": lambda: _arr(400).filter(Pred()).map(_double, output_schema=I64).shuffle(30, seed=1).batch(3),
-    "map_below": lambda: _arr(400).map(_double, output_schema=I64).filter(Pred()).shuffle(30, seed=1).batch(3),
     "no_random_access": lambda: rl.PythonReader(lambda: iter([(np.int64(i),) for i in range(400)]), I64)
     .filter(Pred()).shuffle(30, seed=1).batch(3),
 }
@@ -292,11 +336,13 @@ def test_the_filter_saves_only_the_counts_the_shuffle_may_undo():
        drop2=st.one_of(st.none(), st.integers(0, 4)),
        buf=st.integers(1, 300), bs=st.integers(1, 40), seed=st.integers(0, 2 ** 32),
        passes=st.integers(1, 3), epoch2=st.booleans(), where=st.floats(0, 1),
-       again=st.floats(0, 1))
+       again=st.floats(0, 1), mapped=st.booleans())
 def test_resume_at_random_positions(rio, src, n, mod, drop, drop2, buf, bs, seed, passes, epoch2,
-                                    where, again):
+                                    where, again, mapped):
     def make():
         c = _arr(n) if src == "memory" else rl.RecordIOReader(rio[n])
+        if mapped:                        # read through by the restore (fn per buffered record)
+            c = c.map(_double, output_schema=I64)
         c = c.filter(Pred(mod, drop))
         if drop2 is not None:
             c = c.filter(Pred(5, (drop2,)))
