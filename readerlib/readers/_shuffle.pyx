@@ -1361,7 +1361,10 @@ cdef class ShuffleReader(DecoratedReader):
         if self.f_in != NULL:
             # positions in the source below the filters (see "Restore through filters")
             B = int(info["base_position"])
-            nrec = self.ra_src.c_num_records()
+            below = self.ra_src
+            while type(below).__name__ == "MapReader":   # (one record per record of its source)
+                below = below.reader
+            nrec = (<ReaderBase>below).c_num_records()
             if B < src or B >= (<int64_t>1 << 32) or (nrec >= 0 and B > nrec):
                 raise ValueError(f"{where} (base_position {B}: the filters took {src} records "
                                  f"from a source of {nrec})")

@@ -392,8 +392,11 @@ _DAMAGED_SCRIPT = textwrap.dedent("""
     import json, sys
     import numpy as np
     import readerlib as rl
-    make = lambda: rl.ArrayReader(np.arange(3000, dtype=np.int64)).filter(
-        lambda x: int(x[0]) % 3 != 0).shuffle(100, seed=1).batch(5)
+    src = lambda: rl.ArrayReader(np.arange(3000, dtype=np.int64))
+    if sys.argv[2] == "mapped":
+        src = lambda: rl.ArrayReader(np.arange(3000, dtype=np.int64)).map(lambda x: (x[0] + 1,),
+                                                                           output_schema=rl.Schema([rl.Field("x", "int64")]))
+    make = lambda: src().filter(lambda x: int(x[0]) % 3 != 0).shuffle(100, seed=1).batch(5)
     c = make()
     it = iter(c)
     for _ in range(50):
@@ -443,9 +446,11 @@ DAMAGED = [
 ]
 
 
-def test_a_damaged_state_is_a_value_error_naming_the_field_in_a_subprocess():
+@pytest.mark.parametrize("chain", ["plain", "mapped"])
+def test_a_damaged_state_is_a_value_error_naming_the_field_in_a_subprocess(chain):
+    # never a crash, a hang, an IndexError from the source or wrong data
     cases = [[w, k, v] for w, k, v, _ in DAMAGED]
-    p = subprocess.run([sys.executable, "-c", _DAMAGED_SCRIPT, json.dumps(cases)],
+    p = subprocess.run([sys.executable, "-c", _DAMAGED_SCRIPT, json.dumps(cases), chain],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "DONE" in p.stdout, (p.returncode, p.stdout, p.stderr[-2000:])
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith(("VALUEERROR", "NO ERROR"))]
