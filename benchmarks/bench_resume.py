@@ -305,12 +305,16 @@ def restores_and_epochs(args, rep):
 FILTER_SHUFFLE_BUFFER = 100_000
 FILTER_SHUFFLE = {
     "filter/shuffle": lambda s: s.filter(_keep).shuffle(FILTER_SHUFFLE_BUFFER, seed=1).batch(BATCH),
+    # a map read through by the restore (fn called once per buffered record)
+    "map/shuffle": lambda s: s.map(_ident, output_schema=s.schema).shuffle(FILTER_SHUFFLE_BUFFER, seed=1)
+    .batch(BATCH),
 }
 
 
 def filter_shuffle_rows(args, rep):
-    """src.filter(keep).shuffle(100k, seed=1).batch(256): restore + first batch at
-    10/50/90% of the epoch (7/8 of N: keep drops one record in 8), new and replay."""
+    """src.filter(keep).shuffle(100k, seed=1).batch(256) and src.map(identity).shuffle(100k,
+    seed=1).batch(256): restore + first batch at 10/50/90% of the epoch (the filter's:
+    7/8 of N, keep drops one record in 8), new and replay."""
     workdir = tempfile.mkdtemp(prefix="bench_resume_fs_", dir=args.dir)
     schema = rl.Schema([rl.Field("x", "float32", (4,))])
     rows = []
@@ -323,9 +327,9 @@ def filter_shuffle_rows(args, rep):
                     w.write_batch({"x": data[k:k + (1 << 20)]})
             sources = {"memory": lambda d=data: rl.ArrayReader(d),
                        "recordio": lambda p=path: rl.RecordIOReader(p)}
-            nbk = -(-(n - -(-n // 8)) // BATCH)
             for sname, factory in sources.items():
-                for kind in ("filter/shuffle", "filter/shuffle/old"):
+                for kind in ("filter/shuffle", "filter/shuffle/old", "map/shuffle", "map/shuffle/old"):
+                    nbk = -(-(n - -(-n // 8)) // BATCH) if kind.startswith("filter") else -(-n // BATCH)
                     reps = args.old_repeats if kind.endswith("/old") else args.repeats
                     cells, bests, alone, size = [], [], [], 0
                     for frac in (0.1, 0.5, 0.9):
@@ -346,7 +350,8 @@ def filter_shuffle_rows(args, rep):
         os.rmdir(workdir)
     rep.table(["source", "N", "chain", "10% best / median ms", "50%", "90%", "max/min (best)",
                "set_state alone, best ms (10/50/90%)", "state KB (max)"], rows,
-              title=f"filter(keep).shuffle({FILTER_SHUFFLE_BUFFER:,}, seed=1).batch({BATCH}): restore + first "
+              title=f"filter(keep) / map(identity) .shuffle({FILTER_SHUFFLE_BUFFER:,}, seed=1).batch({BATCH}): "
+                    f"restore + first "
                     f"batch ({args.repeats} restores; {args.old_repeats} for the replay, /old):")
 
 
