@@ -289,6 +289,7 @@ cdef class MapReader(DecoratedReader):
     cdef object _probe            # the inference call's output, for input 0 of the first epoch
     cdef rl_block *arena          # num_threads=1: outputs are carved from it (no malloc per record)
     cdef object _spare            # num_threads=1: the last input, to refill (see _one)
+    cdef object _spare_at         # ... likewise for c_read_at
     cdef object _spares           # num_threads>1: the last chunk's inputs, likewise
     cdef bint spare_ok            # fixed-size input schema: refilling can apply
     cdef readonly int64_t reused  # inputs refilled in place (a test hook)
@@ -632,27 +633,34 @@ cdef class MapReader(DecoratedReader):
     cdef int _call_at(self, int64_t index, rl_record *rec, rl_record *out) except -1:
         cdef int64_t size
         cdef char *p
-        where = f"record {index} of the source of {type(self).__name__}"
-        try:
-            x = self.incodec.decode(rec.data, rec.size)
-        except ValueError as e:
-            _note(e, f"at {where}")
-            raise
+        # the last input's tuple is refilled in place when fn kept no reference
+        # to it (as _one does): a restore reads a whole buffer through here
+        x = self._spare_at
+        self._spare_at = None
+        if x is None or not self.incodec.refill(<tuple>x, rec.data, rec.size):
+            x = None
+            try:
+                x = self.incodec.decode(rec.data, rec.size)
+            except ValueError as e:
+                _note(e, f"at record {index} of the source of {type(self).__name__}")
+                raise
         try:
             y = self.fn(x)
         except Exception as e:
-            _note(e, f"raised by the function of MapReader on {where}")
+            _note(e, f"raised by the function of MapReader on record {index} of its source")
             raise
-        x = None
         try:
             arrays = self.outcodec.normalize(y, "map: the function's output")
         except (TypeError, ValueError) as e:
-            _note(e, f"at {where}")
+            _note(e, f"at record {index} of the source of {type(self).__name__}")
             raise
         y = None
         size = self.outcodec.encoded_size(arrays)
         p = self._arena_alloc(size)
         self.outcodec.encode_into(arrays, p)
+        arrays = None
+        if self.spare_ok:
+            self._spare_at = x
         out.block = self.arena
         out.data = p
         out.size = size
