@@ -466,3 +466,30 @@ def test_a_filtered_buffer_given_to_an_unfiltered_shuffle_is_a_value_error():
     state["parent"]["buffer"]["base_position"] = 4000
     with pytest.raises(ValueError, match="base_position"):
         _arr(3000).shuffle(100, seed=1).batch(5).set_state(state)
+
+
+def test_a_map_that_fails_while_the_buffer_is_read_through_raises_from_set_state():
+    # fn is assumed pure; one that raises now for a buffered record (it did not
+    # when the record was first read) raises from set_state, naming the record,
+    # and the chain can be restored again once it works
+    fail = [False]
+
+    def fn(x):
+        if fail[0] and int(x[0]) == 250:
+            raise KeyError("no")
+        return (x[0] * 2,)
+
+    make = lambda: _arr(600).map(fn, output_schema=I64).shuffle(100, seed=3).batch(4)
+    ref = _rest_items(make())
+    k = 40                               # 160 handed out of the 260 taken
+    state = _state_at(make, k)
+    assert 500 not in np.concatenate(ref[:k])          # record 250 is still in the buffer
+    fail[0] = True
+    other = make()
+    with pytest.raises(KeyError) as e:
+        other.set_state(state)
+    assert "record 250" in str(e.value.__notes__), e.value.__notes__
+    fail[0] = False
+    other.set_state(state)
+    assert _shuffle_of(other).restores == 1
+    assert _same(_rest_items(other), ref[k:])
