@@ -68,6 +68,8 @@ def make_chain(src_factory, kind, buffer=BUFFER):
     if kind.endswith("/old"):
         return rl.ReaderHolder(make_chain(src_factory, kind[:-4], buffer))
     s = src_factory()
+    if kind in FILTER_SHUFFLE:
+        return FILTER_SHUFFLE[kind](s)
     if kind == "unshuffled":
         return s.batch(BATCH)
     if kind == "global":
@@ -200,6 +202,8 @@ def main(argv=None):
     ap.add_argument("--throughput-size", type=int, default=1_000_000)
     ap.add_argument("--big-buffer", action="store_true",
                     help="also: shuffle(1M) over the largest size, state size and restore at 50%%")
+    ap.add_argument("--filter-shuffle", action="store_true",
+                    help="only: shuffle(100k) above a filter, restore at 10/50/90%% (new vs replay)")
     ap.add_argument("--window-sweep", action="store_true",
                     help="only: global_shuffle throughput by window_chunks (1, 2, 8, 32), N=--throughput-size")
     args = harness.parse(ap, argv)
@@ -210,7 +214,9 @@ def main(argv=None):
     with harness.Report(args, title) as rep:
         rep.add(f"- batch {BATCH}, buffer/window {BUFFER}, records float32[4] (16 B); "
                 f"readerlib threads {rl.get_num_threads()}", "")
-        if args.window_sweep:
+        if args.filter_shuffle:
+            filter_shuffle_rows(args, rep)
+        elif args.window_sweep:
             window_sweep(args.throughput_size, args.repeats, args.dir, rep)
         else:
             restores_and_epochs(args, rep)
@@ -289,6 +295,64 @@ def restores_and_epochs(args, rep):
             os.rmdir(workdir)
         except OSError:
             pass
+
+
+# A buffer shuffle above a filter (results/resume.md, 2026-12-01 21:xx): the
+# shuffle keeps its records' positions in the source below the filter and
+# restores by reading them there; "/old" replays (a ReaderHolder on top: the
+# predicate called again for every record before the position, the shuffle
+# run again).
+FILTER_SHUFFLE_BUFFER = 100_000
+FILTER_SHUFFLE = {
+    "filter/shuffle": lambda s: s.filter(_keep).shuffle(FILTER_SHUFFLE_BUFFER, seed=1).batch(BATCH),
+    # a map read through by the restore (fn called once per buffered record)
+    "map/shuffle": lambda s: s.map(_ident, output_schema=s.schema).shuffle(FILTER_SHUFFLE_BUFFER, seed=1)
+    .batch(BATCH),
+}
+
+
+def filter_shuffle_rows(args, rep):
+    """src.filter(keep).shuffle(100k, seed=1).batch(256) and src.map(identity).shuffle(100k,
+    seed=1).batch(256): restore + first batch at 10/50/90% of the epoch (the filter's:
+    7/8 of N, keep drops one record in 8), new and replay."""
+    workdir = tempfile.mkdtemp(prefix="bench_resume_fs_", dir=args.dir)
+    schema = rl.Schema([rl.Field("x", "float32", (4,))])
+    rows = []
+    try:
+        for n in args.sizes:
+            data = np.arange(4 * n, dtype=np.float32).reshape(n, 4)
+            path = os.path.join(workdir, f"r{n}.rio")
+            with rl.RecordIOWriter(path, schema) as w:
+                for k in range(0, n, 1 << 20):
+                    w.write_batch({"x": data[k:k + (1 << 20)]})
+            sources = {"memory": lambda d=data: rl.ArrayReader(d),
+                       "recordio": lambda p=path: rl.RecordIOReader(p)}
+            for sname, factory in sources.items():
+                for kind in ("filter/shuffle", "filter/shuffle/old", "map/shuffle", "map/shuffle/old"):
+                    nbk = -(-(n - -(-n // 8)) // BATCH) if kind.startswith("filter") else -(-n // BATCH)
+                    reps = args.old_repeats if kind.endswith("/old") else args.repeats
+                    cells, bests, alone, size = [], [], [], 0
+                    for frac in (0.1, 0.5, 0.9):
+                        st = state_at(factory, kind, int(nbk * frac))
+                        size = max(size, len(json.dumps(st)))
+                        ts = time_restore(factory, kind, st, reps)
+                        tot = [t[0] for t in ts]
+                        bests.append(min(tot))
+                        alone.append(min(t[1] for t in ts))
+                        cells.append(f"{1e3 * min(tot):.2f} / {1e3 * statistics.median(tot):.2f}")
+                    rows.append([sname, f"{n:,}", kind, *cells, f"{max(bests) / min(bests):.2f}",
+                                 " / ".join(f"{1e3 * a:.2f}" for a in alone), f"{size / 1e3:.1f}"])
+                    print(f"  {sname} {n:,} {kind}: " + ", ".join(cells) + f" ms; state {size} B", flush=True)
+            os.unlink(path)
+    finally:
+        for f in os.listdir(workdir):
+            os.unlink(os.path.join(workdir, f))
+        os.rmdir(workdir)
+    rep.table(["source", "N", "chain", "10% best / median ms", "50%", "90%", "max/min (best)",
+               "set_state alone, best ms (10/50/90%)", "state KB (max)"], rows,
+              title=f"filter(keep) / map(identity) .shuffle({FILTER_SHUFFLE_BUFFER:,}, seed=1).batch({BATCH}): "
+                    f"restore + first "
+                    f"batch ({args.repeats} restores; {args.old_repeats} for the replay, /old):")
 
 
 if __name__ == "__main__":

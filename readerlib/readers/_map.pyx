@@ -249,6 +249,13 @@ cdef class MapReader(DecoratedReader):
         The schema of `fn`'s outputs.  Inferred from the output for the first
         instance when omitted (see `infer_instance_schema`).
 
+    Resume: `set_state` skips the reader below without calling `fn`.  A
+    buffer shuffle above a map over a source with random access (directly or
+    through filters) restores its buffer by reading the buffered records
+    through the map, calling `fn` once for each of them (at most the buffer
+    size, whatever the position): `fn` is assumed pure there, as a replay of
+    the epoch assumes it.
+
     Raises
     ------
     Whatever `fn` raises, from the read that would have returned that
@@ -282,6 +289,7 @@ cdef class MapReader(DecoratedReader):
     cdef object _probe            # the inference call's output, for input 0 of the first epoch
     cdef rl_block *arena          # num_threads=1: outputs are carved from it (no malloc per record)
     cdef object _spare            # num_threads=1: the last input, to refill (see _one)
+    cdef object _spare_at         # ... likewise for c_read_at
     cdef object _spares           # num_threads>1: the last chunk's inputs, likewise
     cdef bint spare_ok            # fixed-size input schema: refilling can apply
     cdef readonly int64_t reused  # inputs refilled in place (a test hook)
@@ -606,6 +614,53 @@ cdef class MapReader(DecoratedReader):
         arrays = None
         if self.spare_ok:
             self._spare = x
+        out.block = self.arena
+        out.data = p
+        out.size = size
+        return 1
+
+    cdef int c_read_at(self, int64_t index, rl_record *out) except -1 nogil:
+        # fn(the record `index` of the source), for a buffer shuffle above that
+        # restores its buffer by position (ShuffleReader, "Restore through maps
+        # and filters"): fn is called again for each buffered record, so it is
+        # assumed pure (as a replay, which calls it for every earlier record, is).
+        # The sequential position is untouched.  Valid until the next call.
+        cdef rl_record rec
+        self.reader.c_read_at(index, &rec)
+        with gil:
+            return self._call_at(index, &rec, out)
+
+    cdef int _call_at(self, int64_t index, rl_record *rec, rl_record *out) except -1:
+        cdef int64_t size
+        cdef char *p
+        # the last input's tuple is refilled in place when fn kept no reference
+        # to it (as _one does): a restore reads a whole buffer through here
+        x = self._spare_at
+        self._spare_at = None
+        if x is None or not self.incodec.refill(<tuple>x, rec.data, rec.size):
+            x = None
+            try:
+                x = self.incodec.decode(rec.data, rec.size)
+            except ValueError as e:
+                _note(e, f"at record {index} of the source of {type(self).__name__}")
+                raise
+        try:
+            y = self.fn(x)
+        except Exception as e:
+            _note(e, f"raised by the function of MapReader on record {index} of its source")
+            raise
+        try:
+            arrays = self.outcodec.normalize(y, "map: the function's output")
+        except (TypeError, ValueError) as e:
+            _note(e, f"at record {index} of the source of {type(self).__name__}")
+            raise
+        y = None
+        size = self.outcodec.encoded_size(arrays)
+        p = self._arena_alloc(size)
+        self.outcodec.encode_into(arrays, p)
+        arrays = None
+        if self.spare_ok:
+            self._spare_at = x
         out.block = self.arena
         out.data = p
         out.size = size
@@ -974,6 +1029,14 @@ cdef class FilterReader(DecoratedReader):
     below the filter this epoch, a position further back than the saved
     outputs reach, an earlier pass of a multi_pass/repeat above it) the
     restore replays, calling the predicate: never a wrong position.
+
+    A buffer shuffle directly above (one or more) filters over a source with
+    random access keeps each buffered record's position in that source and
+    restores its buffer by reading those records there: the predicate is not
+    called for them (they passed it when first read), and this filter is
+    positioned by its saved counts.  Only the fallback replay calls the
+    predicate again, and so assumes it deterministic (as tf.data and Grain
+    assume for checkpoints): a random predicate may then keep other items.
     """
     cdef readonly object predicate
     cdef object _spare
@@ -1152,8 +1215,11 @@ cdef class FilterReader(DecoratedReader):
             return self.emitted - before
         target = self.emitted + n
         last = first + counts.shape[0] - 1
-        if target > last and ended >= 0:
-            target = last                   # the epoch ends there: every item below goes
+        if target >= last and ended >= 0:
+            # the epoch ends there: every item below goes (those after the last
+            # output were dropped: the saved chain read them), and this pass is
+            # recorded even if nothing above asks this filter again
+            target = last
             up = ended
         elif target < first or target > last:
             return -1
@@ -1166,6 +1232,10 @@ cdef class FilterReader(DecoratedReader):
         self.base_n = target
         self.base_in = up
         self.at_end = ended >= 0 and up == ended
+        if self.at_end:
+            # positioned at the end: a reader above that asks no further (a buffer
+            # shuffle whose source had run out) must still find this pass recorded
+            self._passed()
         self._spare = None
         self.restores += 1
         return target - before
@@ -1175,6 +1245,33 @@ cdef class FilterReader(DecoratedReader):
         if m == self.base_n:
             return self.base_in
         return self.ring[(m - 1) & F_MASK]
+
+    def _input_count_address(self):
+        """For a buffer shuffle above: the address of this filter's input count
+        (in_pos; its last output is input in_pos - 1), which the shuffle reads
+        once per record it takes to keep that record's position in the source
+        below (see ShuffleReader, "Restore through filters").  Valid while this
+        reader lives; the shuffle holds it as its source."""
+        return <size_t>&self.in_pos
+
+    def _saved_pass_outputs(self):
+        """For a buffer shuffle above: how many items this filter hands out in this
+        epoch, when set_state's saved counts know it (the epoch, or this pass of a
+        multi_pass/repeat above, was read to its end); else None.  The shuffle
+        then skips the epoch whole with c_skip, which skips below by the counts."""
+        info = self._pending
+        if info is None or info[0] < self.epoch:
+            return None
+        if info[0] == self.epoch:
+            ep, first, counts, end, ended = info
+            return int(first + counts.shape[0] - 1) if ended >= 0 else None
+        whole = self._saved_passes.get(int(self.epoch)) if self._saved_passes else None
+        return None if whole is None else int(whole[0])
+
+    def _counts_exact(self):
+        """True while in_pos counts exactly the items taken from the reader below
+        this epoch (no error below, no call below in progress)."""
+        return bool(self.track_ok and not self.in_upstream)
 
     def _inputs_ahead(self, a):
         """For a shuffle below: how many items this filter may have taken beyond

@@ -170,6 +170,9 @@ def _addressable(reader, bint may_become=False):
     whether to keep positions at all)."""
     from readerlib.readers._sources import _ChunkedSource
     from readerlib.readers._global_shuffle import GlobalShuffleReader
+    from readerlib.readers._map import MapReader
+    if isinstance(reader, MapReader):       # item i is fn(its source's item i): MapReader.c_read_at
+        return _addressable(reader.reader, may_become)
     if isinstance(reader, (_ChunkedSource, GlobalShuffleReader)):
         return (<ReaderBase>reader).c_num_records() >= 0
     f = getattr(reader, "_reads_in_file_order", None)       # RecordIO, TFRecord
@@ -178,6 +181,23 @@ def _addressable(reader, bint may_become=False):
     if not getattr(reader, "has_index", True):
         return may_become
     return (<ReaderBase>reader).c_num_records() >= 0
+
+
+def _filtered_source(reader, bint may_become=False):
+    """(filters, source) when `reader` is one or more FilterReaders over a source
+    that is _addressable: a buffer shuffle over them keeps each record's position
+    in that source (the lowest filter's input count) and restores by reading
+    there (see "Restore through filters").  None otherwise: a map in between, or
+    a source without random access (the shuffle replays)."""
+    from readerlib.readers._map import FilterReader
+    fs = []
+    r = reader
+    while isinstance(r, FilterReader):
+        fs.append(r)
+        r = r.reader
+    if not fs or not _addressable(r, may_become):
+        return None
+    return fs, r
 
 
 # Items a reader may have taken from the one below beyond what it handed out
@@ -199,6 +219,8 @@ def _upstream_ahead(r, a):
         return (a + 1) * int(r.batch_size)
     if name == "ShardReader":
         return (a + 1) * int(r.num_shards)
+    if name == "ShuffleReader" and r._restores_through_filters():
+        return a        # its restore rewinds its source by at most the steps it undoes
     return None
 
 
@@ -306,7 +328,8 @@ def _check_saved_buffer(dict buf):
     the all-zero state drew forever, others raised OverflowError / TypeError
     / KeyError in the int64-typed restore)."""
     where = "set_state: the shuffle's saved buffer is inconsistent"
-    for key in ("epoch", "emitted", "source_position", "count", "done_at", "anchor"):
+    for key in ("epoch", "emitted", "source_position", "count", "done_at", "anchor") + \
+            (("base_position",) if "base_position" in buf else ()):
         v = buf.get(key)
         if isinstance(v, bool) or not isinstance(v, int) or v < -1 or v > (1 << 62):
             raise ValueError(f"{where} ({key} {v!r}: not an int in range)")
@@ -561,6 +584,28 @@ cdef class ShuffleReader(DecoratedReader):
     # c_skip and the slots filled with c_read_at in file order.  Cost: the
     # buffer's records, whatever n.  Anything else (no random access, an
     # error below this epoch, n outside the saved steps) replays.
+    #
+    # Restore through filters.  When the source is one or more filters over
+    # an addressable source (_filtered_source), a filter's output index is
+    # no position to read at, so slot_pos (and the ring) keep the record's
+    # position in the source below the filters instead: the lowest filter's
+    # input count minus one when the record is taken (filters read one item
+    # at a time, none ahead).  The state adds "base_position" (that count
+    # at the save; positions are packed back from it).  The
+    # restore recomputes the draws as above; an undone refill goes back to
+    # the filters (their positions only decrease going back), the filters
+    # are positioned at the restored count of their outputs with c_skip (by
+    # their own saved counts: get_state asks them for as many outputs back
+    # as this shuffle may undo, _upstream_ahead) and the buffer is read from
+    # the source below them by position.  No predicate is called: the
+    # buffered records passed when they were first read.
+    #
+    # Maps.  A MapReader over an addressable source is addressable too
+    # (MapReader.c_read_at: fn of the source's record; fn is called again
+    # for each buffered record, so it is assumed pure, as a replay assumes),
+    # below the filters or in place of them.  A map between the shuffle and
+    # a filter (its output is not a source's record at a position), or an
+    # error below the filters this epoch, replays.
     cdef _slot *slots
     cdef int64_t scap            # allocated slots (grows up to cap)
     cdef _bref *btab
@@ -607,6 +652,11 @@ cdef class ShuffleReader(DecoratedReader):
     cdef rl_rng base_rng         # RNG before the draw of step base_t
     cdef object _pending         # set_state's saved buffer, for the first c_skip
     cdef readonly int64_t restores   # bounded restores made (a test hook)
+    # Restore through filters (see the design note): slot_pos holds positions in
+    # ra_src, the source below the filters, not counts of the filters' outputs
+    cdef ReaderBase ra_src       # the reader the restore reads the buffer from (c_read_at)
+    cdef object _filters         # the FilterReaders between (None: ra_src is the source)
+    cdef const int64_t *f_in     # the lowest filter's input count (NULL: no filters)
     # Inline small records (see "Inline" in the design note).
     cdef char *cells             # scap x cell bytes (NULL: not inline)
     cdef int64_t cell            # a record of at most this many bytes is inlined; -1: none is
@@ -654,7 +704,13 @@ cdef class ShuffleReader(DecoratedReader):
         self.i_min_payload = _INLINE_MIN_PAYLOAD
         self.i_cell = _INLINE_CELL
         self.i_decided = not self.i_on
+        self.ra_src = <ReaderBase>reader
         self.track = _addressable(reader, True)
+        fsrc = None if self.track else _filtered_source(reader, True)
+        if fsrc is not None:
+            self._filters, self.ra_src = fsrc
+            self.f_in = <const int64_t *><size_t>self._filters[len(self._filters) - 1]._input_count_address()
+            self.track = True
         if self.track:
             self.ring_a = <uint32_t *>malloc(RING * sizeof(uint32_t))
             self.ring_s = <rl_rng *>malloc(ANCHORS * sizeof(rl_rng))
@@ -1035,7 +1091,11 @@ cdef class ShuffleReader(DecoratedReader):
             self.hold = -1
         if self.in_upstream:            # the last call below raised: positions may have shifted
             self.in_upstream = False
-            self.track_ok = False
+            if self.f_in == NULL:
+                self.track_ok = False
+            else:                       # (not when a predicate raised: the filters' counts hold)
+                with gil:
+                    self._check_filters()
         if rl_shuffle_rare(self.due or self.i_probe):
             if self.i_probe:
                 self._decide(NULL, self.count)
@@ -1199,10 +1259,14 @@ cdef class ShuffleReader(DecoratedReader):
         return 0
 
     cdef inline void _took(self, int64_t s) noexcept nogil:
-        # slot s now holds the source's record number src_pos
-        if self.src_pos >= (<int64_t>1 << 32) - 1:
+        # slot s now holds the source's record number src_pos (through filters:
+        # the record the lowest filter read last, of the source below it)
+        cdef int64_t p = self.src_pos
+        if self.f_in != NULL:
+            p = self.f_in[0] - 1
+        if p >= (<int64_t>1 << 32) - 1:
             self.track_ok = False
-        self.slot_pos[s] = <uint32_t>self.src_pos
+        self.slot_pos[s] = <uint32_t>p
         self.src_pos += 1
 
     cdef inline uint64_t _draw(self) noexcept nogil:
@@ -1247,12 +1311,14 @@ cdef class ShuffleReader(DecoratedReader):
         info = self._pending
         if info is not None and int(info.get("epoch", -1)) <= self.epoch:
             self._pending = None            # (an earlier epoch: a pass below a multi_pass)
-            if int(info["epoch"]) == self.epoch and self.track and _addressable(self.reader):
+            if int(info["epoch"]) == self.epoch and self.track and _addressable(self.ra_src):
                 got = self._restore(n, info)
                 if got >= 0:
                     return got
         from readerlib.readers._slice import length_of
         m = length_of(self.reader) if self.track else None
+        if m is None and self.f_in != NULL:     # an earlier pass through the filters, if they saved it
+            m = self.reader._saved_pass_outputs()
         if m is None or n < m:
             return -1
         N = m
@@ -1283,18 +1349,33 @@ cdef class ShuffleReader(DecoratedReader):
         cdef uint64_t[::1] tmpk
         cdef int64_t[::1] order
         cdef int64_t which, lo
+        cdef int64_t B = src, last_b, nrec
         if n > E or n < t_a or E <= 0 or cnt < 0 or cnt > self.cap or t_a < 0:
             return -1
         where = "set_state: the shuffle's saved buffer is inconsistent"
         if src != E + cnt:                  # every record taken is handed out or buffered
             raise ValueError(f"{where} ({src} records taken, {E} handed out + {cnt} buffered)")
+        if ("base_position" in info) != (self.f_in != NULL):
+            raise ValueError(f"{where} (base_position: {'saved' if 'base_position' in info else 'missing'}, "
+                             f"but the shuffle's source is {'' if self.f_in != NULL else 'not '}a filter)")
+        if self.f_in != NULL:
+            # positions in the source below the filters (see "Restore through filters")
+            B = int(info["base_position"])
+            below = self.ra_src
+            while type(below).__name__ == "MapReader":   # (one record per record of its source)
+                below = below.reader
+            nrec = (<ReaderBase>below).c_num_records()
+            if B < src or B >= (<int64_t>1 << 32) or (nrec >= 0 and B > nrec):
+                raise ValueError(f"{where} (base_position {B}: the filters took {src} records "
+                                 f"from a source of {nrec})")
+        last_b = B
         if E - t_a > RING:                  # get_state saves at most RING steps (_resume_state)
             raise ValueError(f"{where} ({E - t_a} steps from the anchor {t_a} to {E}, "
                              f"more than the {RING} a state holds)")
         pos_a = np.empty(max(self.cap, 1), np.int64)
         pos = pos_a
-        _decode_positions(info["slots"], src, cnt, &pos[0], where)
-        tail = _unpack_positions(info["tail"], src, E - t_a, where)
+        _decode_positions(info["slots"], B, cnt, &pos[0], where)
+        tail = _unpack_positions(info["tail"], B, E - t_a, where)
         rs = info["rng"]
         for i in range(4):
             g.s[i] = <uint64_t>int(rs[i])
@@ -1319,7 +1400,11 @@ cdef class ShuffleReader(DecoratedReader):
             jj = js[t - n]
             c = _count_at(t, E, cnt, D)
             if D < 0 or t < D:              # the slot was refilled with the source's next record
-                if pos[jj] != src - 1:
+                if self.f_in != NULL:       # (through filters: positions only decrease going back)
+                    if pos[jj] >= last_b:
+                        raise ValueError(f"{where} (slot {jj} at step {t})")
+                    last_b = pos[jj]
+                elif pos[jj] != src - 1:
                     raise ValueError(f"{where} (slot {jj} at step {t})")
                 pos[jj] = a
                 src -= 1
@@ -1347,6 +1432,13 @@ cdef class ShuffleReader(DecoratedReader):
         lo = 0
         if cn > 0:
             lo = pos[<int64_t><uint32_t>keys[0]] - <int64_t>(keys[0] >> 32)
+        if self.f_in != NULL:
+            # the filters, positioned by their counts, are past every buffered record
+            # and not past the next one to come (the last refill undone)
+            if (cn > 0 and lo + <int64_t>(keys[cn - 1] >> 32) >= self.f_in[0]) or \
+                    (last_b < B and self.f_in[0] > last_b) or self.f_in[0] > B:
+                raise ValueError(f"{where} (base_position {B} and the positions do not fit the "
+                                 f"filter's saved counts: it is at {self.f_in[0]})")
         cdef bint copy = self.c_on and not self._in_memory()
         self.count = 0
         self.i_restoring = True
@@ -1409,7 +1501,7 @@ cdef class ShuffleReader(DecoratedReader):
             s_ = <int64_t><uint32_t>keys[i]
             order[i] = s_
             at = lo + <int64_t>(keys[i] >> 32)
-            self.reader.c_read_at(at, &rec)
+            self.ra_src.c_read_at(at, &rec)
             if rec.size <= self.cell and not rl_record_is_deferred(&rec):   # inline: into its cell (see _take)
                 self._take_cell(s_, &rec)
             else:
@@ -1433,7 +1525,7 @@ cdef class ShuffleReader(DecoratedReader):
         # the source's random access is a view of an array in memory
         # (readers/_random_access.pyx _ArrayRecords: no descriptor, no cache):
         # referencing its records costs nothing, copying them would
-        cdef ReaderBase src = self.reader
+        cdef ReaderBase src = self.ra_src
         if src._random_access is None and type(src).__name__ == "ArrayReader":
             src._random_access = src._open_random_access()
         return type(src._random_access).__name__ == "_ArrayRecords"
@@ -1443,7 +1535,9 @@ cdef class ShuffleReader(DecoratedReader):
         # (a second descriptor, 2 chunks) is not needed any more.  An in-memory
         # view stays: the array block it shares with the buffer is then not
         # one that compaction would copy records out of (to free nothing)
-        cdef ReaderBase src = self.reader
+        cdef ReaderBase src = self.ra_src
+        while type(src).__name__ == "MapReader":    # (reads through it: its source's cache)
+            src = src.reader
         ra = src._random_access
         if ra is not None and type(src).__name__ != "GlobalShuffleReader" and not self._in_memory():
             src._random_access = None
@@ -1454,8 +1548,10 @@ cdef class ShuffleReader(DecoratedReader):
         epoch (None when that is not possible here: the caller replays)."""
         cdef int64_t E = self.emitted, lo, want, t_a, i, k
         cdef rl_rng g
-        if (not self.track or not self.track_ok or self.in_upstream or E <= 0
-                or not self.filled or not _addressable(self.reader)):
+        if (not self.track or not self.track_ok or E <= 0 or not self.filled
+                or not _addressable(self.ra_src)
+                or (self.in_upstream and self.f_in == NULL)
+                or (self._filters is not None and not self._filters_exact())):
             return {"buffer": None}
         G = _ahead_bound(above)
         lo = max(self.base_t, E - RING + 64, 0)
@@ -1487,12 +1583,30 @@ cdef class ShuffleReader(DecoratedReader):
         cdef uint32_t[::1] tail = tail_a
         for i in range(k):
             tail[i] = self.ring_a[(t_a + i) & RING_MASK]
-        return {"buffer": {
+        B = self.f_in[0] if self.f_in != NULL else self.src_pos   # (filters: >= every position)
+        buf = {
             "epoch": int(self.epoch), "emitted": int(E), "source_position": int(self.src_pos),
             "count": int(self.count), "done_at": int(self.done_at), "anchor": int(t_a),
             "rng": [int(g.s[0]), int(g.s[1]), int(g.s[2]), int(g.s[3])],
-            "slots": _pack_ages(self.slot_pos, self.count, self.src_pos),
-            "tail": _pack_ages(&tail[0], k, self.src_pos)}}
+            "slots": _pack_ages(self.slot_pos, self.count, B),
+            "tail": _pack_ages(&tail[0], k, B)}
+        if self.f_in != NULL:
+            buf["base_position"] = int(B)    # positions are in the source below the filters
+        return {"buffer": buf}
+
+    def _check_filters(self):
+        if not self._filters_exact():
+            self.track_ok = False
+
+    def _filters_exact(self):
+        # the filters' counts are exact (a predicate that raised keeps them so;
+        # an error below them does not): positions taken through them hold
+        return self._filters is not None and all(f._counts_exact() for f in self._filters)
+
+    def _restores_through_filters(self):
+        """True: this shuffle's source is filters over a source with random access
+        (its restore positions them by their saved counts, _upstream_ahead)."""
+        return self.f_in != NULL
 
     cdef int c_close(self) except -1:
         self._drop()

@@ -76,8 +76,9 @@ def test_filter_chains_resume_exactly_everywhere(name):
 
 
 # the predicate is called again only where the position must be replayed:
-# below a shuffle that has no random access over its source (the filter)
-REPLAYS = {"filter_under_shuffle"}
+# none of these (a buffer shuffle right above a filter over a source with
+# random access restores by position: tests/readers/test_resume_filter_shuffle.py)
+REPLAYS = set()
 
 
 @pytest.mark.parametrize("name", sorted(set(CHAINS) - REPLAYS))
@@ -97,10 +98,11 @@ def test_restore_through_a_filter_does_not_call_the_predicate(name):
         assert _same(_items(other), ref[k:])
 
 
-def test_filter_under_a_shuffle_replays_exactly():
-    # the shuffle's source (the filter) has no random access: it replays, and
-    # the filter below it is read, not skipped
-    make = CHAINS["filter_under_shuffle"]
+def test_filter_and_map_under_a_shuffle_replay_exactly():
+    # a map between the shuffle and the filter: the shuffle's source has no
+    # random access and is not filters over one: it replays, and the filter
+    # below it is read, not skipped
+    make = lambda p: _src().filter(p).map(_double, output_schema=I64).shuffle(50, seed=3)
     ref = _items(make(Pred()))
     state = _state_at(lambda: make(Pred()), 200)
     p = Pred()
