@@ -133,8 +133,10 @@ cdef int64_t _map_budget = 32 << 20
 # "keep" maps with kept pages for every reader (the A/B, and the tests of that
 # path).
 _DEFERRED_MODES = ("auto", "pread", "mmap", "keep")
-_deferred_mode = os.environ.get("READERLIB_DEFERRED_READS", "auto")
+_deferred_mode = os.environ.get("READERLIB_DEFERRED_READS") or "auto"
 if _deferred_mode not in _DEFERRED_MODES:
+    warnings.warn(f"READERLIB_DEFERRED_READS={_deferred_mode!r} is not one of {_DEFERRED_MODES}: "
+                  f"using 'auto'", RuntimeWarning, stacklevel=2)
     _deferred_mode = "auto"
 
 

@@ -164,3 +164,154 @@ def test_holder_swapped_to_another_schema_raises_not_crashes(tmp_path, low_memor
     assert res.returncode == 0, (res.returncode, res.stdout, res.stderr[-2000:])
     assert "RAISED" in res.stdout, res.stdout + res.stderr[-2000:]
     assert pb in res.stdout and "byte offset" in res.stdout, res.stdout
+
+
+KEPT_TRUNCATE = """
+import os
+{faulthandler}
+import numpy as np, readerlib as rl
+from readerlib import _parallel
+rl.set_num_threads({threads}); _parallel._set_min_bytes_per_thread(1)
+p = {p!r}
+if {lod!r}:
+    s = rl.Schema([rl.Field("w", "int32", (), lod_level=1), rl.Field("v", "uint8", (), lod_level=1)])
+    rng = np.random.default_rng(0)
+    with rl.RecordIOWriter(p, s, chunk_size=1 << 18) as w:
+        for i in range(200):
+            w.write((np.arange(int(rng.integers(1, 40)), dtype=np.int32),
+                     np.ones(int(rng.integers(33000, 45000)), np.uint8)))
+else:
+    with rl.RecordIOWriter(p, rl.Schema([rl.Field("x", "uint8", (40000,))]), chunk_size=1 << 18) as w:
+        w.write_batch({{"x": np.ones((200, 40000), np.uint8)}})
+c = rl.RecordIOReader(p, low_memory=False).shuffle(300, seed=0).batch(16)
+assert sum(1 for _ in c) > 0 and c._mapped     # one whole epoch: every page of the file stays mapped
+it = iter(c)                                    # the second epoch
+next(it)                                        # every record is in the buffer, its page mapped
+os.truncate(p, os.path.getsize(p) // 3)
+errors = 0
+while True:
+    try:
+        next(it)
+    except StopIteration:
+        break
+    except rl.RecordIOError as e:
+        assert str(e).startswith(p) and "of chunk" in str(e) and "at byte offset" in str(e), e
+        assert "the file is shorter than when it was opened" in str(e), e
+        errors += 1
+print("ERRORS", errors)
+"""
+
+
+@pytest.mark.parametrize("lod", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("faulthandler", [False, True])
+def test_truncated_after_an_epoch_of_kept_pages_raises(tmp_path, lod, threads, faulthandler):
+    """The kept pages of a low_memory=False mapping (default mode) do not
+    outlive a truncation: the kernel unmaps them, the guarded copy meets
+    SIGBUS and raises naming the file, the chunk and the offset; the process
+    exits normally."""
+    fh = "import faulthandler; faulthandler.enable()" if faulthandler else ""
+    res = _child(KEPT_TRUNCATE.format(p=str(tmp_path / "t.rio"), lod=lod, threads=threads, faulthandler=fh))
+    assert res.returncode == 0, (res.returncode, res.stdout, res.stderr[-2000:])
+    assert int(res.stdout.split("ERRORS")[1]) > 0, res.stdout
+    assert "Fatal Python error" not in res.stderr
+
+
+KEPT_FORK = """
+import os, numpy as np, readerlib as rl
+from readerlib.formats import _recordio as R
+p = {p!r}
+x = np.random.default_rng(0).integers(0, 256, (60, 40000), dtype=np.uint8)
+with rl.RecordIOWriter(p, rl.Schema([rl.Field("x", "uint8", (40000,))]), chunk_size=1 << 18) as w:
+    w.write_batch({{"x": x}})
+want = sorted(r.tobytes() for r in x)
+rows = lambda it: [r.tobytes() for (t,) in it for r in np.asarray(t.data)]
+c = rl.RecordIOReader(p, low_memory=False).shuffle(20, seed=0).batch(5)
+assert sorted(rows(c)) == want and c._mapped          # the pages are kept mapped
+it = iter(c)
+first = rows([next(it)])
+pids = []
+for k in range(2):                                      # two DataLoader-like workers
+    pid = os.fork()
+    if pid == 0:
+        ok = False
+        try:
+            ok = sorted(first + rows(it)) == want       # the inherited epoch
+            ok = ok and all(sorted(rows(c)) == want for _ in range(2)) and c._mapped
+            c.close()
+            ok = ok and R._live_file_blocks() == 0
+        except BaseException as e:
+            print("child", repr(e))
+        os._exit(0 if ok else 1)
+    pids.append(pid)
+c.close()                                               # the parent unmaps while they read
+print("STATUS", [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids], R._live_file_blocks())
+"""
+
+
+def test_forked_workers_read_a_kept_mapping(tmp_path):
+    res = _child(KEPT_FORK.format(p=str(tmp_path / "f.rio")))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "STATUS [0, 0] 0" in res.stdout, res.stdout + res.stderr[-2000:]
+
+
+def test_reader_closed_mid_epoch_and_resume(tmp_path):
+    """The kept mapping outlives the reader's close() while deferred records
+    hold it (the shuffle's buffer): they read their verified bytes, then it
+    goes with the chain.  get_state / set_state / reset over it are exact."""
+    p = str(tmp_path / "c.rio")
+    want = _write_fixed(p, n=50)
+    r = rl.RecordIOReader(p, low_memory=False)
+    c = r.shuffle(100, seed=0).batch(8)
+    it = iter(c)
+    got = [canon(i) for i in unbatch(next(it))]
+    assert c._mapped and R._live_file_blocks() > 0
+    r.close()                          # the buffer holds every other record, deferred
+    got += [canon(i) for b in it for i in unbatch(b)]
+    assert_exactly_once(got, want)
+    c.close()
+    del it, c, r
+    gc.collect()
+    assert _maps_of(p) == 0 and R._live_file_blocks() == 0
+
+    make = lambda: rl.RecordIOReader(p, low_memory=False).shuffle(20, seed=5).batch(6)
+    c = make()
+    _batches(c)                        # an epoch first: the pages are mapped
+    it = iter(c)
+    head = [_batches([next(it)]) for _ in range(3)]
+    st = c.get_state()
+    tail = _batches(it)
+    c2 = make()
+    c2.set_state(st)
+    assert c2._mapped and _batches(c2) == tail
+    c.reset()
+    again = _batches(c)
+    assert sorted(sum(again, [])) == sorted(want) and head
+    c.close()
+    c2.close()
+
+
+@pytest.mark.parametrize("value", ["", "auto", "pread", "mmap", "keep", "mmpa", "MMAP"])
+def test_deferred_reads_env_var(value):
+    """READERLIB_DEFERRED_READS picks the mode at import (unset or empty:
+    "auto"); a value that is none of the modes is not silently taken for
+    "auto" (a typo of "mmap" or "pread" would measure the wrong A/B): a
+    RuntimeWarning names the variable, the value and the modes."""
+    code = """
+        import warnings
+        warnings.simplefilter("always")
+        with warnings.catch_warnings(record=True) as w:
+            from readerlib.formats import _recordio as R
+        print("MODE", R._set_deferred_mode("auto"))
+        print("WARNED", [str(x.message) for x in w if "READERLIB_DEFERRED_READS" in str(x.message)])
+    """
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, READERLIB_DEFERRED_READS=value))
+    assert res.returncode == 0, res.stderr[-2000:]
+    valid = value in R._DEFERRED_MODES
+    assert f"MODE {value if valid else 'auto'}\n" in res.stdout, res.stdout
+    warned = eval(res.stdout.split("WARNED ")[1])
+    if valid or value == "":
+        assert warned == [], warned
+    else:
+        assert len(warned) == 1 and repr(value) in warned[0] and "'keep'" in warned[0], warned
