@@ -315,3 +315,39 @@ def test_deferred_reads_env_var(value):
         assert warned == [], warned
     else:
         assert len(warned) == 1 and repr(value) in warned[0] and "'keep'" in warned[0], warned
+
+
+def _rss_of_mapping(path):
+    """Resident kB of this process's mappings of `path` (/proc/self/smaps)."""
+    kb, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:     # a mapping's first line
+                inside = line.rstrip().endswith(path)
+            elif inside and line.startswith("Rss:"):
+                kb += int(head[1])
+    return kb
+
+
+def test_kept_pages_go_when_the_reader_closes(tmp_path):
+    """RECORDIO.md, README, the docstring: the pages stay mapped "until the
+    reader closes".  The batch holds the mapping too (and buffered records
+    may): closing the reader alone while its chain object lives on left the
+    whole file resident until the chain went.  Now its pages go with the
+    reader's close (what still holds the mapping refaults what it reads)."""
+    p = str(tmp_path / "k.rio")
+    want = _write_fixed(p, n=120)
+    r = rl.RecordIOReader(p, low_memory=False)
+    c = r.shuffle(200, seed=0).batch(8)
+    _batches(c)
+    assert _rss_of_mapping(p) >= 3 << 10, _rss_of_mapping(p)      # 120 x 40 kB: kept
+    it = iter(c)
+    got = [canon(i) for i in unbatch(next(it))]                   # the rest are buffered, deferred
+    r.close()
+    assert _maps_of(p) == 1                                       # still held, by the batch and buffer
+    assert _rss_of_mapping(p) < 1 << 10, _rss_of_mapping(p)
+    got += [canon(i) for b in it for i in unbatch(b)]             # refaulted, still verified
+    assert_exactly_once(got, want)
+    c.close()
+    assert _maps_of(p) == 0
