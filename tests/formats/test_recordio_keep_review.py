@@ -186,34 +186,45 @@ else:
 c = rl.RecordIOReader(p, low_memory=False).shuffle(300, seed=0).batch(16)
 assert sum(1 for _ in c) > 0 and c._mapped     # one whole epoch: every page of the file stays mapped
 it = iter(c)                                    # the second epoch
-next(it)                                        # every record is in the buffer, its page mapped
-os.truncate(p, os.path.getsize(p) // 3)
+n_of = lambda b: len(b[0].lod[0]) - 1 if b[0].lod else b[0].data.shape[0]     # instances
+rows = n_of(next(it))                           # every record is in the buffer, its page mapped
+if {grow!r}:
+    with open(p, "ab") as f:                    # grown: the reader reads what was there at open
+        f.write(bytes([255]) * (1 << 20))
+else:
+    os.truncate(p, os.path.getsize(p) // 3)
 errors = 0
 while True:
     try:
-        next(it)
+        rows += n_of(next(it))
     except StopIteration:
         break
     except rl.RecordIOError as e:
         assert str(e).startswith(p) and "of chunk" in str(e) and "at byte offset" in str(e), e
         assert "the file is shorter than when it was opened" in str(e), e
         errors += 1
-print("ERRORS", errors)
+print("ERRORS", errors, "ROWS", rows)
 """
 
 
 @pytest.mark.parametrize("lod", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("faulthandler", [False, True])
-def test_truncated_after_an_epoch_of_kept_pages_raises(tmp_path, lod, threads, faulthandler):
+@pytest.mark.parametrize("grow", [False, True])
+def test_truncated_after_an_epoch_of_kept_pages_raises(tmp_path, lod, threads, faulthandler, grow):
     """The kept pages of a low_memory=False mapping (default mode) do not
     outlive a truncation: the kernel unmaps them, the guarded copy meets
     SIGBUS and raises naming the file, the chunk and the offset; the process
-    exits normally."""
+    exits normally.  Grown instead: every record, no error."""
     fh = "import faulthandler; faulthandler.enable()" if faulthandler else ""
-    res = _child(KEPT_TRUNCATE.format(p=str(tmp_path / "t.rio"), lod=lod, threads=threads, faulthandler=fh))
+    res = _child(KEPT_TRUNCATE.format(p=str(tmp_path / "t.rio"), lod=lod, threads=threads, faulthandler=fh,
+                                      grow=grow))
     assert res.returncode == 0, (res.returncode, res.stdout, res.stderr[-2000:])
-    assert int(res.stdout.split("ERRORS")[1]) > 0, res.stdout
+    errors, rows = (int(v) for v in res.stdout.split("ERRORS")[1].split("ROWS"))
+    if grow:
+        assert errors == 0 and rows == 200, res.stdout
+    else:
+        assert errors > 0 and rows < 200, res.stdout
     assert "Fatal Python error" not in res.stderr
 
 
