@@ -70,7 +70,7 @@ cdef extern from "rl_crccopy.h":
 rl_cc_init()
 
 # ---- big records in one copy (include/rl_mapped.h, RECORDIO.md "Reading and the checks")
-from posix.mman cimport mmap, munmap, PROT_READ, MAP_SHARED, MAP_FAILED
+from posix.mman cimport mmap, munmap, madvise, PROT_READ, MAP_SHARED, MAP_FAILED, MADV_DONTNEED
 
 cdef extern from "rl_mapped.h":
     ctypedef struct rl_map:
@@ -133,8 +133,10 @@ cdef int64_t _map_budget = 32 << 20
 # "keep" maps with kept pages for every reader (the A/B, and the tests of that
 # path).
 _DEFERRED_MODES = ("auto", "pread", "mmap", "keep")
-_deferred_mode = os.environ.get("READERLIB_DEFERRED_READS", "auto")
+_deferred_mode = os.environ.get("READERLIB_DEFERRED_READS") or "auto"
 if _deferred_mode not in _DEFERRED_MODES:
+    warnings.warn(f"READERLIB_DEFERRED_READS={_deferred_mode!r} is not one of {_DEFERRED_MODES}: "
+                  f"using 'auto'", RuntimeWarning, stacklevel=2)
     _deferred_mode = "auto"
 
 
@@ -811,6 +813,10 @@ cdef class RecordIOReader(FileReader):
     cdef void _unmap(self) noexcept nogil:
         # the mapping lives on while deferred records (or the batch) hold it
         if self.dmap != NULL:
+            if self.dmap.keep and self.dmap.fd < 0:
+                # its kept pages go with the reader (what still holds the
+                # mapping refaults what it reads): "mapped until the reader closes"
+                madvise(self.dmap.base, <size_t>self.dmap.len, MADV_DONTNEED)
             rl_mapped.map_decref(self.dmap)
             self.dmap = NULL
 

@@ -403,6 +403,8 @@ cdef class BatchReader(DecoratedReader):
             if r == 0:
                 break
             if rec.size != L.fixed_size:
+                if self.dmap != NULL and rl_record_is_deferred(&rec):
+                    self._deferred_bad(&rec)  # bytes not in memory (pread: data is an offset): raises
                 with gil:
                     raise _record_schema_error("BatchReader", self.schema,
                                                rec.data[:rec.size], L.bare, index=n)
@@ -455,6 +457,8 @@ cdef class BatchReader(DecoratedReader):
             if r == 0:
                 break
             if rec.size != rb:
+                if self.dmap != NULL and rl_record_is_deferred(&rec):
+                    self._deferred_bad(&rec)  # bytes not in memory (pread: data is an offset): raises
                 with gil:
                     raise _record_schema_error("BatchReader", self.schema,
                                                rec.data[:rec.size], self.layout.bare, index=n)

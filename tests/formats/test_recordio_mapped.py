@@ -538,16 +538,26 @@ def rss_file():
             return int(l.split()[1]) * 1024
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def map_rss():     # resident bytes of this process's mappings of the file (smaps)
+    kb, inside = 0, False
+    for l in open("/proc/self/smaps"):
+        h = l.split()
+        if h and "-" in h[0] and len(h) >= 5:
+            inside = l.rstrip().endswith({p!r})
+        elif inside and l.startswith("Rss:"):
+            kb += int(h[1])
+    return kb * 1024
 r = rl.RecordIOReader({p!r}, low_memory={low_memory!r})
 c = r.shuffle(150, seed=0).batch(4)
 base = rss_file(); peak = 0; epochs = []
 for epoch in range(2):
-    f0 = faults(); n = 0
+    f0 = faults(); n = 0; low = 1 << 62
     for (t,) in c:
         n += t.data.shape[0]
         peak = max(peak, rss_file() - base)
+        low = min(low, map_rss())
     assert c._mapped
-    epochs.append((n, faults() - f0))
+    epochs.append((n, faults() - f0, low, map_rss()))
 print("OUT", peak, epochs)
 """
 
@@ -564,16 +574,20 @@ def test_low_memory_false_maps_and_keeps_the_pages(tmp_path, low_memory):
     assert res.returncode == 0, res.stderr[-2000:]
     peak, epochs = res.stdout.split("OUT")[1].split(" ", 2)[1:]
     peak, epochs = int(peak), eval(epochs)
-    assert [n for n, _ in epochs] == [200, 200]
+    assert [e[0] for e in epochs] == [200, 200]
     if low_memory:
         assert peak < 1 << 20, peak                  # pread: nothing of the file mapped
     else:
         assert peak >= 7 << 20, peak                 # 200 x 40 kB = 8 MB of file, all of it kept
-        first, second = epochs[0][1], epochs[1][1]
+        first = epochs[0][1]
         # the first epoch faults the file in (>= one fault a 512 KiB folio); the
-        # second faults none of it in again (what it faults is the batch's memory)
+        # second faults none of it in again: no page of the mapping leaves it
+        # (at every batch the mapping holds all it held when the first epoch
+        # ended).  Not the second epoch's minor faults against the first's: the
+        # batches' and the buffer's anonymous memory faults 0 to ~600 times in
+        # either epoch, whatever the file does (that comparison failed 803 / 359)
         assert first >= 15, epochs
-        assert second < first // 3, epochs
+        assert epochs[1][2] >= epochs[0][3] >= 7 << 20, epochs
 
 
 def test_low_memory_false_reads_bitwise_the_pread_path(tmp_path):
