@@ -453,8 +453,11 @@ def _read_units(plan, user_schema, schema, columns, rows):
     _threads_for_this_task()
     for path, chunks in plan:
         if file_reader_for(path) is _recordio_factory:
-            # a task batches its chunks in order, without a shuffle buffer: whole
-            # chunks mapped until consumed hold one chunk, and are faster
+            # a task batches its chunks in order, without a shuffle buffer: with
+            # low_memory=False big records are copied once, from a mapping whose
+            # pages stay until the reader closes at the end of this file's units
+            # (at most the task's share of the file, ~128 MiB), and small records
+            # hold one chunk at a time
             r = RecordIOReader(path, low_memory=False)
         else:
             r = open_file(path, user_schema)
