@@ -539,16 +539,28 @@ def _raise_for(int rc, idx, intp_t limit):
 # tells (the worker wakes within ~3 us in both: it preempts someone).  So the
 # gather measures: for each kind of call (cached / streaming stores) it keeps
 # the time per MiB of its last TUNE_WINDOW calls on one thread and on the
-# split, runs the mode with the lower median, and every TUNE_EXPLORE-th call
-# the other one, so a change of load is seen within a few dozen calls.  The
-# median, not the best: it is the scheduling risk, not the speed undisturbed,
-# that decides.  Only calls of TUNE_MIN_BYTES or more take part (smaller ones
+# split, runs the split when its median is lower by TUNE_MARGIN_PCT (it
+# takes a core the caller's other threads may want; a tie goes to one
+# thread), else one thread, and every TUNE_EXPLORE-th call the other mode,
+# so a change of load is seen within a few dozen calls.  The median, not the
+# best: it is the scheduling risk, not the speed undisturbed, that decides.
+# Measured at (65536, 65536, 64) float32, 16 MiB, load 4-5 from other jobs,
+# 400 interleaved rounds in random order (median ms, with one busy competitor
+# after the slash): split 6.32 / 7.72, one thread 3.78 / 5.57, this chooser
+# without a margin 4.21 / 7.05; with 10% 4.45 (one thread 3.04, split 6.78 in
+# that run; it had run the split on 24% of the calls, in stretches after a few
+# fast splits, and those calls' median was 5.2 ms against 3.0 on one thread).
+# Hence 25%: the split's times are bimodal on a shared machine, and at this
+# shape (the 16 MiB source in L3, the 0.6 ms floor of writing 16 MiB reached
+# on one thread) it gains at most ~15% undisturbed.  8 KiB rows from a 64 MiB
+# source (DRAM reads) gain ~35% and still split.  Only calls of TUNE_MIN_BYTES or more take part (smaller ones
 # use the thread count they are given, already 1 below 1 MiB per thread).
 # Results do not depend on the mode (every row is copied the same way).
 
 cdef enum:
     TUNE_WINDOW = 8
     TUNE_EXPLORE = 8
+    TUNE_MARGIN_PCT = 25
 
 #: Gathers of at least this many output bytes choose 1 thread or the split by
 #: their measured recent times (see above).
@@ -584,7 +596,8 @@ cdef int _tune_choose(int kind) noexcept nogil:
     _tune_calls[kind] += 1
     if _tune_n[kind][0] < TUNE_WINDOW // 2 or _tune_n[kind][1] < TUNE_WINDOW // 2:
         return <int> (_tune_calls[kind] & 1)            # fill both windows first
-    best = 0 if _tune_median(kind, 0) <= _tune_median(kind, 1) else 1
+    # the split takes a second core: it runs only when that pays, by TUNE_MARGIN_PCT
+    best = 1 if _tune_median(kind, 1) * (100 + TUNE_MARGIN_PCT) < _tune_median(kind, 0) * 100 else 0
     if _tune_calls[kind] % TUNE_EXPLORE == 0:
         return 1 - best
     return best

@@ -111,3 +111,14 @@ def test_switched_off_the_split_always_runs(chooser):
     for _ in range(4):
         batch_reindex(x, np.arange(5000), num_threads=2)
     assert all(calls == 0 for calls, _, _ in _reindex._tune_state().values())
+
+
+def test_a_tie_goes_to_one_thread(chooser):
+    # the split must be faster by the margin (25%) to take the second core
+    for _ in range(WINDOW):
+        _reindex._tune_record_py(STREAM, 0, 100_000)
+        _reindex._tune_record_py(STREAM, 1, 85_000)
+    assert decisions(STREAM, EXPLORE - 1).count(0) >= EXPLORE - 2
+    for _ in range(WINDOW):
+        _reindex._tune_record_py(STREAM, 1, 75_000)
+    assert decisions(STREAM, EXPLORE - 1).count(1) >= EXPLORE - 2
