@@ -539,11 +539,12 @@ def _raise_for(int rc, idx, intp_t limit):
 # tells (the worker wakes within ~3 us in both: it preempts someone).  So the
 # gather measures: for each kind of call (cached / streaming stores) it keeps
 # the time per MiB of its last TUNE_WINDOW calls on one thread and on the
-# split, runs the split when its median is lower by TUNE_MARGIN_PCT (it
+# split, runs the split when its upper quartile is lower by TUNE_MARGIN_PCT (it
 # takes a core the caller's other threads may want; a tie goes to one
 # thread), else one thread, and every TUNE_EXPLORE-th call the other mode,
-# so a change of load is seen within a few dozen calls.  The median, not the
-# best: it is the scheduling risk, not the speed undisturbed, that decides.
+# so a change of load is seen within a few dozen calls.  A high quantile,
+# not the best: it is the scheduling risk, not the speed undisturbed, that
+# decides.
 # Measured at (65536, 65536, 64) float32, 16 MiB, load 4-5 from other jobs,
 # 400 interleaved rounds in random order (median ms, with one busy competitor
 # after the slash): split 6.32 / 7.72, one thread 3.78 / 5.57, this chooser
@@ -553,7 +554,13 @@ def _raise_for(int rc, idx, intp_t limit):
 # Hence 25%: the split's times are bimodal on a shared machine, and at this
 # shape (the 16 MiB source in L3, the 0.6 ms floor of writing 16 MiB reached
 # on one thread) it gains at most ~15% undisturbed.  8 KiB rows from a 64 MiB
-# source (DRAM reads) gain ~35% and still split.  Only calls of TUNE_MIN_BYTES or more take part (smaller ones
+# source (DRAM reads) gain ~35% and still split.  And the upper quartile of
+# each window rather than its median (TUNE_QUANTILE_PCT): with the median the
+# chooser still ran losing splits under one busy competitor (bench run:
+# default 6.26 ms median against 3.52 on one thread); with the quartile,
+# 250 rounds at load 4 + one competitor: chooser 3.55 ms median / 0.86 best,
+# one thread 3.38 / 1.01, split 4.57 / 1.17; no competitor (load 3.4-3.8):
+# 2.12 / 0.84, 2.12 / 1.03, 2.01 / 0.82.  Only calls of TUNE_MIN_BYTES or more take part (smaller ones
 # use the thread count they are given, already 1 below 1 MiB per thread).
 # Results do not depend on the mode (every row is copied the same way).
 
@@ -561,6 +568,7 @@ cdef enum:
     TUNE_WINDOW = 8
     TUNE_EXPLORE = 8
     TUNE_MARGIN_PCT = 25
+    TUNE_QUANTILE_PCT = 75
 
 #: Gathers of at least this many output bytes choose 1 thread or the split by
 #: their measured recent times (see above).
@@ -574,7 +582,7 @@ cdef int64_t _tune_calls[2]
 cdef bint _tune_on = True
 
 
-cdef int64_t _tune_median(int kind, int mode) noexcept nogil:
+cdef int64_t _tune_quantile(int kind, int mode) noexcept nogil:
     cdef int64_t v[TUNE_WINDOW]
     cdef int m = _tune_n[kind][mode], a, b
     cdef int64_t t
@@ -587,17 +595,17 @@ cdef int64_t _tune_median(int kind, int mode) noexcept nogil:
             v[b + 1] = v[b]
             b -= 1
         v[b + 1] = t
-    return v[m // 2]
+    return v[(m * TUNE_QUANTILE_PCT) // 100 if m > 1 else 0]
 
 
 cdef int _tune_choose(int kind) noexcept nogil:
-    """0: run on one thread, 1: the split."""
+    """0: run on one thread, 1: the split (see above)."""
     cdef int best
     _tune_calls[kind] += 1
     if _tune_n[kind][0] < TUNE_WINDOW // 2 or _tune_n[kind][1] < TUNE_WINDOW // 2:
         return <int> (_tune_calls[kind] & 1)            # fill both windows first
     # the split takes a second core: it runs only when that pays, by TUNE_MARGIN_PCT
-    best = 1 if _tune_median(kind, 1) * (100 + TUNE_MARGIN_PCT) < _tune_median(kind, 0) * 100 else 0
+    best = 1 if _tune_quantile(kind, 1) * (100 + TUNE_MARGIN_PCT) < _tune_quantile(kind, 0) * 100 else 0
     if _tune_calls[kind] % TUNE_EXPLORE == 0:
         return 1 - best
     return best

@@ -30,7 +30,7 @@ def decisions(kind, n):
 
 @pytest.mark.parametrize("kind", [CACHED, STREAM])
 @pytest.mark.parametrize("faster", [0, 1])
-def test_the_mode_with_the_lower_median_runs_and_the_other_is_explored(chooser, kind, faster):
+def test_the_faster_mode_runs_and_the_other_is_explored(chooser, kind, faster):
     for _ in range(WINDOW):
         _reindex._tune_record_py(kind, faster, 100_000)
         _reindex._tune_record_py(kind, 1 - faster, 300_000)
@@ -41,9 +41,9 @@ def test_the_mode_with_the_lower_median_runs_and_the_other_is_explored(chooser, 
     assert all((calls0 + i + 1) % EXPLORE == 0 for i in explored)
 
 
-def test_the_median_decides_not_the_best(chooser):
+def test_the_upper_quartile_decides_not_the_best(chooser):
     # the split is faster undisturbed (best 50 us/MiB) but loses most calls to
-    # scheduling (median 400); one thread is steady at 150: one thread runs
+    # scheduling (most calls 400); one thread is steady at 150: one thread runs
     for v in (50_000, 400_000, 400_000, 420_000, 60_000, 450_000, 400_000, 410_000):
         _reindex._tune_record_py(STREAM, 1, v)
     for _ in range(WINDOW):
@@ -122,3 +122,14 @@ def test_a_tie_goes_to_one_thread(chooser):
     for _ in range(WINDOW):
         _reindex._tune_record_py(STREAM, 1, 75_000)
     assert decisions(STREAM, EXPLORE - 1).count(1) >= EXPLORE - 2
+
+
+def test_a_split_that_loses_one_call_in_three_does_not_run(chooser):
+    # bimodal, as on a shared machine: most splits fast, but 3 of 8 wait a
+    # scheduler slice for a descheduled worker; one thread is steady.  The
+    # median (60) would pick the split; the upper quartile (400) does not.
+    for v in (60_000, 400_000, 60_000, 60_000, 400_000, 60_000, 60_000, 400_000):
+        _reindex._tune_record_py(STREAM, 1, v)
+    for _ in range(WINDOW):
+        _reindex._tune_record_py(STREAM, 0, 150_000)
+    assert decisions(STREAM, EXPLORE - 1).count(0) >= EXPLORE - 2
