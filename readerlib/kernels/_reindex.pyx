@@ -18,8 +18,9 @@ Design:
   (see _gather_body), and every chunk writes a disjoint block of ``y``.
   Whether a big call splits at all is measured on the running machine: the
   recent calls' times per MiB on one thread and on the split decide (see
-  "the thread count, measured" below; a busy second core makes the split lose).  Traffic: ``len(idx) * row_bytes``
-  read + the same written, the minimum for a gather.
+  "the thread count, measured" below; a busy second core makes the split
+  lose).  Traffic: ``len(idx) * row_bytes`` read + the same written, the
+  minimum for a gather.
 
   Backward, ``dx[k] = sum(dy[n] for idx[n] == k)``.  Scattering with atomics
   (or letting threads race) makes float sums depend on timing.  Instead a
@@ -560,8 +561,9 @@ def _raise_for(int rc, idx, intp_t limit):
 # default 6.26 ms median against 3.52 on one thread); with the quartile,
 # 250 rounds at load 4 + one competitor: chooser 3.55 ms median / 0.86 best,
 # one thread 3.38 / 1.01, split 4.57 / 1.17; no competitor (load 3.4-3.8):
-# 2.12 / 0.84, 2.12 / 1.03, 2.01 / 0.82.  Only calls of TUNE_MIN_BYTES or more take part (smaller ones
-# use the thread count they are given, already 1 below 1 MiB per thread).
+# 2.12 / 0.84, 2.12 / 1.03, 2.01 / 0.82.  Only calls of TUNE_MIN_BYTES or
+# more take part (smaller ones use the thread count they are given, already 1
+# below 1 MiB per thread).
 # Results do not depend on the mode (every row is copied the same way).
 
 cdef enum:
@@ -605,7 +607,9 @@ cdef int _tune_choose(int kind) noexcept nogil:
     if _tune_n[kind][0] < TUNE_WINDOW // 2 or _tune_n[kind][1] < TUNE_WINDOW // 2:
         return <int> (_tune_calls[kind] & 1)            # fill both windows first
     # the split takes a second core: it runs only when that pays, by TUNE_MARGIN_PCT
-    best = 1 if _tune_quantile(kind, 1) * (100 + TUNE_MARGIN_PCT) < _tune_quantile(kind, 0) * 100 else 0
+    best = 0
+    if _tune_quantile(kind, 1) * (100 + TUNE_MARGIN_PCT) < _tune_quantile(kind, 0) * 100:
+        best = 1
     if _tune_calls[kind] % TUNE_EXPLORE == 0:
         return 1 - best
     return best
