@@ -15,8 +15,12 @@ Design:
   which the hardware prefetchers cannot predict.  The loop over ``n`` runs
   on readerlib's pool (``readerlib._parallel.parallel_for``); on 2+ threads
   every thread claims the next ``CHUNK_BYTES`` of rows with an atomic add
-  (see _gather_body), and every chunk writes a disjoint block of ``y``.  Traffic: ``len(idx) * row_bytes``
-  read + the same written, the minimum for a gather.
+  (see _gather_body), and every chunk writes a disjoint block of ``y``.
+  Whether a big call splits at all is measured on the running machine: the
+  recent calls' times per MiB on one thread and on the split decide (see
+  "the thread count, measured" below; a busy second core makes the split
+  lose).  Traffic: ``len(idx) * row_bytes`` read + the same written, the
+  minimum for a gather.
 
   Backward, ``dx[k] = sum(dy[n] for idx[n] == k)``.  Scattering with atomics
   (or letting threads race) makes float sums depend on timing.  Instead a
@@ -524,11 +528,163 @@ def _raise_for(int rc, idx, intp_t limit):
     raise err
 
 
+# -- the thread count, measured on the running machine --------------------------
+#
+# On an idle machine a big gather is ~10-20% faster on two threads than on one
+# (256-byte rows, 16 MiB: the second core's outstanding misses when the source
+# is not cached); on a machine whose other core is busy the split loses
+# heavily: the worker shares a CPU with the caller or with the competitor, is
+# descheduled in the middle of a chunk, and the caller waits a scheduler slice
+# for it (medians 2-4x the 1-thread run, benchmarks/results/kernels_cpu.md).
+# Which case holds changes from one second to the next and no cheap probe
+# tells (the worker wakes within ~3 us in both: it preempts someone).  So the
+# gather measures: for each kind of call (cached / streaming stores) it keeps
+# the time per MiB of its last TUNE_WINDOW calls on one thread and on the
+# split, runs the split when its upper quartile is lower by TUNE_MARGIN_PCT (it
+# takes a core the caller's other threads may want; a tie goes to one
+# thread), else one thread, and every TUNE_EXPLORE-th call the other mode,
+# so a change of load is seen within a few dozen calls.  A high quantile,
+# not the best: it is the scheduling risk, not the speed undisturbed, that
+# decides.
+# Measured at (65536, 65536, 64) float32, 16 MiB, load 4-5 from other jobs,
+# 400 interleaved rounds in random order (median ms, with one busy competitor
+# after the slash): split 6.32 / 7.72, one thread 3.78 / 5.57, this chooser
+# without a margin 4.21 / 7.05; with 10% 4.45 (one thread 3.04, split 6.78 in
+# that run; it had run the split on 24% of the calls, in stretches after a few
+# fast splits, and those calls' median was 5.2 ms against 3.0 on one thread).
+# Hence 25%: the split's times are bimodal on a shared machine, and at this
+# shape (the 16 MiB source in L3, the 0.6 ms floor of writing 16 MiB reached
+# on one thread) it gains at most ~15% undisturbed.  8 KiB rows from a 64 MiB
+# source (DRAM reads) gain ~35% and still split.  And the upper quartile of
+# each window rather than its median (TUNE_QUANTILE_PCT): with the median the
+# chooser still ran losing splits under one busy competitor (bench run:
+# default 6.26 ms median against 3.52 on one thread); with the quartile,
+# 250 rounds at load 4 + one competitor: chooser 3.55 ms median / 0.86 best,
+# one thread 3.38 / 1.01, split 4.57 / 1.17; no competitor (load 3.4-3.8):
+# 2.12 / 0.84, 2.12 / 1.03, 2.01 / 0.82.  Only calls of TUNE_MIN_BYTES or
+# more take part (smaller ones use the thread count they are given, already 1
+# below 1 MiB per thread).
+# Results do not depend on the mode (every row is copied the same way).
+
+cdef enum:
+    TUNE_WINDOW = 8
+    TUNE_EXPLORE = 8
+    TUNE_MARGIN_PCT = 25
+    TUNE_QUANTILE_PCT = 75
+
+#: Gathers of at least this many output bytes choose 1 thread or the split by
+#: their measured recent times (see above).
+TUNE_MIN_BYTES = 4 << 20
+cdef int64_t _tune_min_bytes = TUNE_MIN_BYTES
+
+cdef int64_t _tune_win[2][2][TUNE_WINDOW]     # [kind][mode] ns per MiB, ring buffers
+cdef int _tune_n[2][2]                        # samples held (<= TUNE_WINDOW)
+cdef int _tune_pos[2][2]
+cdef int64_t _tune_calls[2]
+cdef bint _tune_on = True
+
+
+cdef int64_t _tune_quantile(int kind, int mode) noexcept nogil:
+    cdef int64_t v[TUNE_WINDOW]
+    cdef int m = _tune_n[kind][mode], a, b
+    cdef int64_t t
+    for a in range(m):
+        v[a] = _tune_win[kind][mode][a]
+    for a in range(1, m):                     # insertion sort, 8 values
+        t = v[a]
+        b = a - 1
+        while b >= 0 and v[b] > t:
+            v[b + 1] = v[b]
+            b -= 1
+        v[b + 1] = t
+    return v[(m * TUNE_QUANTILE_PCT) // 100 if m > 1 else 0]
+
+
+cdef int _tune_choose(int kind) noexcept nogil:
+    """0: run on one thread, 1: the split (see above)."""
+    cdef int best
+    _tune_calls[kind] += 1
+    if _tune_n[kind][0] < TUNE_WINDOW // 2 or _tune_n[kind][1] < TUNE_WINDOW // 2:
+        return <int> (_tune_calls[kind] & 1)            # fill both windows first
+    # the split takes a second core: it runs only when that pays, by TUNE_MARGIN_PCT
+    best = 0
+    if _tune_quantile(kind, 1) * (100 + TUNE_MARGIN_PCT) < _tune_quantile(kind, 0) * 100:
+        best = 1
+    if _tune_calls[kind] % TUNE_EXPLORE == 0:
+        return 1 - best
+    return best
+
+
+cdef void _tune_record(int kind, int mode, int64_t ns_per_mib) noexcept nogil:
+    _tune_win[kind][mode][_tune_pos[kind][mode]] = ns_per_mib
+    _tune_pos[kind][mode] = (_tune_pos[kind][mode] + 1) % TUNE_WINDOW
+    if _tune_n[kind][mode] < TUNE_WINDOW:
+        _tune_n[kind][mode] += 1
+
+
+def _tune_reset():
+    """Forget every measured call (tests, benchmarks)."""
+    cdef int k, m
+    for k in range(2):
+        _tune_calls[k] = 0
+        for m in range(2):
+            _tune_n[k][m] = 0
+            _tune_pos[k][m] = 0
+
+
+def _set_tune(flag):
+    """Switch the measured choice on or off (off: the split whenever more than one
+    thread is given, the behaviour before; benchmarks' A/B).  Returns the old value."""
+    global _tune_on
+    old = bool(_tune_on)
+    _tune_on = bool(flag)
+    return old
+
+
+def _set_tune_min_bytes(n):
+    """Change the size from which calls choose by measurement (returns the old value)."""
+    global _tune_min_bytes
+    old = _tune_min_bytes
+    _tune_min_bytes = max(0, int(n))
+    return old
+
+
+def _tune_record_py(int kind, int mode, int64_t ns_per_mib):
+    """Feed one measured call to the chooser (tests)."""
+    _tune_record(kind, mode, ns_per_mib)
+
+
+def _tune_choose_py(int kind):
+    """The chooser's next decision, 0 (one thread) or 1 (split), as a call would
+    take it (tests)."""
+    return _tune_choose(kind)
+
+
+def _tune_state():
+    """{kind: (calls, one-thread samples, split samples)}; kind 0 cached, 1 streaming."""
+    return {k: (_tune_calls[k], [_tune_win[k][0][i] for i in range(_tune_n[k][0])],
+                [_tune_win[k][1][i] for i in range(_tune_n[k][1])]) for k in range(2)}
+
+
+cdef extern from *:
+    """
+    #include <time.h>
+    static inline int64_t rl_reindex_now_ns(void) {
+        struct timespec t;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+    }
+    """
+    int64_t rl_reindex_now_ns() noexcept nogil
+
+
 def gather_rows(cnp.ndarray x, cnp.ndarray idx, cnp.ndarray out, int n_threads):
     """``out[n] = x[idx[n]]`` row-wise (rows = everything after axis 0).
 
     ``x`` and ``out`` C-contiguous with equal dtype and inner shape, ``idx``
     1-D contiguous int32/int64.  Raises Caffe's IndexError before writing.
+    Calls of ``TUNE_MIN_BYTES`` or more on ``n_threads > 1`` run on one thread
+    or on ``n_threads``, whichever recent calls measured faster (see above).
     """
     cdef intp_t n = idx.shape[0]
     cdef intp_t n_src = x.shape[0]
@@ -537,12 +693,23 @@ def gather_rows(cnp.ndarray x, cnp.ndarray idx, cnp.ndarray out, int n_threads):
     cdef char* dst = <char*> cnp.PyArray_DATA(out)
     cdef void* pidx = cnp.PyArray_DATA(idx)
     cdef int rc
+    cdef int64_t nbytes = <int64_t> n * row_bytes, t0 = 0
+    cdef int kind = 0, mode = -1
+    if _tune_on and n_threads > 1 and nbytes >= _tune_min_bytes and nbytes > 0:
+        # the GIL serialises the chooser's state
+        kind = 1 if (RL_GATHER_SSE2 and nbytes >= _stream_min_bytes) else 0
+        mode = _tune_choose(kind)
+        if mode == 0:
+            n_threads = 1
+        t0 = rl_reindex_now_ns()
     if idx.dtype == np.int32:
         with nogil:
             rc = _gather_rows(src, n_src, row_bytes, <const int32_t*> pidx, n, dst, n_threads)
     else:
         with nogil:
             rc = _gather_rows(src, n_src, row_bytes, <const int64_t*> pidx, n, dst, n_threads)
+    if mode >= 0 and rc == OK:
+        _tune_record(kind, mode, (rl_reindex_now_ns() - t0) * 1048576 // nbytes)
     _raise_for(rc, idx, n_src)
     return out
 
