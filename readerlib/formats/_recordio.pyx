@@ -1745,6 +1745,22 @@ cdef class RecordIOReader(FileReader):
                 return False
         return True
 
+    def _current_run(self):
+        """(stride, count) when the `count` records of the current chunk after
+        the one c_next handed out last lie, in its block, at that record's
+        data + k x stride (k = 1 .. count) -- exactly what the next `count`
+        c_next calls would hand out: a chunk of fixed-size records, read into
+        one block and verified whole before its first record came out (header,
+        body CRC, every size; pread or inflated; not page-aligned, not one
+        block per record).  None otherwise (the caller reads on with c_next).
+        For the chunk cache's load (readers/_random_access.pyx): one call per
+        chunk instead of a c_next per record."""
+        if (self.cur == NULL or self.cur_per_record or self.cur_aligned or self.layout.n_lod != 0
+                or self.cur_i < 1 or self.cur_i > self.cur_n
+                or self.cur_pos != self.cur_i * self.layout.fixed_size):
+            return None
+        return int(self.layout.fixed_size), int(self.cur_n - self.cur_i)
+
     def _reduce_args(self):
         return (self.path,), {"on_error": "skip" if self.skip_errors else "raise",
                               "low_memory": bool(self.low_memory)}
