@@ -91,6 +91,7 @@ cdef int64_t _INLINE_MIN_PAYLOAD = 256 << 10  # projected buffer payload below w
 cdef int64_t _INLINE_CELL = 0                # > 0: this cell size, not the chosen one (tests)
 DEF INLINE_MAX_LIMIT = 4096                 # the largest cell (deferred records are never inlined: _take)
 DEF INLINE_PROBES = 16                      # new blocks looked at before giving up on a source
+DEF RESTORE_PROBE = 4096                    # a restore's fill from a file decides inlining after these
 DEF OUT_BYTES = 16384                       # an output block (the copies handed out); L1-sized
 
 
@@ -1361,6 +1362,9 @@ cdef class ShuffleReader(DecoratedReader):
             raise
         finally:
             self.i_restoring = False
+        with nogil:                         # in slot order: one random write per record fewer
+            for i in range(cn):
+                self.slot_pos[i] = <uint32_t>pos[i]
         self._close_random_access()
         if not copy:
             # records left in their source blocks: an in-memory array (shared with
@@ -1396,8 +1400,11 @@ cdef class ShuffleReader(DecoratedReader):
         # the restore would otherwise copy them out of (a 1M buffer: 55-100 ms
         # on the first batch), and only two chunks are held at a time.
         # Deferred (mapped, unverified) records never are.  Records that fit
-        # the inline cell (when inlining is on) go into their slots' cells.
+        # the inline cell (when inlining is on) go into their slots' cells;
+        # from a file, whether to inline is decided after the first
+        # RESTORE_PROBE records (not on the first batch after the fill).
         # order[i]: the slot filled i-th (for _decide, which may run mid-fill).
+        # slot_pos is written by the caller afterwards, in slot order.
         cdef int64_t i, s_, nx, at
         cdef rl_record rec
         cdef char *p
@@ -1405,7 +1412,8 @@ cdef class ShuffleReader(DecoratedReader):
             if i + 32 < cn:                     # the slot written 32 records from now
                 nx = <int64_t><uint32_t>keys[i + 32]
                 __builtin_prefetch(&self.slots[nx], 1)
-                __builtin_prefetch(&self.slot_pos[nx], 1)
+                if self.cells != NULL:          # and its cell (random writes: store-bound without)
+                    __builtin_prefetch(self.cells + nx * self.cell, 1)
             s_ = <int64_t><uint32_t>keys[i]
             order[i] = s_
             at = lo + <int64_t>(keys[i] >> 32)
@@ -1423,9 +1431,13 @@ cdef class ShuffleReader(DecoratedReader):
                     self.slots[s_].ref = <uint32_t>self._arena_take(rec.size)
                 else:
                     self._put(s_, &rec, self._acquire(rec.block, rec.size))
-            self.slot_pos[s_] = <uint32_t>at
             self.count += 1
-            if self.i_probe:
+            if self.i_probe or (copy and self.count == RESTORE_PROBE and not self.i_decided):
+                # from a file the records are copied anyway and the chunk cache
+                # lets go of each chunk: decide now, from the sizes so far, so
+                # that the rest go straight into cells (deciding after the fill
+                # re-copied every arena copy into a cell on the first batch: a
+                # 1M buffer's random reads cost 30-65 ms there)
                 self._decide(order, self.count)
         return 0
 
