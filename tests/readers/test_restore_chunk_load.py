@@ -20,6 +20,7 @@ import pytest
 
 import readerlib as rl
 from readerlib.readers import _shuffle
+from readerlib.errors import RecordIOSchemaError
 from helpers import corrupt_chunk
 
 I64 = rl.Schema([rl.Field("x", "int64")])
@@ -251,3 +252,38 @@ def _corrupt_mid_fill(tmp_path):
     again.set_state(st)
     assert _shuffle_of(again).restores == 1 and len(_ids(again)) == n - k
     again.close()
+
+
+# ------------------------------------------------------------ the chunk's size check
+def _forge_sizes(path, new_sizes):
+    """Rewrite chunk 0's record sizes (a fixed-schema, one-chunk file) and make
+    its body and header checksums agree, so that only the size check can fail."""
+    from readerlib.formats import _recordio as R
+
+    def crc(b, start=0):
+        return R._crc32c_copy(bytearray(len(b)), bytes(b), start)
+    data = bytearray(open(path, "rb").read())
+    offs, nrec = rl.RecordIOReader(path).chunk_table()
+    assert len(offs) == 1
+    h, m = int(offs[0]), int(nrec[0])
+    stored = int.from_bytes(data[h + 16:h + 24], "little")
+    assert crc(data[h + 32:h + 32 + stored]) == int.from_bytes(data[h + 12:h + 16], "little")
+    for i, s in new_sizes.items():
+        data[h + 32 + 4 * i:h + 36 + 4 * i] = int(s).to_bytes(4, "little")
+    data[h + 12:h + 16] = crc(data[h + 32:h + 32 + stored]).to_bytes(4, "little")
+    data[h + 28:h + 32] = crc(data[h:h + 28], crc(data[16:24])).to_bytes(4, "little")
+    open(path, "wb").write(data)
+    return h
+
+
+@pytest.mark.parametrize("sizes, record", [({5: 9, 6: 7}, 5),     # the sum still fills the body
+                                           ({7: 16}, 7),           # one record too long
+                                           ({0: 0}, 0)])           # the body not filled
+def test_a_wrong_record_size_in_a_fixed_chunk_is_still_found_and_named(tmp_path, sizes, record):
+    path = _write_fixed(str(tmp_path / "f.rio"), 50, chunk_size=1 << 20)
+    h = _forge_sizes(path, sizes)
+    msg = rf"f\.rio: record does not match the schema \(record {record} of chunk 0\) at byte offset {h}"
+    with pytest.raises(RecordIOSchemaError, match=msg):
+        list(rl.RecordIOReader(path))
+    with pytest.raises(RecordIOSchemaError, match=msg):
+        rl.RecordIOReader(path).read_many([10])
