@@ -1405,13 +1405,17 @@ cdef class ShuffleReader(DecoratedReader):
         # RESTORE_PROBE records (not on the first batch after the fill).
         # order[i]: the slot filled i-th (for _decide, which may run mid-fill).
         # slot_pos is written by the caller afterwards, in slot order.
-        cdef int64_t i, s_, nx, at
+        # uni >= 0: the slots not filled yet were preset in slot order as in
+        # their cells with records of uni bytes (_preset_cells), so a record of
+        # that size only writes its cell: one random write a record, not two.
+        cdef int64_t i, s_, nx, at, uni = -1
         cdef rl_record rec
         cdef char *p
         for i in range(cn):
             if i + 32 < cn:                     # the slot written 32 records from now
                 nx = <int64_t><uint32_t>keys[i + 32]
-                __builtin_prefetch(&self.slots[nx], 1)
+                if uni < 0:
+                    __builtin_prefetch(&self.slots[nx], 1)
                 if self.cells != NULL:          # and its cell (random writes: store-bound without)
                     __builtin_prefetch(self.cells + nx * self.cell, 1)
             s_ = <int64_t><uint32_t>keys[i]
@@ -1419,7 +1423,11 @@ cdef class ShuffleReader(DecoratedReader):
             at = lo + <int64_t>(keys[i] >> 32)
             self.reader.c_read_at(at, &rec)
             if rec.size <= self.cell and not rl_record_is_deferred(&rec):   # inline: into its cell (see _take)
-                self._take_cell(s_, &rec)
+                if rec.size == uni:             # its slot says so already
+                    rl_shuffle_copy_small(self.cells + s_ * self.cell, rec.data, <size_t>rec.size)
+                    self.n_inlined += 1
+                else:
+                    self._take_cell(s_, &rec)
             else:
                 p = NULL
                 if copy and rec.size < COMPACT_MAX_RECORD and not rl_record_is_deferred(&rec):
@@ -1439,7 +1447,38 @@ cdef class ShuffleReader(DecoratedReader):
                 # re-copied every arena copy into a cell on the first batch: a
                 # 1M buffer's random reads cost 30-65 ms there)
                 self._decide(order, self.count)
+                if self.cells != NULL and uni < 0:
+                    uni = self._preset_cells(keys, self.count, cn)
         return 0
+
+    cdef int64_t _preset_cells(self, const uint64_t *keys, int64_t filled, int64_t cn) noexcept nogil:
+        """Slots 0..cn-1 not among the `filled` first of `keys`, in slot order:
+        in their cells, holding records of u bytes, u the size of the last
+        record filled (which is inline); returns u, or -1 (nothing preset:
+        it is not inline, or no scratch).  The fill then overwrites a preset
+        slot whose record is of another size or not inlined; a slot not
+        reached (an error) is never read (count says which were filled)."""
+        cdef int64_t j, s, u
+        cdef _slot *saved
+        if filled <= 0:
+            return -1
+        s = <int64_t><uint32_t>keys[filled - 1]
+        if self.slots[s].ref != INL:
+            return -1
+        u = self.slots[s].size
+        saved = <_slot *>malloc(filled * sizeof(_slot))
+        if saved == NULL:
+            return -1
+        for j in range(filled):
+            saved[j] = self.slots[<int64_t><uint32_t>keys[j]]
+        for s in range(cn):
+            self.slots[s].data = self.cells + s * self.cell
+            self.slots[s].size = <uint32_t>u
+            self.slots[s].ref = INL
+        for j in range(filled):
+            self.slots[<int64_t><uint32_t>keys[j]] = saved[j]
+        free(saved)
+        return u
 
     def _in_memory(self):
         # the source's random access is a view of an array in memory
