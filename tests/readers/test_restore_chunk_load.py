@@ -294,3 +294,19 @@ def test_a_wrong_record_size_in_a_fixed_chunk_is_still_found_and_named(tmp_path,
         list(rl.RecordIOReader(path))
     with pytest.raises(RecordIOSchemaError, match=msg):
         rl.RecordIOReader(path).read_many([10])
+
+
+# ------------------------------------------------------------ the file order
+@pytest.mark.parametrize("span", [1, 2, 4095, 4096, 4097, 1 << 20, (1 << 24) - 1, 1 << 24, (1 << 32) - 1])
+def test_the_file_order_is_the_sorted_position_slot_keys(span):
+    rng = np.random.default_rng(span)
+    n = min(span, 5000)
+    base = 1_000_003
+    pos = base + np.sort(rng.choice(span, size=n, replace=False)) if span < 1 << 22 else \
+        base + np.unique(np.concatenate([[0, span - 1], rng.integers(0, span, n)]))
+    pos = rng.permutation(pos).astype(np.int64)          # slot order: any
+    want = np.sort(((pos - pos.min()).astype(np.uint64) << np.uint64(32)) | np.arange(len(pos), dtype=np.uint64))
+    assert np.array_equal(_shuffle._file_order_py(pos), want)
+    dup = np.repeat(pos[:7], 3)                          # equal positions: slots in order
+    want = np.sort(((dup - dup.min()).astype(np.uint64) << np.uint64(32)) | np.arange(len(dup), dtype=np.uint64))
+    assert np.array_equal(_shuffle._file_order_py(dup), want)
