@@ -1379,7 +1379,8 @@ cdef class ShuffleReader(DecoratedReader):
         lo = 0
         if cn > 0:
             lo = pos[<int64_t><uint32_t>keys[0]] - <int64_t>(keys[0] >> 32)
-        cdef bint copy = self.c_on and not self._in_memory()
+        cdef bint in_memory = self._in_memory()
+        cdef bint copy = self.c_on and not in_memory
         self.count = 0
         self.i_restoring = True
         try:
@@ -1402,7 +1403,10 @@ cdef class ShuffleReader(DecoratedReader):
             # its view, nothing to free) or compaction off; no pass is due for them
             self.due = False
             self.since = 0
-        self.i_probe = not self.i_decided   # the blocks are the buffer's alone now: decide
+        # the blocks are the buffer's alone now: decide -- except an array's,
+        # shared with its view (a run over it never probes either; deciding on
+        # the first batch copied the whole buffer into cells: 30-60 ms for 1M)
+        self.i_probe = not self.i_decided and not in_memory
         self.filled = True
         if D >= 0 and D < n:
             self.upstream_done = True

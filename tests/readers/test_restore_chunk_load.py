@@ -310,3 +310,30 @@ def test_the_file_order_is_the_sorted_position_slot_keys(span):
     dup = np.repeat(pos[:7], 3)                          # equal positions: slots in order
     want = np.sort(((dup - dup.min()).astype(np.uint64) << np.uint64(32)) | np.arange(len(dup), dtype=np.uint64))
     assert np.array_equal(_shuffle._file_order_py(dup), want)
+
+
+def test_a_restore_from_an_array_keeps_referencing_it_as_a_run_does():
+    # an ArrayReader's one block is shared with its view: a run over it never
+    # decides to inline, and neither does a restore (its first batch copied the
+    # whole buffer into cells)
+    data = np.arange(40_000, dtype=np.int64)
+    make = lambda: rl.ArrayReader(data).shuffle(BUF, seed=4).batch(16)
+    with _inline(True):
+        run = make()
+        it = iter(run)
+        for _ in range(200):
+            next(it)
+        assert _shuffle_of(run)._memory_stats()["cell"] == 0
+        ref = [np.asarray(b[0].data).copy() for b in it]
+        run.close()
+        st = _state_at(make, 200)
+        other = make()
+        other.set_state(st)
+        first = np.asarray(other.read_next()[0].data).copy()
+        stats = _shuffle_of(other)._memory_stats()
+        assert stats["cell"] == 0 and stats["inlined_records"] == 0, stats
+        rest = [first]
+        while (b := other.read_next()) is not None:       # (iter() would start the next epoch)
+            rest.append(np.asarray(b[0].data).copy())
+        other.close()
+    assert len(rest) == len(ref) and all(np.array_equal(a, b) for a, b in zip(rest, ref))
