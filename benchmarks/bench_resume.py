@@ -25,7 +25,8 @@ item, exactly the old code path):
 
 "state KB" is the JSON size of the state (the buffer shuffle's saved buffer:
 its records' source positions).  `--big-buffer`: one more table, shuffle(1M)
-over N = the largest size, restore at 50% (state size and time).
+over N = the largest size, restored at 10%, 50% and 90% (state size and
+times); `--big-buffer-only`: that table alone.
 
 Also: read throughput of one epoch (records/s) for sequential, global
 shuffle and buffer shuffle over the same source, in the same run.
@@ -33,7 +34,7 @@ shuffle and buffer shuffle over the same source, in the same run.
 Usage:
     python benchmarks/bench_resume.py [--sizes 1000000 10000000] [--repeats 3] [--old-repeats 1]
         [--throughput-size 1000000] [--dir /tmp] [--window-sweep] [--big-buffer]
-        [--quick] [--busy N] [--out FILE.md]
+        [--big-buffer-only] [--big-buffer-repeats R] [--quick] [--busy N] [--out FILE.md]
 The RecordIO files are deleted at the end.  The tables go through the shared
 harness's report (harness.Report: command, date, machine, load); restore times
 are best and median of ``--repeats`` restores (``--old-repeats`` for the replay
@@ -109,19 +110,24 @@ def _settle(chain, timeout=2.0):
 
 
 def time_restore(src_factory, kind, state, repeats, buffer=BUFFER):
-    """[(set_state + first batch, set_state alone)] seconds, one per repeat."""
+    """[(set_state + first batch, set_state alone, CPU time of set_state + first
+    batch on this thread)] seconds, one per repeat.  The CPU time leaves out the
+    time the thread waited for a core (a shared machine) but not what another
+    process's use of the caches and memory costs it."""
     out = []
     for _ in range(repeats):
         c = make_chain(src_factory, kind, buffer)   # built outside the timing
         _settle(c)
         t0 = time.perf_counter()
+        c0 = time.thread_time()
         c.set_state(state)
         t1 = time.perf_counter()
         b = c.read_next()
         dt = time.perf_counter() - t0
+        cpu = time.thread_time() - c0
         assert b is not None
         c.close()
-        out.append((dt, t1 - t0))
+        out.append((dt, t1 - t0, cpu))
     return out
 
 
@@ -172,26 +178,44 @@ def _epoch_rate(make):
 
 
 def big_buffer(args, rep, workdir, made, schema):
-    """shuffle(1M) over the largest N: state size and restore at 50%."""
+    """shuffle(1M) over the largest N: state size and restore at 10%, 50%, 90%.
+
+    The RecordIO file is the one the restore tables wrote (`--big-buffer`), or
+    written here (`--big-buffer-only`)."""
     n = max(args.sizes)
     buf = min(1_000_000, n // 2)
     path = os.path.join(workdir, f"r{n}.rio")
     data = np.arange(4 * n, dtype=np.float32).reshape(n, 4)
+    if args.big_buffer_only and not os.path.exists(path):
+        with rl.RecordIOWriter(path, schema) as w:
+            for k in range(0, n, 1 << 20):
+                w.write_batch({"x": data[k:k + (1 << 20)]})
+        made.append(path)
+    reps = args.big_buffer_repeats or max(1, args.old_repeats)
+    nb = -(-n // BATCH)
     rows = []
     for sname, factory in {"memory": lambda: rl.ArrayReader(data),
                            "recordio": lambda: rl.RecordIOReader(path)}.items():
         if sname == "recordio" and not os.path.exists(path):
             continue
-        st = state_at(factory, "buffer", int(-(-n // BATCH) * 0.5), buffer=buf)
-        ts = time_restore(factory, "buffer", st, max(1, args.old_repeats), buffer=buf)
-        tot = [t[0] for t in ts]
-        rows.append([sname, f"{n:,}", f"{buf:,}", f"{len(json.dumps(st)) / 1e6:.2f}",
-                     f"{len(json.dumps(st)) / buf:.2f}",
-                     f"{1e3 * min(tot):.1f} / {1e3 * statistics.median(tot):.1f}"])
-        print(f"  shuffle({buf:,}) {sname}: state {len(json.dumps(st))} B, restore {1e3 * min(tot):.1f} ms",
-              flush=True)
-    rep.table(["source", "N", "buffer", "state MB (JSON)", "bytes per slot", "restore + first batch ms"],
-              rows, title="a big buffer, restored at 50%:")
+        cells, bests, alone, cpus, size = [], [], [], [], 0
+        for frac in (0.1, 0.5, 0.9):
+            st = state_at(factory, "buffer", int(nb * frac), buffer=buf)
+            size = max(size, len(json.dumps(st)))
+            ts = time_restore(factory, "buffer", st, reps, buffer=buf)
+            tot = [t[0] for t in ts]
+            bests.append(min(tot))
+            alone.append(min(t[1] for t in ts))
+            cpus.append(f"{1e3 * min(t[2] for t in ts):.1f} / {1e3 * statistics.median(t[2] for t in ts):.1f}")
+            cells.append(f"{1e3 * min(tot):.1f} / {1e3 * statistics.median(tot):.1f}")
+            print(f"  shuffle({buf:,}) {sname} at {frac:.0%}: restore {1e3 * min(tot):.1f} / "
+                  f"{1e3 * statistics.median(tot):.1f} ms", flush=True)
+        rows.append([sname, f"{n:,}", f"{buf:,}", *cells, f"{max(bests) / min(bests):.2f}",
+                     " / ".join(f"{1e3 * a:.1f}" for a in alone), " ; ".join(cpus), f"{size / 1e6:.2f}"])
+    rep.table(["source", "N", "buffer", "10% best / median ms", "50%", "90%", "max/min (best)",
+               "set_state alone, best ms (10/50/90%)", "CPU ms best / median (10% ; 50% ; 90%)",
+               "state MB (JSON, max)"],
+              rows, title=f"a big buffer, restore + first batch ({reps} restores):")
 
 
 def main(argv=None):
@@ -201,9 +225,13 @@ def main(argv=None):
     ap.add_argument("--dir", default=None)
     ap.add_argument("--throughput-size", type=int, default=1_000_000)
     ap.add_argument("--big-buffer", action="store_true",
-                    help="also: shuffle(1M) over the largest size, state size and restore at 50%%")
+                    help="also: shuffle(1M) over the largest size, state size and restore at 10/50/90%%")
     ap.add_argument("--filter-shuffle", action="store_true",
                     help="only: shuffle(100k) above a filter, restore at 10/50/90%% (new vs replay)")
+    ap.add_argument("--big-buffer-only", action="store_true",
+                    help="only the --big-buffer table (no restore or epoch tables)")
+    ap.add_argument("--big-buffer-repeats", type=int, default=0,
+                    help="restores per position for the big buffer (default: --old-repeats)")
     ap.add_argument("--window-sweep", action="store_true",
                     help="only: global_shuffle throughput by window_chunks (1, 2, 8, 32), N=--throughput-size")
     args = harness.parse(ap, argv)
@@ -218,6 +246,15 @@ def main(argv=None):
             filter_shuffle_rows(args, rep)
         elif args.window_sweep:
             window_sweep(args.throughput_size, args.repeats, args.dir, rep)
+        elif args.big_buffer_only:
+            workdir = tempfile.mkdtemp(prefix="bench_resume_", dir=args.dir)
+            made = []
+            try:
+                big_buffer(args, rep, workdir, made, rl.Schema([rl.Field("x", "float32", (4,))]))
+            finally:
+                for p in made:
+                    os.unlink(p)
+                os.rmdir(workdir)
         else:
             restores_and_epochs(args, rep)
 

@@ -74,6 +74,8 @@ CASES = [
       "| recordio | 20,000 | buffer |", "| memory | 20,000 | map/prefetch |", "| recordio | 20,000 | map/prefetch/old |",
       "| recordio | 20,000 | window |", "| recordio | 20,000 | unshuffled/old |", "| source (N=20,000) |",
       "| recordio |"], []),
+    ("bench_resume.py", ["--big-buffer-only", "--big-buffer-repeats", "1"],
+     ["| memory | 20,000 | 10,000 |", "| recordio | 20,000 | 10,000 |", "state MB (JSON, max)", "CPU ms best / median"], []),
     ("bench_resume.py", ["--window-sweep"],
      ["| window_chunks (N=20,000) |", "| 1 |", "| 32 |", "| sequential RecordIO |"], []),
     ("bench_resume.py", ["--filter-shuffle"],

@@ -12,6 +12,13 @@ Design:
     `c_next` for each of its records).  The clone has its own descriptor and
     position, so random access never disturbs the source's own iteration,
     and nothing here depends on how a format lays out or verifies a chunk.
+    One shortcut, which the format vouches for: when the clone says that the
+    rest of the chunk its first record came from are fixed-size records at a
+    stride in that record's block (``_current_run``: RecordIO, whose chunk is
+    read and verified whole before its first record comes out), the slot
+    takes them as that run instead of one `c_next` per record (52k calls and
+    a 1.2 MB table for a 1 MiB chunk of 16-byte records: half the load's
+    0.4 ms).
 
     `ChunkCache` keeps the records of the last `slots` chunks (least recently
     used goes first), each as (block, pointer, size) plus one reference per
@@ -105,6 +112,7 @@ cdef class ChunkCache(FileReader):
     cdef int64_t tick
     cdef readonly int64_t chunk_loads
     cdef object _name
+    cdef object run_of             # clone._current_run (RecordIO) or None
 
     def __init__(self, ReaderBase clone not None, starts, int nslots=2, name=""):
         cdef int64_t i
@@ -117,6 +125,7 @@ cdef class ChunkCache(FileReader):
         self.layout.bare = clone.layout.bare
         self.clone = clone
         self.chunked_source = isinstance(clone, _ChunkedSource)
+        self.run_of = getattr(clone, "_current_run", None)
         self.num_chunks = st.shape[0] - 1
         self.num_records = int(st[st.shape[0] - 1])
         self.starts = <int64_t *>malloc(st.shape[0] * sizeof(int64_t))
@@ -206,6 +215,7 @@ cdef class ChunkCache(FileReader):
         cdef rl_block **b2
         cdef _ChunkedSource cs
         cdef int r = 1
+        cdef object run
         _slot_release(s)
         if n > s.rcap:
             r2 = <rl_record *>realloc(s.recs, n * sizeof(rl_record))
@@ -226,6 +236,29 @@ cdef class ChunkCache(FileReader):
             (<object>self.clone).select_chunks([c])
         self.chunk_loads += 1
         try:
+            if self.run_of is not None and n > 1:
+                # the first record loads and verifies the whole chunk; when the
+                # rest follow it at a fixed stride in its block (the format says
+                # so: _current_run), they are not read one c_next at a time
+                with nogil:
+                    r = self.clone.c_next(&rec)
+                if r == 1:
+                    run = self.run_of()
+                    if run is not None and run[0] == rec.size and run[1] == n - 1:
+                        rl_block_incref(rec.block)
+                        s.blocks[0] = rec.block
+                        s.nblocks = 1
+                        s.base = rec.data
+                        s.stride = rec.size
+                        s.strided = True
+                        got = n
+                    else:
+                        rl_block_incref(rec.block)
+                        s.blocks[0] = rec.block
+                        s.nblocks = 1
+                        lastb = rec.block
+                        s.recs[0] = rec
+                        got = 1
             with nogil:
                 while got < n:
                     r = self.clone.c_next(&rec)
@@ -240,7 +273,8 @@ cdef class ChunkCache(FileReader):
                     got += 1
             if got != n:
                 raise ValueError(f"{self._name}: chunk {c} gave {got} records, its index says {n}")
-            _slot_stride(s)
+            if not s.strided:
+                _slot_stride(s)
         except BaseException:
             _slot_release(s)
             raise

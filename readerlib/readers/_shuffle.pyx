@@ -91,6 +91,7 @@ cdef int64_t _INLINE_MIN_PAYLOAD = 256 << 10  # projected buffer payload below w
 cdef int64_t _INLINE_CELL = 0                # > 0: this cell size, not the chosen one (tests)
 DEF INLINE_MAX_LIMIT = 4096                 # the largest cell (deferred records are never inlined: _take)
 DEF INLINE_PROBES = 16                      # new blocks looked at before giving up on a source
+DEF RESTORE_PROBE = 4096                    # a restore's fill from a file decides inlining after these
 DEF OUT_BYTES = 16384                       # an output block (the copies handed out); L1-sized
 
 
@@ -247,12 +248,16 @@ cdef int64_t _file_order(const int64_t *pos, int64_t n, uint64_t *keys, uint64_t
     radix sort of the 12-bit digits of pos - lo (two passes for spans up to
     16M records).  The keys carry the slot and its position, so the fill reads
     them in order without a gather (a sort of slot indices by pos[s] cost
-    25-45 ms for a 1M buffer in those indirect loads).  *lo_out = lo."""
-    cdef int64_t *cnt = <int64_t *>malloc(4097 * sizeof(int64_t))
-    cdef int64_t i, k, lo, hi, shift, which = 0
+    25-45 ms for a 1M buffer in those indirect loads).  The counts of every
+    digit come from one read of pos, and the first pass makes the keys as it
+    scatters them (4 passes over the data for a 1M buffer, not 6)."""
+    cdef int64_t *cnt = <int64_t *>calloc(3 * 4097, sizeof(int64_t))
+    cdef int64_t i, k, d, lo, hi, npass = 0, which = 0
+    cdef uint64_t off, key
     cdef uint64_t *src_
     cdef uint64_t *dst
     cdef uint64_t *sw
+    cdef int64_t *c
     if cnt == NULL:
         raise MemoryError()
     with nogil:
@@ -263,28 +268,55 @@ cdef int64_t _file_order(const int64_t *pos, int64_t n, uint64_t *keys, uint64_t
                 lo = pos[i]
             if pos[i] > hi:
                 hi = pos[i]
-        for i in range(n):
-            keys[i] = ((<uint64_t>(pos[i] - lo)) << 32) | <uint64_t>i
-        src_ = keys
-        dst = tmp
-        shift = 32
-        while shift < 64 and ((<uint64_t>(hi - lo)) >> (shift - 32)) != 0:
-            memset(cnt, 0, 4097 * sizeof(int64_t))
+        while npass < 3 and ((<uint64_t>(hi - lo)) >> (12 * npass)) != 0:
+            npass += 1
+        if npass == 0:
             for i in range(n):
-                cnt[((src_[i] >> shift) & 4095) + 1] += 1
-            for k in range(4096):
-                cnt[k + 1] += cnt[k]
+                keys[i] = <uint64_t>i
+        else:
             for i in range(n):
-                k = (src_[i] >> shift) & 4095
-                dst[cnt[k]] = src_[i]
+                off = <uint64_t>(pos[i] - lo)
+                cnt[(off & 4095) + 1] += 1
+                cnt[4097 + ((off >> 12) & 4095) + 1] += 1
+                cnt[2 * 4097 + ((off >> 24) & 4095) + 1] += 1
+            for d in range(npass):
+                c = cnt + d * 4097
+                for k in range(4096):
+                    c[k + 1] += c[k]
+            for i in range(n):              # pass 0: the keys made as they go out
+                off = <uint64_t>(pos[i] - lo)
+                k = off & 4095
+                tmp[cnt[k]] = (off << 32) | <uint64_t>i
                 cnt[k] += 1
-            sw = src_
-            src_ = dst
-            dst = sw
-            which = 1 - which
-            shift += 12
+            which = 1
+            src_ = tmp
+            dst = keys
+            for d in range(1, npass):
+                c = cnt + d * 4097
+                for i in range(n):
+                    key = src_[i]
+                    k = (key >> (32 + 12 * d)) & 4095
+                    dst[c[k]] = key
+                    c[k] += 1
+                sw = src_
+                src_ = dst
+                dst = sw
+                which = 1 - which
     free(cnt)
     return which
+
+
+def _file_order_py(positions):
+    """Test hook: _file_order's keys for these positions (uint64 array, sorted)."""
+    cdef int64_t[::1] p = np.ascontiguousarray(positions, dtype=np.int64)
+    cdef int64_t n = p.shape[0]
+    if n == 0:
+        return np.empty(0, np.uint64)
+    a = np.empty(n, np.uint64)
+    b = np.empty(n, np.uint64)
+    cdef uint64_t[::1] ka = a
+    cdef uint64_t[::1] kb = b
+    return b if _file_order(&p[0], n, &ka[0], &kb[0]) else a
 
 
 cdef str _pack_ages(const uint32_t *vals, int64_t n, int64_t src):
@@ -1439,7 +1471,8 @@ cdef class ShuffleReader(DecoratedReader):
                     (last_b < B and self.f_in[0] > last_b) or self.f_in[0] > B:
                 raise ValueError(f"{where} (base_position {B} and the positions do not fit the "
                                  f"filter's saved counts: it is at {self.f_in[0]})")
-        cdef bint copy = self.c_on and not self._in_memory()
+        cdef bint in_memory = self._in_memory()
+        cdef bint copy = self.c_on and not in_memory
         self.count = 0
         self.i_restoring = True
         try:
@@ -1453,13 +1486,19 @@ cdef class ShuffleReader(DecoratedReader):
             raise
         finally:
             self.i_restoring = False
+        with nogil:                         # in slot order: one random write per record fewer
+            for i in range(cn):
+                self.slot_pos[i] = <uint32_t>pos[i]
         self._close_random_access()
         if not copy:
             # records left in their source blocks: an in-memory array (shared with
             # its view, nothing to free) or compaction off; no pass is due for them
             self.due = False
             self.since = 0
-        self.i_probe = not self.i_decided   # the blocks are the buffer's alone now: decide
+        # the blocks are the buffer's alone now: decide -- except an array's,
+        # shared with its view (a run over it never probes either; deciding on
+        # the first batch copied the whole buffer into cells: 30-60 ms for 1M)
+        self.i_probe = not self.i_decided and not in_memory
         self.filled = True
         if D >= 0 and D < n:
             self.upstream_done = True
@@ -1488,22 +1527,34 @@ cdef class ShuffleReader(DecoratedReader):
         # the restore would otherwise copy them out of (a 1M buffer: 55-100 ms
         # on the first batch), and only two chunks are held at a time.
         # Deferred (mapped, unverified) records never are.  Records that fit
-        # the inline cell (when inlining is on) go into their slots' cells.
+        # the inline cell (when inlining is on) go into their slots' cells;
+        # from a file, whether to inline is decided after the first
+        # RESTORE_PROBE records (not on the first batch after the fill).
         # order[i]: the slot filled i-th (for _decide, which may run mid-fill).
-        cdef int64_t i, s_, nx, at
+        # slot_pos is written by the caller afterwards, in slot order.
+        # uni >= 0: the slots not filled yet were preset in slot order as in
+        # their cells with records of uni bytes (_preset_cells), so a record of
+        # that size only writes its cell: one random write a record, not two.
+        cdef int64_t i, s_, nx, at, uni = -1
         cdef rl_record rec
         cdef char *p
         for i in range(cn):
             if i + 32 < cn:                     # the slot written 32 records from now
                 nx = <int64_t><uint32_t>keys[i + 32]
-                __builtin_prefetch(&self.slots[nx], 1)
-                __builtin_prefetch(&self.slot_pos[nx], 1)
+                if uni < 0:
+                    __builtin_prefetch(&self.slots[nx], 1)
+                if self.cells != NULL:          # and its cell (random writes: store-bound without)
+                    __builtin_prefetch(self.cells + nx * self.cell, 1)
             s_ = <int64_t><uint32_t>keys[i]
             order[i] = s_
             at = lo + <int64_t>(keys[i] >> 32)
             self.ra_src.c_read_at(at, &rec)
             if rec.size <= self.cell and not rl_record_is_deferred(&rec):   # inline: into its cell (see _take)
-                self._take_cell(s_, &rec)
+                if rec.size == uni:             # its slot says so already
+                    rl_shuffle_copy_small(self.cells + s_ * self.cell, rec.data, <size_t>rec.size)
+                    self.n_inlined += 1
+                else:
+                    self._take_cell(s_, &rec)
             else:
                 p = NULL
                 if copy and rec.size < COMPACT_MAX_RECORD and not rl_record_is_deferred(&rec):
@@ -1515,11 +1566,46 @@ cdef class ShuffleReader(DecoratedReader):
                     self.slots[s_].ref = <uint32_t>self._arena_take(rec.size)
                 else:
                     self._put(s_, &rec, self._acquire(rec.block, rec.size))
-            self.slot_pos[s_] = <uint32_t>at
             self.count += 1
-            if self.i_probe:
+            if self.i_probe or (copy and self.count == RESTORE_PROBE and not self.i_decided):
+                # from a file the records are copied anyway and the chunk cache
+                # lets go of each chunk: decide now, from the sizes so far, so
+                # that the rest go straight into cells (deciding after the fill
+                # re-copied every arena copy into a cell on the first batch: a
+                # 1M buffer's random reads cost 30-65 ms there)
                 self._decide(order, self.count)
+                if self.cells != NULL and uni < 0:
+                    uni = self._preset_cells(keys, self.count, cn)
         return 0
+
+    cdef int64_t _preset_cells(self, const uint64_t *keys, int64_t filled, int64_t cn) noexcept nogil:
+        """Slots 0..cn-1 not among the `filled` first of `keys`, in slot order:
+        in their cells, holding records of u bytes, u the size of the last
+        record filled (which is inline); returns u, or -1 (nothing preset:
+        it is not inline, or no scratch).  The fill then overwrites a preset
+        slot whose record is of another size or not inlined; a slot not
+        reached (an error) is never read (count says which were filled)."""
+        cdef int64_t j, s, u
+        cdef _slot *saved
+        if filled <= 0:
+            return -1
+        s = <int64_t><uint32_t>keys[filled - 1]
+        if self.slots[s].ref != INL:
+            return -1
+        u = self.slots[s].size
+        saved = <_slot *>malloc(filled * sizeof(_slot))
+        if saved == NULL:
+            return -1
+        for j in range(filled):
+            saved[j] = self.slots[<int64_t><uint32_t>keys[j]]
+        for s in range(cn):
+            self.slots[s].data = self.cells + s * self.cell
+            self.slots[s].size = <uint32_t>u
+            self.slots[s].ref = INL
+        for j in range(filled):
+            self.slots[<int64_t><uint32_t>keys[j]] = saved[j]
+        free(saved)
+        return u
 
     def _in_memory(self):
         # the source's random access is a view of an array in memory
