@@ -42,6 +42,9 @@ and median of ``--repeats``:
                   batch's records (shuffled order) copied from the mapping with
                   the fused CRC + copy loop (readerlib/include/rl_crccopy.h) and
                   their CRCs compared; no SIGBUS guard, no chain
+* ``mmap fused nt``  the same with the fused loop's streaming stores (what
+                  the batch's mapped copy used before: it now uses plain stores,
+                  this row shows why)
 * ``mmap memcpy`` the same gather from the mapping with plain memcpy
 
 GB/s counts record payload bytes (65,536 per record).  The machine's copy
@@ -175,7 +178,7 @@ def make_peers(x, schema, paths, torch_batches, with_torch=True):
             np.take(x, idx, axis=0, out=out[:len(idx)])
         return n
 
-    def mmap_gather(fused):
+    def mmap_gather(fused, nt=False):
         def f(seed):
             perm = np.random.default_rng(seed).permutation(n)
             with open(paths["rio v2"], "rb") as fh:
@@ -183,7 +186,7 @@ def make_peers(x, schema, paths, torch_batches, with_torch=True):
                 try:
                     for i in range(0, n, BATCH):
                         idx = perm[i:i + BATCH]
-                        got = _gather_copy(out[:len(idx)], mm, offsets[idx], fused)
+                        got = _gather_copy(out[:len(idx)], mm, offsets[idx], fused, nt)
                         if fused and not np.array_equal(got, crcs[idx]):
                             raise AssertionError("mmap fused: CRC mismatch")
                 finally:
@@ -239,6 +242,7 @@ def make_peers(x, schema, paths, torch_batches, with_torch=True):
              "rio v2 staged": rio_staged, "rio v2 LoD": rio("rio v2 LoD"),
              "rio v2 LoD two-copy": rio_lod_two_copy, "rio v1": rio("rio v1"), "tfrecord": tfr,
              "torch": torch_dl, "memcpy": memcpy, "memcpy gather": memcpy_gather, "mmap fused": mmap_gather(True),
+             "mmap fused nt": mmap_gather(True, nt=True),
              "mmap memcpy": mmap_gather(False)}
     if not with_torch:
         del peers["torch"]
