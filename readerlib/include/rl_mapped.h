@@ -362,7 +362,8 @@ static inline int rl_pad_is_zero(const char *p, int64_t n) { return memcmp(p, rl
  * 64: a 64 KiB sequence record is 64 KiB of rows plus its 8-byte row count,
  * and one pread of it costs one syscall and page-cache walk, not two. */
 #define RL_STAGE_BYTES (65536 + 4096)
-static int rl_stage_reads = 1;      /* 2: a buffer malloc'd per record (the A/B against the per-thread one) */
+static int rl_stage_reads = 1;
+static int rl_stage_nt = 1;        /* the staged copy's stores: 1 streaming, 0 plain (the A/B) */      /* 2: a buffer malloc'd per record (the A/B against the per-thread one) */
 
 /* One staging buffer per thread (and per module that includes this header),
  * made on its first use and freed when the thread exits: no malloc / free
@@ -433,7 +434,8 @@ static int rl_deferred_read(const rl_record *r, int nf, char *const *dst, const 
             for (; s < piece;) {
                 while (in_f == len[f]) { f++; in_f = 0; }      /* f < nf: the pieces cover want */
                 int64_t k = len[f] - in_f < piece - s ? len[f] - in_f : piece - s;
-                c = rl_crc32c_copy_nt(c, dst[f] + in_f, st + s, (size_t)k);
+                c = rl_stage_nt ? rl_crc32c_copy_nt(c, dst[f] + in_f, st + s, (size_t)k)
+                                : rl_crc32c_copy(c, dst[f] + in_f, st + s, (size_t)k);
                 s += k;
                 in_f += k;
             }
@@ -505,11 +507,14 @@ static int rl_deferred_copy(const rl_record *r, int nf, char *const *dst, const 
     }
     {
         /* plain stores, whatever nt asks: streaming stores fed from a source
-         * that misses the cache (the page cache, through the mapping) ran 6x
-         * slower than plain ones (0.83 against 0.13 CPU s/GB, 64 KiB records
-         * gathered from a mapped file into 16 MiB batches,
-         * benchmarks/results/big_records.md); the pread path's source is its
-         * cache-resident staging buffer, where they win */
+         * that misses the cache (the page cache, through the mapping) were up
+         * to 15% faster on a file just written, and 5-6x slower on the same
+         * file a minute later in a new process (0.83-1.16 against 0.13-0.21
+         * CPU s/GB, 64 KiB records gathered from a mapped 1 GiB file into a
+         * 16 MiB batch; the "mmap fused nt" row of
+         * benchmarks/results/big_records.md); plain stores ran 4.4-6.9 GB/s
+         * in every state.  The pread path's source is its cache-resident
+         * staging buffer, where streaming stores win (1.2-1.3x, on both) */
         uint32_t c = 0;
         (void)nt;
         for (int f = 0; f < nf; f++)

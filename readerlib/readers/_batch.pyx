@@ -40,6 +40,7 @@ cdef extern from "rl_mapped.h":
     int RL_DEF_LAYOUT, RL_DEF_MAX_PIECES
     void rl_map_copied(rl_map *m, const char *p, int64_t n) nogil
     int rl_stage_reads
+    int rl_stage_nt
 
 
 def _set_staged_deferred_reads(flag):
@@ -52,6 +53,17 @@ def _set_staged_deferred_reads(flag):
     old = "malloc" if rl_stage_reads == 2 else bool(rl_stage_reads)
     rl_stage_reads = 2 if flag == "malloc" else int(bool(flag))
     return old
+
+def _set_staged_stores(mode):
+    """A/B hook: the staged pread copy's stores into the batch, "nt"
+    (streaming, the default) or "plain"; returns the old mode."""
+    global rl_stage_nt
+    if mode not in ("nt", "plain"):
+        raise ValueError(f"mode must be 'nt' or 'plain', got {mode!r}")
+    old = "nt" if rl_stage_nt else "plain"
+    rl_stage_nt = mode == "nt"
+    return old
+
 
 rl_mapped_import()
 

@@ -611,3 +611,27 @@ def test_low_memory_false_reads_bitwise_the_pread_path(tmp_path):
         R._set_mapped_reads(old_on)
     assert want[0] != want[1]                        # each epoch its own order
     assert got == want
+
+
+def test_staged_copy_with_plain_stores_is_bitwise_the_same(tmp_path):
+    """The A/B hook of the staged pread copy's stores: both give the reference."""
+    from readerlib.readers import _batch
+    p = str(tmp_path / "big.rio")
+    _write(p, n=90, two_fields=True)
+    make = lambda: rl.RecordIOReader(p).shuffle(40, seed=5).batch(6)
+    want = _reference(make)
+    old = R._set_deferred_mode("pread")
+    try:
+        for stores in ("plain", "nt"):
+            prev = _batch._set_staged_stores(stores)
+            try:
+                c = make()
+                assert c._mapped
+                assert _batches(c) == want, stores
+                c.close()
+            finally:
+                _batch._set_staged_stores(prev)
+    finally:
+        R._set_deferred_mode(old)
+    with pytest.raises(ValueError, match="'nt' or 'plain'"):
+        _batch._set_staged_stores("streaming")
