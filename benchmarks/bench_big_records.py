@@ -70,6 +70,8 @@ import json
 import mmap
 import os
 import platform
+import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -249,17 +251,26 @@ def make_peers(x, schema, paths, torch_batches, with_torch=True):
     return peers
 
 
-def measure(peers, n, repeats):
+def _cpu_s():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def measure(peers, n, repeats, cpu=None):
     """GB/s of payload per peer: interleaved rounds (harness.interleaved), the order rotating;
-    every call gets a new shuffle seed (0 for the warm-up, then 1, 2, ...)."""
+    every call gets a new shuffle seed (0 for the warm-up, then 1, 2, ...).  `cpu`, a dict:
+    filled with each peer's CPU seconds (all of this process's threads) per GB of each call,
+    the cost that decides a rate on cores shared with a busy process."""
     def contender(name, fn):
         seeds = itertools.count()
 
         def go():
-            t = time.perf_counter()
+            c, t = _cpu_s(), time.perf_counter()
             k = fn(next(seeds))
-            dt = time.perf_counter() - t
+            dt, dc = time.perf_counter() - t, _cpu_s() - c
             assert k == n or name == "torch", (name, k, n)
+            if cpu is not None:
+                cpu.setdefault(name, []).append(dc / (k * SIZE / 1e9))
             return harness.Sample(dt, k * SIZE / 1e9)
         return go
     return harness.interleaved({name: contender(name, fn) for name, fn in peers.items()}, repeats)
@@ -325,12 +336,18 @@ def main(argv=None):
                 harness.bounds_line(copy), "")
         for busy in [int(b) for b in args.busy_sweep.split(",")]:
             with harness.Competitors(busy):
-                st = measure(peers, args.records, args.repeats)
+                cpu = {}
+                st = measure(peers, args.records, args.repeats, cpu)
             result["runs"][busy] = {k: {"best": v.rate_best, "median": v.rate_median,
-                                        "all": [v.units / t for t in v.seconds]} for k, v in st.items()}
-            rep.table(["peer", "GB/s best", "GB/s median", "spread"],
-                      [[k, f"{v.rate_best:.2f}", f"{v.rate_median:.2f}", f"{v.spread:.0%}"] for k, v in st.items()],
-                      title=f"{busy} competing busy process(es), best / median of {args.repeats} rounds:")
+                                        "all": [v.units / t for t in v.seconds],
+                                        "cpu_s_per_GB": cpu.get(k, [])[-args.repeats:]} for k, v in st.items()}
+            rep.table(["peer", "GB/s best", "GB/s median", "spread", "CPU s/GB best", "CPU s/GB median"],
+                      [[k, f"{v.rate_best:.2f}", f"{v.rate_median:.2f}", f"{v.spread:.0%}",
+                        f"{min(cpu[k][-args.repeats:]):.3f}", f"{statistics.median(cpu[k][-args.repeats:]):.3f}"]
+                       for k, v in st.items()],
+                      title=f"{busy} competing busy process(es), best / median of {args.repeats} rounds "
+                            "(CPU s/GB: this process's CPU time, every thread, per GB of payload; the "
+                            "warm-up call left out):")
             rep.table(["ratio", "best", "median"],
                       [[f"{mine} / {peer}", *(f"{r:.2f}" for r in harness.speedup(st, mine, peer))]
                        for mine, peer in [("rio v2", p) for p in RATIO_PEERS] + LOD_RATIOS + KEEP_RATIOS
