@@ -57,3 +57,74 @@ def test_duplicate_slot_positions_are_a_value_error(tmp_path, name):
     with pytest.raises(ValueError, match="slot"):
         other.set_state(state)
         _rest_items(other)
+
+
+# 2. (checked sound, kept as a guard) The strided run a fixed-size RecordIO
+#    chunk loads as (ChunkCache + RecordIOReader._current_run) hands out only
+#    verified bytes: one flipped byte anywhere in a chunk -- header, sizes,
+#    CRC table, body; version 1/2, zlib -- met through reader[i], read_many or
+#    a buffer shuffle's restore raises the reader's error naming the file and
+#    the byte offset, never wrong data.  In a subprocess (a bad read past a
+#    block would crash).
+_CORRUPT_SCRIPT = r"""
+import json, os, shutil, sys
+import numpy as np
+import readerlib as rl
+d, ver, comp, rc = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
+S = rl.Schema([rl.Field("x", "int64")])
+N = 40000
+os.makedirs(os.path.join(d, "good"), exist_ok=True)
+os.makedirs(os.path.join(d, "bad"), exist_ok=True)
+good = os.path.join(d, "good", "f.rio")
+bad = os.path.join(d, "bad", "f.rio")         # the same name: the same file identity
+kw = dict(version=ver, compressor=comp)
+if ver == 2 and comp == "none":
+    kw["record_crc"] = rc
+with rl.RecordIOWriter(good, S, chunk_size=1024, **kw) as w:
+    w.write_batch({"x": np.arange(N, dtype=np.int64)})
+r = rl.RecordIOReader(good); offs, nrec = r.chunk_table(); r.close()
+starts = np.concatenate([[0], np.cumsum(nrec)])
+c = int(np.searchsorted(starts, 20500, side="right") - 1)   # buffered at the state below
+lo, hi = int(starts[c]), int(starts[c + 1])
+size = int(offs[c + 1] - offs[c])
+a = rl.RecordIOReader(good).shuffle(2000, seed=1); it = iter(a)
+for _ in range(20000):
+    next(it)
+state = json.loads(json.dumps(a.get_state())); a.close()
+out = []
+for at in sorted({0, 5, 13, 29, 33, 40, 47, size // 3, size // 2, size - 9, size - 1}):
+    shutil.copy(good, bad)
+    with open(bad, "r+b") as f:
+        f.seek(int(offs[c]) + at); b = f.read(1); f.seek(int(offs[c]) + at); f.write(bytes([b[0] ^ 0x5A]))
+    for mode in ("getitem", "read_many", "restore"):
+        try:
+            rd = rl.RecordIOReader(bad)
+            if mode == "getitem":
+                [rd[i] for i in range(lo, hi)]
+            elif mode == "read_many":
+                rd.read_many(list(range(hi - 1, lo - 1, -1)))
+            else:
+                rd = rd.shuffle(2000, seed=1)
+                rd.set_state(state)
+                assert rd.restores == 1
+            out.append([at, mode, "no error"])
+        except rl.RecordIOError as e:
+            if bad not in str(e) or "byte offset" not in str(e):
+                out.append([at, mode, str(e)[:200]])
+        rd.close()
+print("RESULT", json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("ver,comp,rc", [(1, "none", 0), (1, "zlib", 0), (2, "none", 0),
+                                         (2, "none", 1), (2, "zlib", 0)])
+def test_a_flipped_byte_in_a_strided_chunk_is_always_the_readers_error(tmp_path, ver, comp, rc):
+    import os
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-c", _CORRUPT_SCRIPT, str(tmp_path), str(ver), comp, str(rc)],
+                       capture_output=True, text=True, timeout=240, env=dict(os.environ))
+    assert p.returncode == 0, (p.returncode, p.stdout[-2000:], p.stderr[-3000:])
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, p.stdout
+    assert json.loads(line[0][7:]) == [], line[0]
