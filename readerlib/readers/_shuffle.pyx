@@ -1381,7 +1381,7 @@ cdef class ShuffleReader(DecoratedReader):
         cdef uint64_t[::1] tmpk
         cdef int64_t[::1] order
         cdef int64_t which, lo
-        cdef int64_t B = src, last_b, nrec
+        cdef int64_t B = src, last_b, nrec, dup
         if n > E or n < t_a or E <= 0 or cnt < 0 or cnt > self.cap or t_a < 0:
             return -1
         where = "set_state: the shuffle's saved buffer is inconsistent"
@@ -1464,6 +1464,16 @@ cdef class ShuffleReader(DecoratedReader):
         lo = 0
         if cn > 0:
             lo = pos[<int64_t><uint32_t>keys[0]] - <int64_t>(keys[0] >> 32)
+        dup = -1
+        with nogil:                         # (sorted: one record in two slots is adjacent)
+            for i in range(1, cn):
+                if (keys[i] >> 32) == (keys[i - 1] >> 32):
+                    dup = i
+                    break
+        if dup >= 0:
+            raise ValueError(f"{where} (slot positions: position "
+                             f"{lo + <int64_t>(keys[dup] >> 32)} is in slots "
+                             f"{<int64_t><uint32_t>keys[dup - 1]} and {<int64_t><uint32_t>keys[dup]})")
         if self.f_in != NULL:
             # the filters, positioned by their counts, are past every buffered record
             # and not past the next one to come (the last refill undone)
