@@ -693,23 +693,31 @@ def gather_rows(cnp.ndarray x, cnp.ndarray idx, cnp.ndarray out, int n_threads):
     cdef char* dst = <char*> cnp.PyArray_DATA(out)
     cdef void* pidx = cnp.PyArray_DATA(idx)
     cdef int rc
-    cdef int64_t nbytes = <int64_t> n * row_bytes, t0 = 0
+    cdef int64_t nbytes = <int64_t> n * row_bytes, t0 = 0, t1 = 0
     cdef int kind = 0, mode = -1
-    if _tune_on and n_threads > 1 and nbytes >= _tune_min_bytes and nbytes > 0:
-        # the GIL serialises the chooser's state
-        kind = 1 if (RL_GATHER_SSE2 and nbytes >= _stream_min_bytes) else 0
+    # one row cannot be split (the pool runs it on the caller): nothing to choose
+    if _tune_on and n_threads > 1 and n > 1 and nbytes >= _tune_min_bytes and nbytes > 0:
+        # the GIL serialises the chooser's state; the kind is _gather_rows' own
+        # test for streaming stores (rows of 16-byte multiples, aligned output)
+        kind = 1 if (RL_GATHER_SSE2 and nbytes >= _stream_min_bytes and row_bytes % 16 == 0
+                     and (<size_t> dst) % 16 == 0) else 0
         mode = _tune_choose(kind)
         if mode == 0:
             n_threads = 1
-        t0 = rl_reindex_now_ns()
+    # timed inside the nogil block: re-taking the GIL from another Python
+    # thread (up to a switch interval) is not the gather's time
     if idx.dtype == np.int32:
         with nogil:
+            t0 = rl_reindex_now_ns()
             rc = _gather_rows(src, n_src, row_bytes, <const int32_t*> pidx, n, dst, n_threads)
+            t1 = rl_reindex_now_ns()
     else:
         with nogil:
+            t0 = rl_reindex_now_ns()
             rc = _gather_rows(src, n_src, row_bytes, <const int64_t*> pidx, n, dst, n_threads)
+            t1 = rl_reindex_now_ns()
     if mode >= 0 and rc == OK:
-        _tune_record(kind, mode, (rl_reindex_now_ns() - t0) * 1048576 // nbytes)
+        _tune_record(kind, mode, (t1 - t0) * 1048576 // nbytes)
     _raise_for(rc, idx, n_src)
     return out
 
