@@ -163,3 +163,35 @@ def test_bad_index_message_unchanged_with_the_chooser(chooser):
             batch_reindex(x, idx, num_threads=2)
         assert any("idx[2]" in note for note in getattr(e.value, "__notes__", [])), e.value
     assert samples(CACHED) + samples(STREAM) == 0
+
+
+
+def test_a_split_the_pool_ran_serially_is_not_a_split_sample(chooser):
+    # While another thread's loop holds the pool (likewise in the pool's
+    # back-off after losing splits), a loop runs on its caller alone.  The
+    # chooser's split-mode calls then measured one thread, and were recorded
+    # in the split window.
+    import threading
+    import time
+    from readerlib import _parallel
+    if not _parallel.threads_enabled():
+        pytest.skip("no thread pool")
+    x = np.zeros((4096, 1024), np.uint8)
+    idx = np.arange(4096)
+    batch_reindex(x, idx, num_threads=2)
+    _reindex._tune_reset()
+    _parallel._reset_backoff()                  # earlier tests' losing splits: the holder splits
+    held = []
+    holder = threading.Thread(target=lambda: held.append(_parallel._parallel_for_py(
+        2, 2, work=10 ** 9)))                   # ~2 s per item, GIL released
+    holder.start()
+    try:
+        time.sleep(0.1)
+        for _ in range(8):
+            np.testing.assert_array_equal(batch_reindex(x, idx, num_threads=2), x)
+        assert holder.is_alive()                     # the pool was held throughout
+        _, one, split = _reindex._tune_state()[CACHED]
+        assert len(one) == 4 and split == [], _reindex._tune_state()
+    finally:
+        holder.join(timeout=60)
+    assert held and 1 in held[0][0], held           # it did hold the pool (a worker ran)
