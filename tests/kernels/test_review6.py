@@ -195,3 +195,58 @@ def test_a_split_the_pool_ran_serially_is_not_a_split_sample(chooser):
     finally:
         holder.join(timeout=60)
     assert held and 1 in held[0][0], held           # it did hold the pool (a worker ran)
+
+
+THREADS_AND_FORK = textwrap.dedent("""
+    import os, threading, time
+    import numpy as np
+    from readerlib.kernels import _reindex, batch_reindex
+    _reindex._tune_reset()
+    _reindex._set_tune_min_bytes(0)
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 1 << 30, (3000, 256), dtype=np.int32)     # rows of 1 KiB
+    errors = []
+    def work(seed):
+        r = np.random.default_rng(seed)
+        try:
+            for _ in range(30):
+                idx = r.integers(0, 3000, 4096)                     # 4 MiB out
+                if not np.array_equal(batch_reindex(x, idx, num_threads=2), x[idx]):
+                    errors.append("mismatch")
+        except BaseException as e:
+            errors.append(repr(e))
+    ts = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in ts: t.start()
+    for t in ts: t.join()
+    assert not errors, errors
+    def check_state():
+        for kind, (calls, one, split) in _reindex._tune_state().items():
+            assert len(one) <= 8 and len(split) <= 8
+            assert all(v > 0 for v in one + split), (one, split)
+    check_state()
+    assert _reindex._tune_state()[0][0] == 120
+    pid = os.fork()
+    if pid == 0:                                                    # a DataLoader worker
+        ok = True
+        try:
+            work(99)
+            ok = not errors
+            check_state()
+            calls, one, split = _reindex._tune_state()[0]
+            ok = ok and calls == 150 and len(one) >= 4
+        except BaseException:
+            ok = False
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    print("ok")
+""")
+
+
+def test_threads_and_a_forked_child_share_the_chooser_safely():
+    # The chooser's state is touched only with the GIL held; the windows stay
+    # bounded, every sample positive, results exact; a forked child inherits
+    # the windows and goes on choosing (and splitting: the pool re-forms).
+    r = subprocess.run([sys.executable, "-c", THREADS_AND_FORK], cwd=ROOT, env=dict(os.environ),
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0 and r.stdout.split()[-1:] == ["ok"], (r.stdout, r.stderr)
