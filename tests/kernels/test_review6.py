@@ -125,7 +125,7 @@ DTYPES = [np.uint8, np.int32, np.int64, np.float16, np.float32, np.float64]
        n=st.integers(0, 60),
        idx32=st.booleans(),
        use_out=st.booleans(),
-       noncontig=st.booleans(),
+       noncontig=st.sampled_from(["no", "strided", "reversed"]),
        seed=st.integers(0, 2 ** 16))
 def test_both_modes_match_the_reference(dtype, n_src, inner, n, idx32, use_out, noncontig, seed):
     # every call takes part in the measured choice; after a reset, the filling
@@ -133,9 +133,11 @@ def test_both_modes_match_the_reference(dtype, n_src, inner, n, idx32, use_out, 
     rng = np.random.default_rng(seed)
     shape = (n_src, *inner)
     x = (rng.standard_normal(shape) * 100).astype(dtype)
-    if noncontig:
+    if noncontig == "strided":
         x = np.repeat(x, 2, axis=0)[::2]                          # non-contiguous view
-        assert x.shape == shape
+    elif noncontig == "reversed":
+        x = np.ascontiguousarray(x[::-1])[::-1]                   # negative stride, same values
+    assert x.shape == shape
     idx = rng.integers(0, n_src, n).astype(np.int32 if idx32 else np.int64)
     want = batch_reindex_reference(np.asarray(x), idx)
     old_min = _reindex._set_tune_min_bytes(0)
