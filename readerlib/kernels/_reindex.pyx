@@ -287,8 +287,12 @@ cdef extern from *:
     static inline int64_t rl_reindex_claim(int64_t* next) {
         return __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
     }
+    static inline void rl_reindex_mark(int* flag) {
+        __atomic_store_n(flag, 1, __ATOMIC_RELAXED);
+    }
     """
     int64_t rl_reindex_claim(int64_t* next) noexcept nogil
+    void rl_reindex_mark(int* flag) noexcept nogil
 
 
 #: With more than one thread, the forward's rows are handed out in chunks of
@@ -316,6 +320,9 @@ cdef struct _gather_job:
     int64_t n               # rows
     int64_t chunk           # rows per claim; 0: [begin, end) as the pool gives it
     int64_t next            # next chunk to claim (atomic)
+    int64_t items           # the n_items given to parallel_for
+    int pooled              # the pool split the loop (a body call on a share, not
+                            # on the whole range: parallel_for ran it serially) (atomic)
 
 
 cdef inline void _gather_job_range(_gather_job* j, int64_t begin, int64_t end) noexcept nogil:
@@ -337,6 +344,8 @@ cdef void _gather_body(void* ctx, int64_t begin, int64_t end, int tid) noexcept 
     """
     cdef _gather_job* j = <_gather_job*> ctx
     cdef int64_t c, b
+    if begin != 0 or end != j.items:
+        rl_reindex_mark(&j.pooled)
     if j.chunk == 0:
         _gather_job_range(j, begin, end)
         return
@@ -349,7 +358,9 @@ cdef void _gather_body(void* ctx, int64_t begin, int64_t end, int tid) noexcept 
 
 
 cdef int _gather_rows(const char* src, intp_t n_src, intp_t row_bytes, const index_t* idx,
-                      intp_t n, char* dst, int n_threads) noexcept nogil:
+                      intp_t n, char* dst, int n_threads, int* pooled) noexcept nogil:
+    """``*pooled``: set when the pool split the loop into shares; left 0 when it
+    ran the loop on the caller alone (its back-off, another thread's loop)."""
     cdef int rc = _check_indices(idx, n, n_src)
     cdef _gather_job j
     if rc != OK or row_bytes == 0:
@@ -363,14 +374,18 @@ cdef int _gather_rows(const char* src, intp_t n_src, intp_t row_bytes, const ind
                 and (<size_t> dst) % 16 == 0)
     j.n = n
     j.next = 0
+    j.pooled = 0
     j.chunk = 0
     if n_threads > 1 and _chunk_bytes > 0:
         j.chunk = max(<int64_t> 1, _chunk_bytes // row_bytes)
     if j.chunk > 0 and j.chunk < n:
+        j.items = n_threads
         parallel_for(n_threads, n_threads, _gather_body, &j)
     else:
         j.chunk = 0
+        j.items = n
         parallel_for(n_threads, n, _gather_body, &j)
+    pooled[0] = j.pooled
     return OK
 
 
@@ -693,23 +708,33 @@ def gather_rows(cnp.ndarray x, cnp.ndarray idx, cnp.ndarray out, int n_threads):
     cdef char* dst = <char*> cnp.PyArray_DATA(out)
     cdef void* pidx = cnp.PyArray_DATA(idx)
     cdef int rc
-    cdef int64_t nbytes = <int64_t> n * row_bytes, t0 = 0
-    cdef int kind = 0, mode = -1
-    if _tune_on and n_threads > 1 and nbytes >= _tune_min_bytes and nbytes > 0:
-        # the GIL serialises the chooser's state
-        kind = 1 if (RL_GATHER_SSE2 and nbytes >= _stream_min_bytes) else 0
+    cdef int64_t nbytes = <int64_t> n * row_bytes, t0 = 0, t1 = 0
+    cdef int kind = 0, mode = -1, pooled = 0
+    # one row cannot be split (the pool runs it on the caller): nothing to choose
+    if _tune_on and n_threads > 1 and n > 1 and nbytes >= _tune_min_bytes and nbytes > 0:
+        # the GIL serialises the chooser's state; the kind is _gather_rows' own
+        # test for streaming stores (rows of 16-byte multiples, aligned output)
+        kind = 1 if (RL_GATHER_SSE2 and nbytes >= _stream_min_bytes and row_bytes % 16 == 0
+                     and (<size_t> dst) % 16 == 0) else 0
         mode = _tune_choose(kind)
         if mode == 0:
             n_threads = 1
-        t0 = rl_reindex_now_ns()
+    # timed inside the nogil block: re-taking the GIL from another Python
+    # thread (up to a switch interval) is not the gather's time
     if idx.dtype == np.int32:
         with nogil:
-            rc = _gather_rows(src, n_src, row_bytes, <const int32_t*> pidx, n, dst, n_threads)
+            t0 = rl_reindex_now_ns()
+            rc = _gather_rows(src, n_src, row_bytes, <const int32_t*> pidx, n, dst, n_threads, &pooled)
+            t1 = rl_reindex_now_ns()
     else:
         with nogil:
-            rc = _gather_rows(src, n_src, row_bytes, <const int64_t*> pidx, n, dst, n_threads)
-    if mode >= 0 and rc == OK:
-        _tune_record(kind, mode, (rl_reindex_now_ns() - t0) * 1048576 // nbytes)
+            t0 = rl_reindex_now_ns()
+            rc = _gather_rows(src, n_src, row_bytes, <const int64_t*> pidx, n, dst, n_threads, &pooled)
+            t1 = rl_reindex_now_ns()
+    # a split the pool ran on the caller alone (its back-off after losing
+    # splits, the pool taken by another thread's loop) measured no split
+    if mode >= 0 and rc == OK and (mode == 0 or pooled):
+        _tune_record(kind, mode, (t1 - t0) * 1048576 // nbytes)
     _raise_for(rc, idx, n_src)
     return out
 
