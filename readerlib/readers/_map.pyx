@@ -572,8 +572,7 @@ cdef class MapReader(DecoratedReader):
 
     cdef int _one(self, rl_record *rec, rl_record *out) except -1:
         """num_threads=1: the record just read -> one call -> one record out (no read-ahead)."""
-        cdef int64_t pos, size
-        cdef char *p
+        cdef int64_t pos
         x = None
         pos = self.in_pos
         self.in_pos += 1
@@ -597,27 +596,39 @@ cdef class MapReader(DecoratedReader):
                     _note(e, f"at {self._where(pos)}")
                     raise
             rl_record_consumed(rec)
-            try:
-                y = self.fn(x)
-            except Exception as e:
-                _note(e, f"raised by the function of MapReader on {self._where(pos)}")
-                raise
-            try:
-                arrays = self.outcodec.normalize(y, "map: the function's output")
-            except (TypeError, ValueError) as e:
-                _note(e, f"at {self._where(pos)}")
-                raise
-            y = None
-        size = self.outcodec.encoded_size(arrays)
-        p = self._arena_alloc(size)
-        self.outcodec.encode_into(arrays, p)
-        arrays = None
+            arrays = self._call(x, pos, False)
+        self._emit(arrays, out)
         if self.spare_ok:
             self._spare = x
+        return 1
+
+    cdef object _call(self, object x, int64_t pos, bint at_index):
+        """fn(x), normalized to the output schema's arrays; errors get a note
+        naming the item (instance `pos` of this epoch's input, or, at_index,
+        record `pos` of the source)."""
+        try:
+            y = self.fn(x)
+        except Exception as e:
+            _note(e, f"raised by the function of MapReader on {self._where_item(pos, at_index)}")
+            raise
+        try:
+            return self.outcodec.normalize(y, "map: the function's output")
+        except (TypeError, ValueError) as e:
+            _note(e, f"at {self._where_item(pos, at_index)}")
+            raise
+
+    cdef int _emit(self, object arrays, rl_record *out) except -1:
+        """The output arrays encoded into the arena, as record `out`."""
+        cdef int64_t size = self.outcodec.encoded_size(arrays)
+        cdef char *p = self._arena_alloc(size)
+        self.outcodec.encode_into(arrays, p)
         out.block = self.arena
         out.data = p
         out.size = size
         return 1
+
+    def _where_item(self, int64_t pos, bint at_index):
+        return f"record {pos} of the source of {type(self).__name__}" if at_index else self._where(pos)
 
     cdef int c_read_at(self, int64_t index, rl_record *out) except -1 nogil:
         # fn(the record `index` of the source), for a buffer shuffle above that
@@ -631,8 +642,6 @@ cdef class MapReader(DecoratedReader):
             return self._call_at(index, &rec, out)
 
     cdef int _call_at(self, int64_t index, rl_record *rec, rl_record *out) except -1:
-        cdef int64_t size
-        cdef char *p
         # the last input's tuple is refilled in place when fn kept no reference
         # to it (as _one does): a restore reads a whole buffer through here
         x = self._spare_at
@@ -642,28 +651,11 @@ cdef class MapReader(DecoratedReader):
             try:
                 x = self.incodec.decode(rec.data, rec.size)
             except ValueError as e:
-                _note(e, f"at record {index} of the source of {type(self).__name__}")
+                _note(e, f"at {self._where_item(index, True)}")
                 raise
-        try:
-            y = self.fn(x)
-        except Exception as e:
-            _note(e, f"raised by the function of MapReader on record {index} of its source")
-            raise
-        try:
-            arrays = self.outcodec.normalize(y, "map: the function's output")
-        except (TypeError, ValueError) as e:
-            _note(e, f"at record {index} of the source of {type(self).__name__}")
-            raise
-        y = None
-        size = self.outcodec.encoded_size(arrays)
-        p = self._arena_alloc(size)
-        self.outcodec.encode_into(arrays, p)
-        arrays = None
+        self._emit(self._call(x, index, True), out)
         if self.spare_ok:
             self._spare_at = x
-        out.block = self.arena
-        out.data = p
-        out.size = size
         return 1
 
     cdef int c_next(self, rl_record *out) except -1 nogil:
