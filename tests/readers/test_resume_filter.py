@@ -10,6 +10,7 @@ between the save and the restore (a replay would keep other items).
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -20,7 +21,7 @@ from hypothesis import given, settings, strategies as st, HealthCheck
 
 import readerlib as rl
 from readerlib.readers._map import FilterReader
-from helpers import SUPPORT_DIR, assert_checkpoint_equal, run_ok_script
+from helpers import SUPPORT_DIR, assert_checkpoint_equal, corrupt_chunk, run_ok_script
 
 from test_resume_bounded import _flat, _rest_items as _items, _state_at
 
@@ -162,14 +163,10 @@ def test_restore_from_recordio_reads_no_chunk_before_the_position(tmp_path):
         c.read_next()
     state = json.loads(json.dumps(c.get_state()))
     c.close()
-    r0 = rl.RecordIOReader(path)
-    offs, _ = r0.chunk_table()
-    r0.close()
-    data = bytearray(open(path, "rb").read())
-    data[int(offs[1]) + 60] ^= 0x01     # chunk 1: records ~500-1000, long before the position
     os.mkdir(tmp_path / "bad")
     bad = str(tmp_path / "bad" / "f.rio")
-    open(bad, "wb").write(bytes(data))
+    shutil.copy(path, bad)
+    corrupt_chunk(bad, chunk=1, at=60)  # chunk 1: records ~500-1000, long before the position
     with pytest.raises(rl.RecordIOError):
         _items(make(bad))                # the corruption is there
     other = make(bad)

@@ -18,6 +18,7 @@ restore exactly by replay.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -29,7 +30,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import readerlib as rl
 from readerlib.readers._map import FilterReader, _callable_name
 from readerlib.readers._shuffle import ShuffleReader
-from helpers import assert_checkpoint_equal
+from helpers import assert_checkpoint_equal, corrupt_chunk
 
 from test_resume_bounded import _rest_items, _state_at
 
@@ -219,14 +220,10 @@ def test_restore_from_recordio_reads_no_chunk_before_the_buffer(tmp_path):
     ref = _rest_items(make(path))
     k = len(ref) * 3 // 4
     state = _state_at(lambda: make(path), k)
-    r0 = rl.RecordIOReader(path)
-    offs, _ = r0.chunk_table()
-    r0.close()
-    data = bytearray(open(path, "rb").read())
-    data[int(offs[1]) + 60] ^= 0x01     # chunk 1: records ~500-1000
     os.mkdir(tmp_path / "bad")
     bad = str(tmp_path / "bad" / "f.rio")
-    open(bad, "wb").write(bytes(data))
+    shutil.copy(path, bad)
+    corrupt_chunk(bad, chunk=1, at=60)  # chunk 1: records ~500-1000
     with pytest.raises(rl.RecordIOError):
         _rest_items(make(bad))           # the corruption is there
     other = make(bad)
