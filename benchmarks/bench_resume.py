@@ -259,6 +259,17 @@ def main(argv=None):
             restores_and_epochs(args, rep)
 
 
+def _write_sources(workdir, n, schema):
+    """An n x 4 float32 array and the same records in a RecordIO file under workdir:
+    (path, {"memory": factory, "recordio": factory})."""
+    data = np.arange(4 * n, dtype=np.float32).reshape(n, 4)
+    path = os.path.join(workdir, f"r{n}.rio")
+    with rl.RecordIOWriter(path, schema) as w:
+        for k in range(0, n, 1 << 20):
+            w.write_batch({"x": data[k:k + (1 << 20)]})
+    return path, {"memory": lambda d=data: rl.ArrayReader(d), "recordio": lambda p=path: rl.RecordIOReader(p)}
+
+
 def restores_and_epochs(args, rep):
     workdir = tempfile.mkdtemp(prefix="bench_resume_", dir=args.dir)
     schema = rl.Schema([rl.Field("x", "float32", (4,))])
@@ -266,14 +277,8 @@ def restores_and_epochs(args, rep):
     made = []
     try:
         for n in args.sizes:
-            data = np.arange(4 * n, dtype=np.float32).reshape(n, 4)
-            path = os.path.join(workdir, f"r{n}.rio")
-            with rl.RecordIOWriter(path, schema) as w:
-                for k in range(0, n, 1 << 20):
-                    w.write_batch({"x": data[k:k + (1 << 20)]})
+            path, sources = _write_sources(workdir, n, schema)
             made.append(path)
-            sources = {"memory": lambda d=data: rl.ArrayReader(d),
-                       "recordio": lambda p=path: rl.RecordIOReader(p)}
             nb = -(-n // BATCH)
             for sname, factory in sources.items():
                 for kind in ("unshuffled", "global", "window", "buffer", "map/prefetch", "filter",
@@ -357,13 +362,7 @@ def filter_shuffle_rows(args, rep):
     rows = []
     try:
         for n in args.sizes:
-            data = np.arange(4 * n, dtype=np.float32).reshape(n, 4)
-            path = os.path.join(workdir, f"r{n}.rio")
-            with rl.RecordIOWriter(path, schema) as w:
-                for k in range(0, n, 1 << 20):
-                    w.write_batch({"x": data[k:k + (1 << 20)]})
-            sources = {"memory": lambda d=data: rl.ArrayReader(d),
-                       "recordio": lambda p=path: rl.RecordIOReader(p)}
+            path, sources = _write_sources(workdir, n, schema)
             for sname, factory in sources.items():
                 for kind in ("filter/shuffle", "filter/shuffle/old", "map/shuffle", "map/shuffle/old"):
                     nbk = -(-(n - -(-n // 8)) // BATCH) if kind.startswith("filter") else -(-n // BATCH)
