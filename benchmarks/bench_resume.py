@@ -270,6 +270,27 @@ def _write_sources(workdir, n, schema):
     return path, {"memory": lambda d=data: rl.ArrayReader(d), "recordio": lambda p=path: rl.RecordIOReader(p)}
 
 
+def restore_row(args, factory, sname, n, kind):
+    """One table row: restore + first batch of `kind` over factory's n records at
+    10/50/90% of its epoch (best / median ms), max/min of the bests, set_state alone,
+    the largest state.  /old chains (replay) get --old-repeats restores."""
+    reps = args.old_repeats if kind.endswith("/old") else args.repeats
+    # the filter keeps 7 records in 8 (i % 8 != 0): its epoch is shorter
+    nbk = -(-(n - -(-n // 8)) // BATCH) if kind.startswith("filter") else -(-n // BATCH)
+    cells, bests, alone, size = [], [], [], 0
+    for frac in (0.1, 0.5, 0.9):
+        st = state_at(factory, kind, int(nbk * frac))
+        size = max(size, len(json.dumps(st)))
+        ts = time_restore(factory, kind, st, reps)
+        tot = [t[0] for t in ts]
+        bests.append(min(tot))
+        alone.append(min(t[1] for t in ts))
+        cells.append(f"{1e3 * min(tot):.2f} / {1e3 * statistics.median(tot):.2f}")
+    print(f"  {sname} {n:,} {kind}: " + ", ".join(cells) + f" ms; state {size} B", flush=True)
+    return [sname, f"{n:,}", kind, *cells, f"{max(bests) / min(bests):.2f}",
+            " / ".join(f"{1e3 * a:.2f}" for a in alone), f"{size / 1e3:.1f}"]
+
+
 def restores_and_epochs(args, rep):
     workdir = tempfile.mkdtemp(prefix="bench_resume_", dir=args.dir)
     schema = rl.Schema([rl.Field("x", "float32", (4,))])
@@ -279,30 +300,12 @@ def restores_and_epochs(args, rep):
         for n in args.sizes:
             path, sources = _write_sources(workdir, n, schema)
             made.append(path)
-            nb = -(-n // BATCH)
             for sname, factory in sources.items():
                 for kind in ("unshuffled", "global", "window", "buffer", "map/prefetch", "filter",
                              "unshuffled/old", "buffer/old", "map/prefetch/old", "filter/old"):
                     if kind in ("map/prefetch/old", "filter/old") and n > 1_000_000:
                         continue                # calls the function 2 x 15 M times: the 1 M row says it
-                    old = kind.endswith("/old")
-                    reps = args.old_repeats if old else args.repeats
-                    cells, bests, alone, size = [], [], [], 0
-                    # the filter keeps 7 records in 8 (i % 8 != 0): its epoch is shorter
-                    nbk = nb if not kind.startswith("filter") else -(-(n - -(-n // 8)) // BATCH)
-                    for frac in (0.1, 0.5, 0.9):
-                        pos = int(nbk * frac)
-                        st = state_at(factory, kind, pos)
-                        size = max(size, len(json.dumps(st)))
-                        ts = time_restore(factory, kind, st, reps)
-                        tot = [t[0] for t in ts]
-                        bests.append(min(tot))
-                        alone.append(min(t[1] for t in ts))
-                        cells.append(f"{1e3 * min(tot):.2f} / {1e3 * statistics.median(tot):.2f}")
-                    ratio = max(bests) / min(bests)
-                    rows.append([sname, f"{n:,}", kind, *cells, f"{ratio:.2f}",
-                                 " / ".join(f"{1e3 * a:.2f}" for a in alone), f"{size / 1e3:.1f}"])
-                    print(f"  {sname} {n:,} {kind}: " + ", ".join(cells) + f" ms; state {size} B", flush=True)
+                    rows.append(restore_row(args, factory, sname, n, kind))
         rep.table(["source", "N", "chain", "10% best / median ms", "50%", "90%", "max/min (best)",
                    "set_state alone, best ms (10/50/90%)", "state KB (max)"], rows,
                   title=f"restore + first batch ({args.repeats} restores; {args.old_repeats} for the replay "
@@ -365,20 +368,7 @@ def filter_shuffle_rows(args, rep):
             path, sources = _write_sources(workdir, n, schema)
             for sname, factory in sources.items():
                 for kind in ("filter/shuffle", "filter/shuffle/old", "map/shuffle", "map/shuffle/old"):
-                    nbk = -(-(n - -(-n // 8)) // BATCH) if kind.startswith("filter") else -(-n // BATCH)
-                    reps = args.old_repeats if kind.endswith("/old") else args.repeats
-                    cells, bests, alone, size = [], [], [], 0
-                    for frac in (0.1, 0.5, 0.9):
-                        st = state_at(factory, kind, int(nbk * frac))
-                        size = max(size, len(json.dumps(st)))
-                        ts = time_restore(factory, kind, st, reps)
-                        tot = [t[0] for t in ts]
-                        bests.append(min(tot))
-                        alone.append(min(t[1] for t in ts))
-                        cells.append(f"{1e3 * min(tot):.2f} / {1e3 * statistics.median(tot):.2f}")
-                    rows.append([sname, f"{n:,}", kind, *cells, f"{max(bests) / min(bests):.2f}",
-                                 " / ".join(f"{1e3 * a:.2f}" for a in alone), f"{size / 1e3:.1f}"])
-                    print(f"  {sname} {n:,} {kind}: " + ", ".join(cells) + f" ms; state {size} B", flush=True)
+                    rows.append(restore_row(args, factory, sname, n, kind))
             os.unlink(path)
     finally:
         for f in os.listdir(workdir):
