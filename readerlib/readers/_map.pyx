@@ -584,23 +584,30 @@ cdef class MapReader(DecoratedReader):
             # The last input's tuple and arrays are refilled in place when the
             # function kept no reference to them (fixed-size schemas): nobody
             # can tell, and it saves allocating them per record.
-            x = self._spare
+            spare = self._spare
             self._spare = None
-            if x is not None and self.incodec.refill(<tuple>x, rec.data, rec.size):
+            x = self._decode(spare, rec, pos, False)
+            if x is spare:
                 self.reused += 1
-            else:
-                x = None
-                try:
-                    x = self.incodec.decode(rec.data, rec.size)
-                except ValueError as e:
-                    _note(e, f"at {self._where(pos)}")
-                    raise
+            spare = None
             rl_record_consumed(rec)
             arrays = self._call(x, pos, False)
         self._emit(arrays, out)
         if self.spare_ok:
             self._spare = x
         return 1
+
+    cdef object _decode(self, object spare, rl_record *rec, int64_t pos, bint at_index):
+        """The input tuple of record `rec`: `spare` (the last one, when fn kept
+        no reference to it) refilled in place, else a new one; a bad record's
+        error gets a note naming the item (see _call)."""
+        if spare is not None and self.incodec.refill(<tuple>spare, rec.data, rec.size):
+            return spare
+        try:
+            return self.incodec.decode(rec.data, rec.size)
+        except ValueError as e:
+            _note(e, f"at {self._where_item(pos, at_index)}")
+            raise
 
     cdef object _call(self, object x, int64_t pos, bint at_index):
         """fn(x), normalized to the output schema's arrays; errors get a note
@@ -646,13 +653,7 @@ cdef class MapReader(DecoratedReader):
         # to it (as _one does): a restore reads a whole buffer through here
         x = self._spare_at
         self._spare_at = None
-        if x is None or not self.incodec.refill(<tuple>x, rec.data, rec.size):
-            x = None
-            try:
-                x = self.incodec.decode(rec.data, rec.size)
-            except ValueError as e:
-                _note(e, f"at {self._where_item(index, True)}")
-                raise
+        x = self._decode(x, rec, index, True)
         self._emit(self._call(x, index, True), out)
         if self.spare_ok:
             self._spare_at = x
