@@ -22,6 +22,7 @@ import readerlib as rl
 from readerlib.readers import _shuffle
 from readerlib.errors import RecordIOSchemaError
 from helpers import corrupt_chunk
+from test_resume_bounded import _state_at
 
 I64 = rl.Schema([rl.Field("x", "int64")])
 VAR = rl.Schema([rl.Field("id", "int64", ()), rl.Field("pad", "uint8", (), lod_level=1)])
@@ -55,16 +56,6 @@ def _items(chain):
             return out
         fields = [np.asarray(getattr(v, "data", v)) for v in x]
         out.append((int(fields[0].reshape(-1)[0]), tuple(f.tobytes() for f in fields)))
-
-
-def _state_at(make, k):
-    c = make()
-    it = iter(c)
-    for _ in range(k):
-        next(it)
-    st = json.loads(json.dumps(c.get_state()))
-    c.close()
-    return st
 
 
 def _values(instances):

@@ -21,7 +21,7 @@ from hypothesis import given, settings, strategies as st, HealthCheck
 
 import readerlib as rl
 from readerlib.readers._map import FilterReader
-from helpers import SUPPORT_DIR, assert_checkpoint_equal, corrupt_chunk, run_ok_script
+from helpers import SUPPORT_DIR, assert_checkpoint_equal, assert_resumes_past_errors, corrupt_chunk, run_ok_script
 
 from test_resume_bounded import _flat, _rest_items as _items, _state_at
 
@@ -181,33 +181,7 @@ def test_predicate_errors_resume_exactly():
             raise KeyError(v)
         return v % 3 != 0
 
-    make = lambda: _src(100).filter(keep)
-    c = make()
-    seen, states = [], []
-    while True:
-        states.append(json.loads(json.dumps(c.get_state())))
-        try:
-            x = c.read_next()
-        except KeyError:
-            seen.append("err")
-            continue
-        if x is None:
-            break
-        seen.append(int(x[0]))
-    for k, state in enumerate(states):
-        other = make()
-        other.set_state(state)
-        rest = []
-        while True:
-            try:
-                x = other.read_next()
-            except KeyError:
-                rest.append("err")
-                continue
-            if x is None:
-                break
-            rest.append(int(x[0]))
-        assert rest == seen[k:], f"restored at call {k}"
+    assert_resumes_past_errors(lambda: _src(100).filter(keep))
 
 
 def test_old_states_and_damaged_counts():

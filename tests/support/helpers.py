@@ -5,6 +5,7 @@ bytes per field) so that a multiset of delivered instances can be compared
 with the multiset that went in, bit for bit.
 """
 import collections
+import json
 import os
 import warnings
 
@@ -95,6 +96,44 @@ def read_past_errors(reader, convert=lambda item: item, errors=rl.RecordIOError,
         if item is None:
             return items, seen
         items.append(convert(item))
+
+
+def assert_resumes_past_errors(make, errors=KeyError, value=lambda x: int(x[0]), check=None):
+    """One pass of make() read with read_next(), going on past `errors` (each
+    marked "err" in the sequence where it came), its state saved (through JSON)
+    before every read; then each state restored in a fresh make(): the rest of
+    the pass is the same sequence, errors in the same places.  `check(k, chain)`
+    runs after the restore at read k.  Returns the sequence."""
+    def rest_of(c):
+        out = []
+        while True:
+            try:
+                x = c.read_next()
+            except errors:
+                out.append("err")
+                continue
+            if x is None:
+                return out
+            out.append(value(x))
+    c = make()
+    seen, states = [], []
+    while True:
+        states.append(json.loads(json.dumps(c.get_state())))
+        try:
+            x = c.read_next()
+        except errors:
+            seen.append("err")
+            continue
+        if x is None:
+            break
+        seen.append(value(x))
+    for k, state in enumerate(states):
+        other = make()
+        other.set_state(state)
+        assert rest_of(other) == seen[k:], f"restored at call {k}"
+        if check is not None:
+            check(k, other)
+    return seen
 
 
 def drain_instances(reader):
