@@ -27,12 +27,31 @@ cdef extern from *:
 cdef extern from "rl_core.h":
     ctypedef struct rl_core_state:
         int crc_hw
+        int crc_fold
         int pool_n
         int64_t pool_bytes
     const char *RL_CORE_CAPSULE
     void rl_core_state_init(rl_core_state *st)
     uint32_t rl_crc32c(uint32_t crc, const void *buf, size_t length) nogil
     uint32_t rl_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2) nogil
+
+cdef extern from *:
+    """
+    static int rl_core_cpu_can_fold(void) {
+    #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("vpclmulqdq");
+    #else
+        return 0;
+    #endif
+    }
+    """
+    int rl_core_cpu_can_fold()
+
+
+def _cpu_can_fold():
+    return bool(rl_core_cpu_can_fold())
+
 
 cdef extern from *:
     """
@@ -156,6 +175,24 @@ def crc32c(data, uint32_t crc=0):
 
 def _crc32c_uses_hardware():
     return _state.crc_hw == 1
+
+
+def _crc32c_uses_folding():
+    """Whether long inputs take the AVX-512 VPCLMULQDQ folding (rl_core.h)."""
+    return _state.crc_fold == 1
+
+
+def _set_crc32c_folding(flag):
+    """Test / benchmark hook: the folding on (where the CPU has it) or off, for
+    every module of the process (the state is shared); returns the old setting.
+    Turning it on without the CPU's support is refused (ValueError)."""
+    old = _state.crc_fold == 1
+    if flag and not old and not _state.crc_hw:
+        raise ValueError("no hardware CRC on this machine")
+    if flag and not old and not _cpu_can_fold():
+        raise ValueError("this CPU has no AVX-512 VPCLMULQDQ")
+    _state.crc_fold = 1 if flag else 0
+    return old
 
 
 def _pool_stats():

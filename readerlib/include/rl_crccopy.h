@@ -5,8 +5,10 @@
  * so when the source can change under the copy (a shared mapping of a file
  * rewritten in place), the bytes checked are still exactly the bytes copied.
  *
- * SSE4.2 `crc32` on three interleaved streams (latency 3, throughput 1 a
- * cycle), combined with a shift table for the stream length (Mark Adler's
+ * AVX-512 VPCLMULQDQ folding for inputs of RL_CRC_FOLD_MIN bytes and more
+ * where the CPU has it (rl_core.h's rl_crc32c_fold_raw; READERLIB_CRC_FOLD=0
+ * turns it off), then SSE4.2 `crc32` on three interleaved streams (latency 3, throughput 1 a
+ * cycle) for the rest, combined with a shift table for the stream length (Mark Adler's
  * method, as rl_core.h's rl_crc32c); a byte-at-a-time table fallback without
  * SSE4.2 (or with READERLIB_NO_HW_CRC set).  It uses rl_core.h's
  * tables (one copy per process, readerlib._core).  Same conditioning as rl_crc32c (zlib style: `crc` in
@@ -30,6 +32,7 @@
 #define rl_cc_long rl_crc32c_long
 #define rl_cc_short rl_crc32c_short
 #define rl_cc_hw rl_crc32c_hw
+#define rl_cc_fold_on rl_crc32c_fold
 #define rl_cc_shift rl_crc32c_shift
 
 /* Kept for callers: the shared tables are built when readerlib._core loads. */
@@ -88,6 +91,12 @@ static inline uint64_t rl_cc_hw_streams(uint64_t crc0, char **pd, const char **p
     return crc0;
 }
 
+/* The folding loop (rl_core.h's rl_crc32c_fold_raw) storing what it checks. */
+RL_FOLD_TARGET __attribute__((noinline))
+static uint32_t rl_cc_fold(uint32_t crc, char **pd, const char **ps, size_t *pn, int nt) {
+    return nt ? rl_crc32c_fold_raw(crc, pd, ps, pn, 2) : rl_crc32c_fold_raw(crc, pd, ps, pn, 1);
+}
+
 __attribute__((target("sse4.2")))
 static uint32_t rl_cc_hw_raw(uint32_t crc, char *d, const char *s, size_t n, int nt) {
     uint64_t crc0 = crc;
@@ -97,6 +106,17 @@ static uint32_t rl_cc_hw_raw(uint32_t crc, char *d, const char *s, size_t n, int
         *d++ = (char)v;
         crc0 = _mm_crc32_u8((uint32_t)crc0, v);
         n--;
+    }
+    if (rl_cc_fold_on && n >= RL_CRC_FOLD_MIN + 64) {
+        /* the zmm streaming store wants a 64-byte aligned destination */
+        while (nt && ((uintptr_t)d & 63) != 0) {
+            uint64_t a;
+            memcpy(&a, s, 8);
+            RL_CC_STORE(1, d, a);
+            crc0 = _mm_crc32_u64(crc0, a);
+            s += 8; d += 8; n -= 8;
+        }
+        crc0 = rl_cc_fold((uint32_t)crc0, &d, &s, &n, nt);
     }
     if (nt) {
         crc0 = rl_cc_hw_streams(crc0, &d, &s, &n, RL_CC_LONG, rl_cc_long, 1);

@@ -1,0 +1,149 @@
+"""The AVX-512 VPCLMULQDQ folding CRC-32C (rl_core.h rl_crc32c_fold_raw): its
+constants against their derivation, and its CRCs and copies against the crc32
+streams and a bitwise reference, at every length and alignment around its
+boundaries (256-byte steps, the 512-byte minimum, the 64-byte alignment of
+streaming stores)."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import readerlib as rl
+from readerlib import _core
+from readerlib.formats._recordio import _crc32c_copy, _gather_copy
+
+HEADER = Path(rl.__file__).parent / "include" / "rl_core.h"
+POLY_REFLECTED = 0x82F63B78
+
+needs_fold = pytest.mark.skipif(not _core._cpu_can_fold() or not _core._crc32c_uses_hardware(),
+                                reason="this CPU has no AVX-512 VPCLMULQDQ (the folding is never taken)")
+
+
+def _bitwise_crc32c(data, crc=0):
+    crc ^= 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (POLY_REFLECTED if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def _clmul(a, b):
+    r = 0
+    while b:
+        if b & 1:
+            r ^= a
+        a <<= 1
+        b >>= 1
+    return r
+
+
+def _xpow_mod(e):
+    """x^e mod P, P the CRC-32C polynomial in normal bit order (bit j: x^j)."""
+    p = int(f"{POLY_REFLECTED:032b}"[::-1], 2) | (1 << 32)
+
+    def mod(a):
+        while a.bit_length() > 32:
+            a ^= p << (a.bit_length() - 33)
+        return a
+    r, b = 1, 2
+    while e:
+        if e & 1:
+            r = mod(_clmul(r, b))
+        b = mod(_clmul(b, b))
+        e >>= 1
+    return r
+
+
+def _reflect32(v):
+    return int(f"{v:032b}"[::-1], 2)
+
+
+def test_fold_constants_match_their_derivation():
+    text = HEADER.read_text()
+    found = {int(d): (int(lo, 16), int(hi, 16))
+             for d, lo, hi in re.findall(r"#define RL_FOLD_(\d+) (0x[0-9a-f]+)ull, (0x[0-9a-f]+)ull", text)}
+    assert sorted(found) == [128, 256, 384, 512, 1024, 1536, 2048]
+    for d, (lo, hi) in found.items():
+        assert lo == _reflect32(_xpow_mod(d + 63)) << 32, d
+        assert hi == _reflect32(_xpow_mod(d - 1)) << 32, d
+
+
+def _with_fold(flag, fn, *a):
+    old = _core._set_crc32c_folding(flag)
+    try:
+        return fn(*a)
+    finally:
+        _core._set_crc32c_folding(old)
+
+
+@needs_fold
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(0, 6000), off=st.integers(0, 63), seed=st.integers(0, 2**32 - 1),
+       crc=st.integers(0, 2**32 - 1))
+def test_folded_crc_equals_the_crc32_streams(n, off, seed, crc):
+    buf = np.random.default_rng(seed).integers(0, 256, n + off, dtype=np.uint8).tobytes()
+    piece = memoryview(buf)[off:]
+    folded = _with_fold(True, rl.crc32c, piece, crc)
+    assert folded == _with_fold(False, rl.crc32c, piece, crc)
+    if n <= 1100:
+        assert folded == _bitwise_crc32c(piece.tobytes(), crc)
+
+
+@needs_fold
+def test_folded_crc_at_step_boundaries_against_bitwise():
+    rng = np.random.default_rng(7)
+    for n in [511, 512, 513, 575, 576, 577, 767, 768, 769, 1024 + 255, 1024 + 256, 2047, 2048]:
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        assert _with_fold(True, rl.crc32c, data) == _bitwise_crc32c(data), n
+        cut = n // 3
+        assert _with_fold(True, rl.crc32c, data[cut:], _with_fold(True, rl.crc32c, data[:cut])) \
+            == _bitwise_crc32c(data), n
+
+
+@needs_fold
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(500, 5000), soff=st.integers(0, 63), doff=st.integers(0, 63),
+       seed=st.integers(0, 2**32 - 1))
+def test_folded_fused_copy_copies_exactly_and_checks_what_it_stored(n, soff, doff, seed):
+    src = np.random.default_rng(seed).integers(0, 256, n + soff, dtype=np.uint8).tobytes()
+    piece = memoryview(src)[soff:]
+    want = _with_fold(False, rl.crc32c, piece)
+    dst = bytearray(n + 64)
+    d = memoryview(dst)[doff:doff + n]
+    assert _with_fold(True, _crc32c_copy, d, piece) == want
+    assert bytes(d) == bytes(piece) and not any(dst[:doff]) and not any(dst[doff + n:])
+    # batch rows (plain and streaming stores), rows at every alignment of n
+    rows = np.zeros((3, n), np.uint8)
+    offs = [soff, 0, n // 2]
+    flat = np.frombuffer(src + src, np.uint8)
+    for nt in (False, True):
+        rows[:] = 0
+        got = _with_fold(True, _gather_copy, rows, flat, offs, True, nt)
+        assert list(got) == [_with_fold(False, rl.crc32c, flat[o:o + n]) for o in offs]
+        assert all(bytes(rows[i]) == flat[o:o + n].tobytes() for i, o in enumerate(offs))
+
+
+def test_fold_switch_and_environment():
+    code = ("from readerlib import _core, crc32c; import numpy as np; "
+            "b = np.arange(20000, dtype=np.uint32).tobytes(); "
+            "print(int(_core._crc32c_uses_folding()), crc32c(b))")
+    env = dict(os.environ, READERLIB_CRC_FOLD="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    b = np.arange(20000, dtype=np.uint32).tobytes()
+    assert out == ["0", str(rl.crc32c(b))]
+    env = dict(os.environ)
+    env.pop("READERLIB_CRC_FOLD", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    can = _core._cpu_can_fold() and _core._crc32c_uses_hardware()
+    assert out == [str(int(can)), str(rl.crc32c(b))]
+    if not can:
+        with pytest.raises(ValueError):
+            _core._set_crc32c_folding(True)
