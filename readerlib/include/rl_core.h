@@ -430,6 +430,13 @@ RL_FOLD_TARGET static inline __m128i rl_fold128(__m128i v, uint64_t lo, uint64_t
         if ((store) == 2) _mm512_stream_si512((void *)(p), (v)); \
         else if ((store) == 1) _mm512_storeu_si512((void *)(p), (v)); \
     } while (0)
+/* 256 bytes of s into four registers, stored to d as `store` says */
+#define RL_FOLD_TAKE256(store, s, d, r0, r1, r2, r3) do { \
+        r0 = RL_FOLD_LOAD(s); r1 = RL_FOLD_LOAD((s) + 64); \
+        r2 = RL_FOLD_LOAD((s) + 128); r3 = RL_FOLD_LOAD((s) + 192); \
+        RL_FOLD_STORE(store, d, r0); RL_FOLD_STORE(store, (d) + 64, r1); \
+        RL_FOLD_STORE(store, (d) + 128, r2); RL_FOLD_STORE(store, (d) + 192, r3); \
+    } while (0)
 
 /* The raw CRC register after the first (n & ~255) bytes of s (n >= 256),
  * continuing from the raw register `crc`; `store` 1 also copies those bytes
@@ -442,21 +449,12 @@ static inline uint32_t rl_crc32c_fold_raw(uint32_t crc, char **pd, const char **
     char *d = *pd;
     size_t n = *pn;
     const __m512i k2048 = RL_FOLD_K(RL_FOLD_2048);
-    __m512i x0 = RL_FOLD_LOAD(s), x1 = RL_FOLD_LOAD(s + 64), x2 = RL_FOLD_LOAD(s + 128),
-            x3 = RL_FOLD_LOAD(s + 192);
-    RL_FOLD_STORE(store, d, x0);
-    RL_FOLD_STORE(store, d + 64, x1);
-    RL_FOLD_STORE(store, d + 128, x2);
-    RL_FOLD_STORE(store, d + 192, x3);
+    __m512i x0, x1, x2, x3, y0, y1, y2, y3;
+    RL_FOLD_TAKE256(store, s, d, x0, x1, x2, x3);
     x0 = _mm512_xor_si512(x0, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)crc)));
     s += 256; d += 256; n -= 256;
     while (n >= 256) {
-        __m512i y0 = RL_FOLD_LOAD(s), y1 = RL_FOLD_LOAD(s + 64), y2 = RL_FOLD_LOAD(s + 128),
-                y3 = RL_FOLD_LOAD(s + 192);
-        RL_FOLD_STORE(store, d, y0);
-        RL_FOLD_STORE(store, d + 64, y1);
-        RL_FOLD_STORE(store, d + 128, y2);
-        RL_FOLD_STORE(store, d + 192, y3);
+        RL_FOLD_TAKE256(store, s, d, y0, y1, y2, y3);
         x0 = rl_fold512(x0, k2048, y0);
         x1 = rl_fold512(x1, k2048, y1);
         x2 = rl_fold512(x2, k2048, y2);

@@ -129,21 +129,25 @@ def test_folded_fused_copy_copies_exactly_and_checks_what_it_stored(n, soff, dof
         assert all(bytes(rows[i]) == flat[o:o + n].tobytes() for i, o in enumerate(offs))
 
 
-def test_fold_switch_and_environment():
-    code = ("from readerlib import _core, crc32c; import numpy as np; "
-            "b = np.arange(20000, dtype=np.uint32).tobytes(); "
-            "print(int(_core._crc32c_uses_folding()), crc32c(b))")
-    env = dict(os.environ, READERLIB_CRC_FOLD="0")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=60, check=True).stdout.split()
-    b = np.arange(20000, dtype=np.uint32).tobytes()
-    assert out == ["0", str(rl.crc32c(b))]
+def _child_fold_and_crc(fold_env):
+    """(folding on in a fresh interpreter, its CRC of 80,000 bytes) with
+    READERLIB_CRC_FOLD=fold_env (None: unset)."""
     env = dict(os.environ)
     env.pop("READERLIB_CRC_FOLD", None)
+    if fold_env is not None:
+        env["READERLIB_CRC_FOLD"] = fold_env
+    code = ("from readerlib import _core, crc32c; import numpy as np; "
+            "print(int(_core._crc32c_uses_folding()), crc32c(np.arange(20000, dtype=np.uint32).tobytes()))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=60, check=True).stdout.split()
+    return int(out[0]), int(out[1])
+
+
+def test_fold_switch_and_environment():
+    want = rl.crc32c(np.arange(20000, dtype=np.uint32).tobytes())
+    assert _child_fold_and_crc("0") == (0, want)
     can = _core._cpu_can_fold() and _core._crc32c_uses_hardware()
-    assert out == [str(int(can)), str(rl.crc32c(b))]
+    assert _child_fold_and_crc(None) == (int(can), want)
     if not can:
         with pytest.raises(ValueError):
             _core._set_crc32c_folding(True)
