@@ -8,7 +8,10 @@ import numpy as np
 from libc.stdlib cimport malloc, free, calloc, realloc
 from libc.string cimport memcpy, memset
 
+from cpython.ref cimport PyObject, Py_INCREF, Py_DECREF
+
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
+from readerlib._parallel cimport parallel_for, num_threads
 from readerlib.readers._base cimport (
     ReaderBase, FileReader, DecoratedReader, rl_block, rl_record, rl_layout, rl_columns, rl_rng,
     rl_core_import, rl_block_incref, rl_block_decref, rl_block_new, rl_block_new_static,
@@ -501,6 +504,131 @@ def _unpack_positions_v1(text, int64_t src, int64_t n, where):
     return pos
 
 
+# ------------------------------------------------------------ the restore's parallel fill
+# A restore from a file spends most of its fill in chunk loads (pread + the
+# chunk's CRC: 0.13 ms a 1 MiB chunk; at 90% of a 10M-record epoch every chunk
+# of the file holds a few buffered records) and in writing 1M records to their
+# random cells.  Once the fill has decided on cells and preset the slots for
+# the common record size (_preset_cells), the rest is split into pieces of the
+# file order of about equal cost, run on the pool (readerlib/_parallel.pyx):
+# each thread reads through a chunk cache of its own (its own descriptor;
+# every chunk still loaded and verified whole: header, body CRC, every size)
+# and writes only its pieces' cells.  A piece stops at the first record that
+# is not of the preset size (or deferred), and at an error: the caller then
+# fills the rest of each piece serially, in file order, with the general code,
+# which raises the format's own error for a bad chunk -- so what the fill does
+# with anything but the plain case, and every message, is the serial one.
+# Written cells hold no references, so an error leaves nothing to release.
+cdef int64_t _PAR_MIN_RECORDS = 65536       # records left after the probe below which the fill stays serial
+cdef int _PAR_THREADS = 0                   # 0: readerlib's thread count; 1: serial (tests)
+cdef bint _PAR_EMULATE = False              # run the pieces on the caller, tid = piece % threads (tests)
+DEF PAR_MAX_THREADS = 4                     # chunk caches opened at most (one a thread)
+DEF PAR_PIECES_PER_THREAD = 8
+DEF PAR_LOAD_COST = 4096                    # a chunk load, in record writes (0.13 ms / ~30 ns)
+DEF PAR_BLOCK = 256                         # keys per step of the cost estimate
+
+
+cdef extern from *:
+    """
+    #include <time.h>
+    static inline double rl_shuffle_now(void) {
+        struct timespec t;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+    }
+    """
+    double rl_shuffle_now() nogil
+
+cdef double _phase_t[8]                     # the last restore's phase ends (a benchmark hook)
+
+
+def _restore_phases():
+    """Benchmark hook: the last restore's phases, seconds each: positions
+    decoded (and the draws undone), the source skipped to its place, the file
+    order sorted, the serial fill up to the inline decision, the rest of the
+    fill, the slot positions and the rest."""
+    names = ["positions", "skip", "file_order", "probe_fill", "fill", "finish"]
+    return {k: _phase_t[i + 1] - _phase_t[i] for i, k in enumerate(names)}
+
+
+def _restore_parallel_settings(min_records=None, threads=None, emulate=None):
+    """Test/benchmark hook: the restore's parallel fill (`min_records`: records
+    left after the probe from which it splits; `threads`: 0 readerlib's thread
+    count, 1 serial, n at most n; `emulate`: run the pieces one after another on
+    the calling thread, piece p as thread p % threads, each with its own chunk
+    cache).  Returns the previous settings as a dict."""
+    global _PAR_MIN_RECORDS, _PAR_THREADS, _PAR_EMULATE
+    old = {"min_records": int(_PAR_MIN_RECORDS), "threads": int(_PAR_THREADS),
+           "emulate": bool(_PAR_EMULATE)}
+    if min_records is not None and int(min_records) < 0:
+        raise ValueError(f"min_records must be >= 0, got {min_records}")
+    if threads is not None and not 0 <= int(threads) <= PAR_MAX_THREADS:
+        raise ValueError(f"threads must be in [0, {PAR_MAX_THREADS}], got {threads}")
+    if min_records is not None:
+        _PAR_MIN_RECORDS = int(min_records)
+    if threads is not None:
+        _PAR_THREADS = int(threads)
+    if emulate is not None:
+        _PAR_EMULATE = bool(emulate)
+    return old
+
+
+cdef struct _par_fill:
+    const uint64_t *keys      # the file order (_file_order)
+    int64_t lo
+    int64_t *order
+    char *cells
+    int64_t cell
+    int64_t uni               # the preset record size: the only one a piece writes
+    const int64_t *bounds     # piece p: keys [bounds[p], bounds[p + 1])
+    int64_t *stop             # piece p filled [bounds[p], stop[p]) (the caller does the rest)
+    int *tid_of               # the thread that ran piece p (a test hook)
+    PyObject **caches         # one chunk cache a thread (ReaderBase)
+    PyObject *fatal           # a BaseException not an Exception, caught in a piece (a reference)
+
+
+cdef int _par_fill_piece(_par_fill *c, int64_t p, ReaderBase cache) except -1 nogil:
+    cdef int64_t i, s_, nx, end = c.bounds[p + 1]
+    cdef rl_record rec
+    for i in range(c.bounds[p], end):
+        c.stop[p] = i
+        if i + 32 < end:                        # the cell written 32 records from now
+            nx = <int64_t><uint32_t>c.keys[i + 32]
+            __builtin_prefetch(c.cells + nx * c.cell, 1)
+        cache.c_read_at(c.lo + <int64_t>(c.keys[i] >> 32), &rec)
+        if rec.size != c.uni or rl_record_is_deferred(&rec):
+            return 0                            # the serial fill takes it from here
+        s_ = <int64_t><uint32_t>c.keys[i]
+        c.order[i] = s_
+        rl_shuffle_copy_small(c.cells + s_ * c.cell, rec.data, <size_t>rec.size)
+    c.stop[p] = end
+    return 0
+
+
+cdef void _par_fill_pieces(_par_fill *c, int64_t begin, int64_t end, int tid) noexcept:
+    # Pieces [begin, end) through thread tid's cache, the GIL let go but for
+    # a chunk load's own calls.  An error is left to the serial fill (stop[p]
+    # is where it happened; it raises it again there).
+    cdef int64_t p
+    cdef ReaderBase cache = <ReaderBase>c.caches[tid]
+    for p in range(begin, end):
+        c.tid_of[p] = tid
+        try:
+            with nogil:
+                _par_fill_piece(c, p, cache)
+        except BaseException as e:
+            if not isinstance(e, Exception) and c.fatal == NULL:
+                Py_INCREF(e)                # (KeyboardInterrupt: the caller raises it)
+                c.fatal = <PyObject *>e
+
+
+cdef void _par_fill_body(void *ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
+    # (a pool thread: a thread state for the body's duration, so that the
+    # chunk loads' nested `with gil` and their exceptions stay on it)
+    with gil:
+        _par_fill_pieces(<_par_fill *>ctx, begin, end, tid)
+
+
 cdef struct _bref:
     rl_block *block
     int64_t count        # references held by this shuffle (slots + output)
@@ -684,6 +812,9 @@ cdef class ShuffleReader(DecoratedReader):
     cdef rl_rng base_rng         # RNG before the draw of step base_t
     cdef object _pending         # set_state's saved buffer, for the first c_skip
     cdef readonly int64_t restores   # bounded restores made (a test hook)
+    cdef int64_t fill_off            # a restore's fill order: key (i + fill_off) % count the i-th (_fill)
+    cdef readonly object _par_tids   # the last parallel fill: the thread of each piece (a test hook)
+    cdef readonly object _par_bounds # ... and the pieces' bounds in the file order
     # Restore through filters (see the design note): slot_pos holds positions in
     # ra_src, the source below the filters, not counts of the filters' outputs
     cdef ReaderBase ra_src       # the reader the restore reads the buffer from (c_read_at)
@@ -1404,6 +1535,7 @@ cdef class ShuffleReader(DecoratedReader):
         if E - t_a > RING:                  # get_state saves at most RING steps (_resume_state)
             raise ValueError(f"{where} ({E - t_a} steps from the anchor {t_a} to {E}, "
                              f"more than the {RING} a state holds)")
+        _phase_t[0] = rl_shuffle_now()
         pos_a = np.empty(max(self.cap, 1), np.int64)
         pos = pos_a
         _decode_positions(info["slots"], B, cnt, &pos[0], where)
@@ -1445,8 +1577,10 @@ cdef class ShuffleReader(DecoratedReader):
                 pos[jj] = a
         cn = _count_at(n, E, cnt, D)
         # position the source, then take the buffer's records by index
+        _phase_t[1] = rl_shuffle_now()
         with nogil:
             got = self.reader.c_skip(src)
+        _phase_t[2] = rl_shuffle_now()
         if got != src:
             raise ValueError(f"set_state: the shuffle's source has {got} records, the saved "
                              f"buffer needs {src}")
@@ -1461,6 +1595,7 @@ cdef class ShuffleReader(DecoratedReader):
         which = _file_order(&pos[0], cn, &keys[0], &tmpk[0]) if cn > 0 else 0
         if which:
             keys = tmpk
+        _phase_t[3] = rl_shuffle_now()
         lo = 0
         if cn > 0:
             lo = pos[<int64_t><uint32_t>keys[0]] - <int64_t>(keys[0] >> 32)
@@ -1486,16 +1621,16 @@ cdef class ShuffleReader(DecoratedReader):
         self.count = 0
         self.i_restoring = True
         try:
-            with nogil:
-                self._fill_by_index(&keys[0], lo, cn, copy, &order[0])
+            self._fill(&keys[0], lo, cn, copy, &order[0])
         except BaseException:
-            for i in range(self.count):     # slots filled so far, in `keys` order
-                s_ = <int64_t><uint32_t>keys[i]
+            for i in range(self.count):     # slots filled so far, in fill order (_fill)
+                s_ = <int64_t><uint32_t>keys[(i + self.fill_off) % cn]
                 self._unref(s_)
             self.count = 0
             raise
         finally:
             self.i_restoring = False
+        _phase_t[5] = rl_shuffle_now()
         with nogil:                         # in slot order: one random write per record fewer
             for i in range(cn):
                 self.slot_pos[i] = <uint32_t>pos[i]
@@ -1524,13 +1659,145 @@ cdef class ShuffleReader(DecoratedReader):
         self.base_rng = g_n
         self.track_ok = True
         self.restores += 1
+        _phase_t[6] = rl_shuffle_now()
         return n
 
-    cdef int _fill_by_index(self, const uint64_t *keys, int64_t lo, int64_t cn,
-                            bint copy, int64_t *order) except -1 nogil:
+    cdef int _fill(self, const uint64_t *keys, int64_t lo, int64_t cn, bint copy,
+                   int64_t *order) except -1:
+        # The fill of keys [0, cn).  From a file: first the last RESTORE_PROBE
+        # keys in file order, serially, up to the inline decision -- the newest
+        # records, a chunk or two (the first ones are the oldest: at 90% of an
+        # epoch they lie in a hundred chunks, all loaded before the decision);
+        # then keys [0, cn - RESTORE_PROBE), on the pool when it is the plain
+        # case (_fill_parallel), else serially.  fill_off: self.count counts
+        # the slots filled in that order, key (i + fill_off) % cn the i-th.
+        cdef int64_t uni = -1
+        cdef int64_t off = cn - RESTORE_PROBE if copy and cn > RESTORE_PROBE else 0
+        self.fill_off = off
+        with nogil:
+            self._fill_by_index(keys, lo, off, cn, cn, copy, order, &uni)
+        _phase_t[4] = rl_shuffle_now()
+        if off > 0 and not self._fill_parallel(keys, lo, 0, off, cn, copy, order, &uni):
+            with nogil:
+                self._fill_by_index(keys, lo, 0, off, cn, copy, order, &uni)
+        return 0
+
+    cdef bint _fill_parallel(self, const uint64_t *keys, int64_t lo, int64_t first, int64_t last,
+                             int64_t cn, bint copy, int64_t *order, int64_t *uni) except -1:
+        """Keys [first, last) on the pool (see "the restore's parallel fill"
+        above), after the probe; False, having done nothing, when that is not
+        the case here."""
+        cdef int T = _PAR_THREADS if _PAR_THREADS > 0 else num_threads()
+        cdef _par_fill c
+        cdef int64_t P, b, nb, i, ci, prev, total, acc, k, pos_, nchunks
+        cdef int64_t[::1] cost
+        cdef const int64_t *st
+        cdef int64_t[::1] starts
+        cdef int64_t[::1] bounds
+        cdef int64_t[::1] stop
+        cdef int[::1] tid_of
+        cdef PyObject *caches[PAR_MAX_THREADS]
+        cdef int t
+        if T > PAR_MAX_THREADS:
+            T = PAR_MAX_THREADS
+        if T < 2 or uni[0] < 0 or self.cells == NULL or last - first < max(_PAR_MIN_RECORDS, 1):
+            return False
+        from readerlib.readers._random_access import ChunkCache, open_random_access
+        ra = self.ra_src._random_access
+        if type(ra) is not ChunkCache:
+            return False
+        starts_a = np.ascontiguousarray(ra.chunk_starts(), dtype=np.int64)
+        starts = starts_a
+        nchunks = starts.shape[0] - 1
+        # pieces of about equal cost: a record write each, a chunk load each
+        # chunk the keys reach into (estimated a block of PAR_BLOCK keys at a time)
+        P = T * PAR_PIECES_PER_THREAD
+        nb = (last - first + PAR_BLOCK - 1) // PAR_BLOCK
+        cost_a = np.empty(nb + 1, np.int64)
+        bounds_a = np.empty(P + 1, np.int64)
+        stop_a = np.empty(P, np.int64)
+        tid_a = np.full(P, -1, np.intc)
+        bounds = bounds_a
+        stop = stop_a
+        tid_of = tid_a
+        cost = cost_a
+        st = &starts[0]
+        with nogil:
+            ci = 0
+            prev = -1
+            acc = 0
+            cost[0] = 0
+            for b in range(nb):
+                k = min(first + (b + 1) * PAR_BLOCK, last)
+                pos_ = lo + <int64_t>(keys[k - 1] >> 32)
+                while ci + 1 < nchunks and st[ci + 1] <= pos_:
+                    ci += 1
+                acc += (k - first - b * PAR_BLOCK) + (ci - prev) * PAR_LOAD_COST
+                prev = ci
+                cost[b + 1] = acc
+            total = acc
+            bounds[0] = first
+            b = 0
+            for i in range(1, P):
+                while b < nb and cost[b] * P < total * i:
+                    b += 1
+                bounds[i] = min(first + b * PAR_BLOCK, last)
+            bounds[P] = last
+        extra = []
+        try:
+            caches[0] = <PyObject *>ra
+            for t in range(1, T):
+                e = open_random_access(self.ra_src)
+                extra.append(e)
+                if type(e) is not ChunkCache:
+                    return False
+                caches[t] = <PyObject *>e
+            c.keys = keys
+            c.lo = lo
+            c.order = order
+            c.cells = self.cells
+            c.cell = self.cell
+            c.uni = uni[0]
+            c.bounds = &bounds[0]
+            c.stop = &stop[0]
+            c.tid_of = &tid_of[0]
+            c.caches = caches
+            c.fatal = NULL
+            for i in range(P):
+                stop[i] = bounds[i]
+            with nogil:
+                if _PAR_EMULATE:
+                    for i in range(P):
+                        _par_fill_body(&c, i, i + 1, <int>(i % T))
+                else:
+                    parallel_for(T, P, _par_fill_body, &c)
+        finally:
+            for e in extra:
+                e.close()
+        if c.fatal != NULL:
+            err = <object>c.fatal
+            Py_DECREF(err)
+            raise err
+        self._par_tids = tid_a
+        self._par_bounds = bounds_a
+        # what the pieces left (a record of another size, a deferred one, an
+        # error): serially, in file order, raising the format's own error
+        for i in range(P):
+            self.n_inlined += stop[i] - bounds[i]
+        for i in range(P):
+            self.count = (cn - last) + (stop[i] - first)     # (fill order: the probe came first)
+            if stop[i] < bounds[i + 1]:
+                with nogil:
+                    self._fill_by_index(keys, lo, stop[i], bounds[i + 1], cn, copy, order, uni)
+        self.count = (cn - last) + (last - first)
+        return True
+
+    cdef int _fill_by_index(self, const uint64_t *keys, int64_t lo, int64_t begin, int64_t end,
+                            int64_t cn, bint copy, int64_t *order, int64_t *uni_) except -1 nogil:
         # slot keys[i] & 0xFFFFFFFF <- the source's record lo + (keys[i] >> 32)
-        # (_file_order); self.count counts the slots filled (in that order),
-        # for the caller's cleanup on an error.
+        # (_file_order), for i in [begin, end); self.count counts the slots
+        # filled (in that order; it is begin on entry), for the caller's
+        # cleanup on an error.
         # copy: small records are copied into the shuffle's own arena blocks
         # as they are read (file sources, compaction on): the buffer's records
         # are scattered over many chunks, which the first compaction pass after
@@ -1545,11 +1812,11 @@ cdef class ShuffleReader(DecoratedReader):
         # uni >= 0: the slots not filled yet were preset in slot order as in
         # their cells with records of uni bytes (_preset_cells), so a record of
         # that size only writes its cell: one random write a record, not two.
-        cdef int64_t i, s_, nx, at, uni = -1
+        cdef int64_t i, s_, nx, at, uni = uni_[0]
         cdef rl_record rec
         cdef char *p
-        for i in range(cn):
-            if i + 32 < cn:                     # the slot written 32 records from now
+        for i in range(begin, end):
+            if i + 32 < end:                    # the slot written 32 records from now
                 nx = <int64_t><uint32_t>keys[i + 32]
                 if uni < 0:
                     __builtin_prefetch(&self.slots[nx], 1)
@@ -1583,9 +1850,10 @@ cdef class ShuffleReader(DecoratedReader):
                 # that the rest go straight into cells (deciding after the fill
                 # re-copied every arena copy into a cell on the first batch: a
                 # 1M buffer's random reads cost 30-65 ms there)
-                self._decide(order, self.count)
+                self._decide(order + begin, i + 1 - begin)
                 if self.cells != NULL and uni < 0:
-                    uni = self._preset_cells(keys, self.count, cn)
+                    uni = self._preset_cells(keys + begin, i + 1 - begin, cn)
+                    uni_[0] = uni
         return 0
 
     cdef int64_t _preset_cells(self, const uint64_t *keys, int64_t filled, int64_t cn) noexcept nogil:
