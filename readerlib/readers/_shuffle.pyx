@@ -248,15 +248,19 @@ cdef inline int64_t _count_at(int64_t t, int64_t E, int64_t cnt, int64_t D) noex
 cdef int64_t _file_order(const int64_t *pos, int64_t n, uint64_t *keys, uint64_t *tmp) except -1:
     """Sort slots 0..n-1 by pos: keys[:n] (returned 0) or tmp[:n] (returned 1)
     <- ((pos[s] - lo) << 32) | s in increasing order, lo = min(pos), by an LSD
-    radix sort of the 12-bit digits of pos - lo (two passes for spans up to
-    16M records).  The keys carry the slot and its position, so the fill reads
+    radix sort of the digits of pos - lo: the fewest passes with digits of at
+    most 10 bits, the bits shared evenly (a 10M-record span: 3 passes of 8
+    bits, 7.5 ms for 1M keys where 2 of 12 took 10.7: a pass scattering to
+    4096 places misses the cache and the TLB on most stores, one to 256 does
+    not).  The keys carry the slot and its position, so the fill reads
     them in order without a gather (a sort of slot indices by pos[s] cost
     25-45 ms for a 1M buffer in those indirect loads).  The counts of every
     digit come from one read of pos, and the first pass makes the keys as it
-    scatters them (4 passes over the data for a 1M buffer, not 6)."""
-    cdef int64_t *cnt = <int64_t *>calloc(3 * 4097, sizeof(int64_t))
+    scatters them."""
+    cdef int64_t *cnt = <int64_t *>calloc(4 * 1025, sizeof(int64_t))
     cdef int64_t i, k, d, lo, hi, npass = 0, which = 0
-    cdef uint64_t off, key
+    cdef int bits = 0, need = 0
+    cdef uint64_t off, key, mask
     cdef uint64_t *src_
     cdef uint64_t *dst
     cdef uint64_t *sw
@@ -271,34 +275,38 @@ cdef int64_t _file_order(const int64_t *pos, int64_t n, uint64_t *keys, uint64_t
                 lo = pos[i]
             if pos[i] > hi:
                 hi = pos[i]
-        while npass < 3 and ((<uint64_t>(hi - lo)) >> (12 * npass)) != 0:
-            npass += 1
+        while need < 40 and ((<uint64_t>(hi - lo)) >> need) != 0:
+            need += 1
+        npass = (need + 9) // 10
+        if npass > 4:                       # (positions are below 2^32: not reached)
+            npass = 4
         if npass == 0:
             for i in range(n):
                 keys[i] = <uint64_t>i
         else:
+            bits = (need + <int>npass - 1) // <int>npass
+            mask = ((<uint64_t>1) << bits) - 1
             for i in range(n):
                 off = <uint64_t>(pos[i] - lo)
-                cnt[(off & 4095) + 1] += 1
-                cnt[4097 + ((off >> 12) & 4095) + 1] += 1
-                cnt[2 * 4097 + ((off >> 24) & 4095) + 1] += 1
+                for d in range(npass):
+                    cnt[d * 1025 + <int64_t>((off >> (bits * d)) & mask) + 1] += 1
             for d in range(npass):
-                c = cnt + d * 4097
-                for k in range(4096):
+                c = cnt + d * 1025
+                for k in range(1 << bits):
                     c[k + 1] += c[k]
             for i in range(n):              # pass 0: the keys made as they go out
                 off = <uint64_t>(pos[i] - lo)
-                k = off & 4095
+                k = <int64_t>(off & mask)
                 tmp[cnt[k]] = (off << 32) | <uint64_t>i
                 cnt[k] += 1
             which = 1
             src_ = tmp
             dst = keys
             for d in range(1, npass):
-                c = cnt + d * 4097
+                c = cnt + d * 1025
                 for i in range(n):
                     key = src_[i]
-                    k = (key >> (32 + 12 * d)) & 4095
+                    k = <int64_t>((key >> (32 + bits * d)) & mask)
                     dst[c[k]] = key
                     c[k] += 1
                 sw = src_
@@ -417,6 +425,21 @@ cdef int64_t _b64_bits(const unsigned char *t, int64_t m, int w, int64_t n, int6
         if (c0 | c1 | c2 | c3) < 0:
             return -1
         g = (<uint32_t>c0 << 18) | (<uint32_t>c1 << 12) | (<uint32_t>c2 << 6) | <uint32_t>c3
+        if pad == 0 and j < n and w > 0:
+            # the three bytes at once (have < w <= 32 here: no bits are lost)
+            acc |= (<uint64_t>(((g >> 16) & 0xFF) | (g & 0xFF00) | ((g & 0xFF) << 16))) << have
+            have += 24
+            nb += 3
+            while have >= w and j < n:
+                p = src - 1 - <int64_t>(acc & mask)
+                acc >>= w
+                have -= w
+                if p < 0:
+                    bad = 1
+                out[j] = p
+                j += 1
+            i += 4
+            continue
         for k in range(3 - pad):
             acc |= (<uint64_t>((g >> (16 - 8 * k)) & 0xFF)) << have
             have += 8
@@ -435,6 +458,10 @@ cdef int64_t _b64_bits(const unsigned char *t, int64_t m, int w, int64_t n, int6
     return nb
 
 
+cdef extern from "Python.h":
+    void *PyUnicode_DATA(object o)
+
+
 cdef int _decode_positions(text, int64_t src, int64_t n, int64_t *out, where) except -1:
     """out[:n] <- the positions _pack_ages wrote (or the older deflated uint32
     form: base64 of zlib), each checked to lie in [0, src)."""
@@ -448,12 +475,15 @@ cdef int _decode_positions(text, int64_t src, int64_t n, int64_t *out, where) ex
         w = int(head[1:])
         if w > 32:
             raise ValueError(f"{where} (positions {w} bits wide)")
-        try:
-            data = text[len(head) + 1:].encode("ascii")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"{where} (positions do not decode: {e})") from None
-        t = data
-        m = len(data)
+        if not text.isascii():
+            try:
+                text.encode("ascii")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"{where} (positions do not decode: {e})") from None
+        # an ASCII str holds its text as bytes: read it there (no 2 copies of
+        # 4 MB for a 1M buffer)
+        t = <const unsigned char *>PyUnicode_DATA(text) + len(head) + 1
+        m = len(text) - len(head) - 1
         with nogil:
             got = _b64_bits(t, m, w, n, src, out)
         if got == -1:
@@ -576,7 +606,6 @@ def _restore_parallel_settings(min_records=None, threads=None, emulate=None):
 cdef struct _par_fill:
     const uint64_t *keys      # the file order (_file_order)
     int64_t lo
-    int64_t *order
     char *cells
     int64_t cell
     int64_t uni               # the preset record size: the only one a piece writes
@@ -599,7 +628,6 @@ cdef int _par_fill_piece(_par_fill *c, int64_t p, ReaderBase cache) except -1 no
         if rec.size != c.uni or rl_record_is_deferred(&rec):
             return 0                            # the serial fill takes it from here
         s_ = <int64_t><uint32_t>c.keys[i]
-        c.order[i] = s_
         rl_shuffle_copy_small(c.cells + s_ * c.cell, rec.data, <size_t>rec.size)
     c.stop[p] = end
     return 0
@@ -1586,7 +1614,7 @@ cdef class ShuffleReader(DecoratedReader):
                              f"buffer needs {src}")
         if self.scap < cn:
             self._grow(cn)
-        order_a = np.empty(max(cn, 1), np.int64)        # the slots in fill order (_decide)
+        order_a = np.empty(max(min(cn, RESTORE_PROBE), 1), np.int64)  # the first slots filled (_decide)
         order = order_a
         keys_a = np.empty(max(cn, 1), np.uint64)        # file order: each chunk loaded once
         tmp_a = np.empty(max(cn, 1), np.uint64)
@@ -1754,7 +1782,6 @@ cdef class ShuffleReader(DecoratedReader):
                 caches[t] = <PyObject *>e
             c.keys = keys
             c.lo = lo
-            c.order = order
             c.cells = self.cells
             c.cell = self.cell
             c.uni = uni[0]
@@ -1807,7 +1834,8 @@ cdef class ShuffleReader(DecoratedReader):
         # the inline cell (when inlining is on) go into their slots' cells;
         # from a file, whether to inline is decided after the first
         # RESTORE_PROBE records (not on the first batch after the fill).
-        # order[i]: the slot filled i-th (for _decide, which may run mid-fill).
+        # order[i - begin]: the slot filled i-th, for the first RESTORE_PROBE (for
+        # _decide, which may run mid-fill; order holds no more).
         # slot_pos is written by the caller afterwards, in slot order.
         # uni >= 0: the slots not filled yet were preset in slot order as in
         # their cells with records of uni bytes (_preset_cells), so a record of
@@ -1823,7 +1851,8 @@ cdef class ShuffleReader(DecoratedReader):
                 if self.cells != NULL:          # and its cell (random writes: store-bound without)
                     __builtin_prefetch(self.cells + nx * self.cell, 1)
             s_ = <int64_t><uint32_t>keys[i]
-            order[i] = s_
+            if i - begin < RESTORE_PROBE:
+                order[i - begin] = s_
             at = lo + <int64_t>(keys[i] >> 32)
             self.ra_src.c_read_at(at, &rec)
             if rec.size <= self.cell and not rl_record_is_deferred(&rec):   # inline: into its cell (see _take)
@@ -1850,7 +1879,7 @@ cdef class ShuffleReader(DecoratedReader):
                 # that the rest go straight into cells (deciding after the fill
                 # re-copied every arena copy into a cell on the first batch: a
                 # 1M buffer's random reads cost 30-65 ms there)
-                self._decide(order + begin, i + 1 - begin)
+                self._decide(order, min(i + 1 - begin, <int64_t>RESTORE_PROBE))
                 if self.cells != NULL and uni < 0:
                     uni = self._preset_cells(keys + begin, i + 1 - begin, cn)
                     uni_[0] = uni

@@ -154,3 +154,25 @@ def test_the_parallel_settings_hook_checks_its_arguments():
     with pytest.raises(ValueError, match="min_records"):
         _shuffle._restore_parallel_settings(min_records=-1)
     assert _shuffle._restore_parallel_settings() == old
+
+
+# ------------------------------------------------------------ the positions' decoder
+from hypothesis import given, settings, strategies as hs
+
+
+@settings(max_examples=200, deadline=None)
+@given(hs.integers(1, 1 << 32), hs.integers(0, 300), hs.randoms(use_true_random=False))
+def test_the_positions_decode_to_what_was_packed(src, n, rnd):
+    # every width (the ages' bit length) and every padding of the last quad:
+    # the decoder takes three bytes a step except at the padded end
+    top = rnd.choice([1, 2, 255, 4096, 1 << 20, src])
+    pos = np.array([src - 1 - rnd.randrange(min(top, src)) for _ in range(n)], np.int64)
+    text = _shuffle._pack_positions(pos, src)
+    assert np.array_equal(_shuffle._unpack_positions(text, src, n, "t"), pos)
+
+
+def test_non_ascii_positions_are_a_clear_error():
+    text = _shuffle._pack_positions(np.arange(10), 10)
+    bad = text[:-2] + "é" + text[-1:]
+    with pytest.raises(ValueError, match="positions do not decode"):
+        _shuffle._unpack_positions(bad, 10, 10, "t")
