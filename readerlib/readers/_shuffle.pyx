@@ -11,7 +11,7 @@ from libc.string cimport memcpy, memset
 from cpython.ref cimport PyObject, Py_INCREF, Py_DECREF
 
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
-from readerlib._parallel cimport parallel_for, num_threads
+from readerlib._parallel cimport parallel_for, num_threads, threads_for
 from readerlib.readers._base cimport (
     ReaderBase, FileReader, DecoratedReader, rl_block, rl_record, rl_layout, rl_columns, rl_rng,
     rl_core_import, rl_block_incref, rl_block_decref, rl_block_new, rl_block_new_static,
@@ -156,6 +156,8 @@ cdef extern from *:
     /* Branch hint: the referenced path's code stays straight (the inline
      * path takes a jump; its branch is predicted either way). */
     #define rl_shuffle_rare(x) __builtin_expect(!!(x), 0)
+    /* Fault a page in for writing, keeping its byte. */
+    static inline void rl_shuffle_touch(char *p) { *(volatile char *)p = *(volatile char *)p; }
     static inline int rl_shuffle_sole(rl_block *b) {
         return __atomic_load_n(&b->refcnt, __ATOMIC_ACQUIRE) == 1;
     }
@@ -164,6 +166,7 @@ cdef extern from *:
     void rl_shuffle_copy_small(char *d, const char *s, size_t n) nogil
     bint rl_shuffle_sole(rl_block *b) nogil
     bint rl_shuffle_rare(bint x) nogil
+    void rl_shuffle_touch(char *p) nogil
 
 
 def _addressable(reader, bint may_become=False):
@@ -612,6 +615,7 @@ cdef struct _par_fill:
     const int64_t *bounds     # piece p: keys [bounds[p], bounds[p + 1])
     int64_t *stop             # piece p filled [bounds[p], stop[p]) (the caller does the rest)
     int *tid_of               # the thread that ran piece p (a test hook)
+    double *times             # piece p: start and end (monotonic seconds; a benchmark hook)
     PyObject **caches         # one chunk cache a thread (ReaderBase)
     PyObject *fatal           # a BaseException not an Exception, caught in a piece (a reference)
 
@@ -641,9 +645,11 @@ cdef void _par_fill_pieces(_par_fill *c, int64_t begin, int64_t end, int tid) no
     cdef ReaderBase cache = <ReaderBase>c.caches[tid]
     for p in range(begin, end):
         c.tid_of[p] = tid
+        c.times[2 * p] = rl_shuffle_now()
         try:
             with nogil:
                 _par_fill_piece(c, p, cache)
+                c.times[2 * p + 1] = rl_shuffle_now()
         except BaseException as e:
             if not isinstance(e, Exception) and c.fatal == NULL:
                 Py_INCREF(e)                # (KeyboardInterrupt: the caller raises it)
@@ -682,6 +688,26 @@ cdef extern from *:
     const int64_t BIG "RL_SHUFFLE_BIG"
     const uint32_t INL "RL_SHUFFLE_INL"      # a slot's ref: its record is in its cell, no block
 DEF MAX_BUFFER = 1 << 31                   # ref is 32 bits: at most this + 2 table entries
+
+
+cdef struct _preset:
+    _slot *slots
+    char *cells
+    int64_t cell
+    uint32_t size
+
+
+cdef void _preset_body(void *ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
+    # slots [begin, end) in their cells, of c.size bytes; and the first touch
+    # of their cells' pages here, in order, on the pool (a 1M buffer's slots
+    # and cells are 32 MB of fresh pages: faulted in one at a time by the
+    # fill's random writes, they cost it several ms)
+    cdef _preset *c = <_preset *>ctx
+    cdef int64_t s, a, e
+    for s in range(begin, end):
+        c.slots[s].data = c.cells + s * c.cell
+        c.slots[s].size = c.size
+        c.slots[s].ref = INL
 
 
 cdef class ShuffleReader(DecoratedReader):
@@ -843,6 +869,7 @@ cdef class ShuffleReader(DecoratedReader):
     cdef int64_t fill_off            # a restore's fill order: key (i + fill_off) % count the i-th (_fill)
     cdef readonly object _par_tids   # the last parallel fill: the thread of each piece (a test hook)
     cdef readonly object _par_bounds # ... and the pieces' bounds in the file order
+    cdef readonly object _par_times  # ... and their start and end (s, from the probe's end)
     # Restore through filters (see the design note): slot_pos holds positions in
     # ra_src, the source below the filters, not counts of the filters' outputs
     cdef ReaderBase ra_src       # the reader the restore reads the buffer from (c_read_at)
@@ -1745,6 +1772,8 @@ cdef class ShuffleReader(DecoratedReader):
         bounds_a = np.empty(P + 1, np.int64)
         stop_a = np.empty(P, np.int64)
         tid_a = np.full(P, -1, np.intc)
+        times_a = np.zeros(2 * P, np.float64)
+        cdef double[::1] times = times_a
         bounds = bounds_a
         stop = stop_a
         tid_of = tid_a
@@ -1788,6 +1817,7 @@ cdef class ShuffleReader(DecoratedReader):
             c.bounds = &bounds[0]
             c.stop = &stop[0]
             c.tid_of = &tid_of[0]
+            c.times = &times[0]
             c.caches = caches
             c.fatal = NULL
             for i in range(P):
@@ -1806,6 +1836,7 @@ cdef class ShuffleReader(DecoratedReader):
             Py_DECREF(err)
             raise err
         self._par_tids = tid_a
+        self._par_times = times_a.reshape(P, 2) - _phase_t[4]
         self._par_bounds = bounds_a
         # what the pieces left (a record of another size, a deferred one, an
         # error): serially, in file order, raising the format's own error
@@ -1894,6 +1925,7 @@ cdef class ShuffleReader(DecoratedReader):
         reached (an error) is never read (count says which were filled)."""
         cdef int64_t j, s, u
         cdef _slot *saved
+        cdef _preset pc
         if filled <= 0:
             return -1
         s = <int64_t><uint32_t>keys[filled - 1]
@@ -1905,10 +1937,11 @@ cdef class ShuffleReader(DecoratedReader):
             return -1
         for j in range(filled):
             saved[j] = self.slots[<int64_t><uint32_t>keys[j]]
-        for s in range(cn):
-            self.slots[s].data = self.cells + s * self.cell
-            self.slots[s].size = <uint32_t>u
-            self.slots[s].ref = INL
+        pc.slots = self.slots
+        pc.cells = self.cells
+        pc.cell = self.cell
+        pc.size = <uint32_t>u
+        parallel_for(threads_for(cn * (<int64_t>sizeof(_slot) + self.cell)), cn, _preset_body, &pc)
         for j in range(filled):
             self.slots[<int64_t><uint32_t>keys[j]] = saved[j]
         free(saved)
