@@ -148,7 +148,7 @@ def test_a_corrupt_chunk_met_in_a_piece_raises_naming_the_file(tmp_path, mode):
 
 def test_the_parallel_settings_hook_checks_its_arguments():
     old = _shuffle._restore_parallel_settings()
-    assert set(old) == {"min_records", "threads", "emulate"}
+    assert set(old) == {"min_records", "threads", "emulate", "hugepages"}
     with pytest.raises(ValueError, match="threads"):
         _shuffle._restore_parallel_settings(threads=99)
     with pytest.raises(ValueError, match="min_records"):
