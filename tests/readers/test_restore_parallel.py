@@ -146,6 +146,23 @@ def test_a_corrupt_chunk_met_in_a_piece_raises_naming_the_file(tmp_path, mode):
             again.close()
 
 
+def test_huge_pages_are_a_hint_only(fixed):
+    # the restore's slots and cells with and without the huge-page advice:
+    # the same buffer and the same rest of the epoch
+    make = lambda: rl.RecordIOReader(fixed).shuffle(BUF, seed=9)
+    ref = _items(make())
+    st = _state_at(make, 20_000)
+    for huge in (False, True):
+        old = _shuffle._restore_parallel_settings(hugepages=huge)
+        try:
+            with _fill_mode("pool"):
+                other, _ = _restore(make, st)
+                assert _items(other) == ref[20_000:], huge
+                other.close()
+        finally:
+            _shuffle._restore_parallel_settings(**old)
+
+
 def test_the_parallel_settings_hook_checks_its_arguments():
     old = _shuffle._restore_parallel_settings()
     assert set(old) == {"min_records", "threads", "emulate", "hugepages"}
