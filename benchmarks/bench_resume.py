@@ -26,7 +26,10 @@ item, exactly the old code path):
 "state KB" is the JSON size of the state (the buffer shuffle's saved buffer:
 its records' source positions).  `--big-buffer`: one more table, shuffle(1M)
 over N = the largest size, restored at 10%, 50% and 90% (state size and
-times); `--big-buffer-only`: that table alone.
+times); `--big-buffer-only`: that table alone.  `--restore-threads 1 2`: the
+RecordIO rows once per thread count of the restore's fill (1: serial; the
+in-memory fill is serial whatever the count); each position also prints the
+last restore's phases.
 
 Also: read throughput of one epoch (records/s) for sequential, global
 shuffle and buffer shuffle over the same source, in the same run.
@@ -34,7 +37,7 @@ shuffle and buffer shuffle over the same source, in the same run.
 Usage:
     python benchmarks/bench_resume.py [--sizes 1000000 10000000] [--repeats 3] [--old-repeats 1]
         [--throughput-size 1000000] [--dir /tmp] [--window-sweep] [--big-buffer]
-        [--big-buffer-only] [--big-buffer-repeats R] [--quick] [--busy N] [--out FILE.md]
+        [--big-buffer-only] [--big-buffer-repeats R] [--restore-threads T ...] [--quick] [--busy N] [--out FILE.md]
 The RecordIO files are deleted at the end.  The tables go through the shared
 harness's report (harness.Report: command, date, machine, load); restore times
 are best and median of ``--repeats`` restores (``--old-repeats`` for the replay
@@ -194,15 +197,30 @@ def big_buffer(args, rep, workdir, made, schema):
     reps = args.big_buffer_repeats or max(1, args.old_repeats)
     nb = -(-n // BATCH)
     rows = []
-    for sname, factory in {"memory": lambda: rl.ArrayReader(data),
-                           "recordio": lambda: rl.RecordIOReader(path)}.items():
+    from readerlib.readers import _shuffle
+    par = getattr(_shuffle, "_restore_parallel_settings", None)   # (not in older builds)
+    states = {}
+    for sname, factory, threads in [(s, f, t) for s, f in {"memory": lambda: rl.ArrayReader(data),
+                                                           "recordio": lambda: rl.RecordIOReader(path)}.items()
+                                    for t in (args.restore_threads if par and s == "recordio" else [0])]:
         if sname == "recordio" and not os.path.exists(path):
             continue
+        if par:
+            par(threads=threads)
+        if threads:
+            sname = f"{sname.split()[0]} fill threads {threads}"
         cells, bests, alone, cpus, size = [], [], [], [], 0
         for frac in (0.1, 0.5, 0.9):
-            st = state_at(factory, "buffer", int(nb * frac), buffer=buf)
+            key = (sname.split()[0], frac)
+            if key not in states:
+                states[key] = state_at(factory, "buffer", int(nb * frac), buffer=buf)
+            st = states[key]
             size = max(size, len(json.dumps(st)))
             ts = time_restore(factory, "buffer", st, reps, buffer=buf)
+            phases = getattr(_shuffle, "_restore_phases", None)
+            if phases is not None:
+                print(f"    (last restore's phases, ms: " +
+                      ", ".join(f"{k} {1e3 * v:.1f}" for k, v in phases().items()) + ")", flush=True)
             tot = [t[0] for t in ts]
             bests.append(min(tot))
             alone.append(min(t[1] for t in ts))
@@ -212,6 +230,8 @@ def big_buffer(args, rep, workdir, made, schema):
                   f"{1e3 * statistics.median(tot):.1f} ms", flush=True)
         rows.append([sname, f"{n:,}", f"{buf:,}", *cells, f"{max(bests) / min(bests):.2f}",
                      " / ".join(f"{1e3 * a:.1f}" for a in alone), " ; ".join(cpus), f"{size / 1e6:.2f}"])
+    if par:
+        par(threads=0)
     rep.table(["source", "N", "buffer", "10% best / median ms", "50%", "90%", "max/min (best)",
                "set_state alone, best ms (10/50/90%)", "CPU ms best / median (10% ; 50% ; 90%)",
                "state MB (JSON, max)"],
@@ -232,6 +252,9 @@ def main(argv=None):
                     help="only the --big-buffer table (no restore or epoch tables)")
     ap.add_argument("--big-buffer-repeats", type=int, default=0,
                     help="restores per position for the big buffer (default: --old-repeats)")
+    ap.add_argument("--restore-threads", type=int, nargs="+", default=[0],
+                    help="big buffer: one row per restore-fill thread count (0: readerlib's "
+                         "count, 1: serial; builds without the parallel fill: one row)")
     ap.add_argument("--window-sweep", action="store_true",
                     help="only: global_shuffle throughput by window_chunks (1, 2, 8, 32), N=--throughput-size")
     args = harness.parse(ap, argv)

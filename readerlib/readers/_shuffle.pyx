@@ -8,7 +8,10 @@ import numpy as np
 from libc.stdlib cimport malloc, free, calloc, realloc
 from libc.string cimport memcpy, memset
 
+from cpython.ref cimport PyObject, Py_INCREF, Py_DECREF
+
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
+from readerlib._parallel cimport parallel_for, num_threads, threads_for
 from readerlib.readers._base cimport (
     ReaderBase, FileReader, DecoratedReader, rl_block, rl_record, rl_layout, rl_columns, rl_rng,
     rl_core_import, rl_block_incref, rl_block_decref, rl_block_new, rl_block_new_static,
@@ -153,6 +156,20 @@ cdef extern from *:
     /* Branch hint: the referenced path's code stays straight (the inline
      * path takes a jump; its branch is predicted either way). */
     #define rl_shuffle_rare(x) __builtin_expect(!!(x), 0)
+    /* Transparent huge pages for the 2 MiB-aligned interior of [p, p + n),
+     * not yet touched (a restore's fresh slots and cells: 16 MB each for a
+     * 1M buffer, 4096 page faults each at ~2 us on this VM; 8 with huge
+     * pages).  A hint: nothing changes where the system gives none. */
+    #include <sys/mman.h>
+    static inline void rl_shuffle_hugepages(void *p, size_t n) {
+    #ifdef MADV_HUGEPAGE
+        const uintptr_t H = (uintptr_t)2 << 20;
+        uintptr_t a = ((uintptr_t)p + H - 1) & ~(H - 1), e = ((uintptr_t)p + n) & ~(H - 1);
+        if (n >= 4 * H && e > a) (void)madvise((void *)a, e - a, MADV_HUGEPAGE);
+    #else
+        (void)p; (void)n;
+    #endif
+    }
     static inline int rl_shuffle_sole(rl_block *b) {
         return __atomic_load_n(&b->refcnt, __ATOMIC_ACQUIRE) == 1;
     }
@@ -161,6 +178,7 @@ cdef extern from *:
     void rl_shuffle_copy_small(char *d, const char *s, size_t n) nogil
     bint rl_shuffle_sole(rl_block *b) nogil
     bint rl_shuffle_rare(bint x) nogil
+    void rl_shuffle_hugepages(void *p, size_t n) nogil
 
 
 def _addressable(reader, bint may_become=False):
@@ -245,15 +263,19 @@ cdef inline int64_t _count_at(int64_t t, int64_t E, int64_t cnt, int64_t D) noex
 cdef int64_t _file_order(const int64_t *pos, int64_t n, uint64_t *keys, uint64_t *tmp) except -1:
     """Sort slots 0..n-1 by pos: keys[:n] (returned 0) or tmp[:n] (returned 1)
     <- ((pos[s] - lo) << 32) | s in increasing order, lo = min(pos), by an LSD
-    radix sort of the 12-bit digits of pos - lo (two passes for spans up to
-    16M records).  The keys carry the slot and its position, so the fill reads
+    radix sort of the digits of pos - lo: the fewest passes with digits of at
+    most 10 bits, the bits shared evenly (a 10M-record span: 3 passes of 8
+    bits, 7.5 ms for 1M keys where 2 of 12 took 10.7: a pass scattering to
+    4096 places misses the cache and the TLB on most stores, one to 256 does
+    not).  The keys carry the slot and its position, so the fill reads
     them in order without a gather (a sort of slot indices by pos[s] cost
     25-45 ms for a 1M buffer in those indirect loads).  The counts of every
     digit come from one read of pos, and the first pass makes the keys as it
-    scatters them (4 passes over the data for a 1M buffer, not 6)."""
-    cdef int64_t *cnt = <int64_t *>calloc(3 * 4097, sizeof(int64_t))
+    scatters them."""
+    cdef int64_t *cnt = <int64_t *>calloc(4 * 1025, sizeof(int64_t))
     cdef int64_t i, k, d, lo, hi, npass = 0, which = 0
-    cdef uint64_t off, key
+    cdef int bits = 0, need = 0
+    cdef uint64_t off, key, mask
     cdef uint64_t *src_
     cdef uint64_t *dst
     cdef uint64_t *sw
@@ -268,34 +290,38 @@ cdef int64_t _file_order(const int64_t *pos, int64_t n, uint64_t *keys, uint64_t
                 lo = pos[i]
             if pos[i] > hi:
                 hi = pos[i]
-        while npass < 3 and ((<uint64_t>(hi - lo)) >> (12 * npass)) != 0:
-            npass += 1
+        while need < 40 and ((<uint64_t>(hi - lo)) >> need) != 0:
+            need += 1
+        npass = (need + 9) // 10
+        if npass > 4:                       # (positions are below 2^32: not reached)
+            npass = 4
         if npass == 0:
             for i in range(n):
                 keys[i] = <uint64_t>i
         else:
+            bits = (need + <int>npass - 1) // <int>npass
+            mask = ((<uint64_t>1) << bits) - 1
             for i in range(n):
                 off = <uint64_t>(pos[i] - lo)
-                cnt[(off & 4095) + 1] += 1
-                cnt[4097 + ((off >> 12) & 4095) + 1] += 1
-                cnt[2 * 4097 + ((off >> 24) & 4095) + 1] += 1
+                for d in range(npass):
+                    cnt[d * 1025 + <int64_t>((off >> (bits * d)) & mask) + 1] += 1
             for d in range(npass):
-                c = cnt + d * 4097
-                for k in range(4096):
+                c = cnt + d * 1025
+                for k in range(1 << bits):
                     c[k + 1] += c[k]
             for i in range(n):              # pass 0: the keys made as they go out
                 off = <uint64_t>(pos[i] - lo)
-                k = off & 4095
+                k = <int64_t>(off & mask)
                 tmp[cnt[k]] = (off << 32) | <uint64_t>i
                 cnt[k] += 1
             which = 1
             src_ = tmp
             dst = keys
             for d in range(1, npass):
-                c = cnt + d * 4097
+                c = cnt + d * 1025
                 for i in range(n):
                     key = src_[i]
-                    k = (key >> (32 + 12 * d)) & 4095
+                    k = <int64_t>((key >> (32 + bits * d)) & mask)
                     dst[c[k]] = key
                     c[k] += 1
                 sw = src_
@@ -414,6 +440,21 @@ cdef int64_t _b64_bits(const unsigned char *t, int64_t m, int w, int64_t n, int6
         if (c0 | c1 | c2 | c3) < 0:
             return -1
         g = (<uint32_t>c0 << 18) | (<uint32_t>c1 << 12) | (<uint32_t>c2 << 6) | <uint32_t>c3
+        if pad == 0 and j < n and w > 0:
+            # the three bytes at once (have < w <= 32 here: no bits are lost)
+            acc |= (<uint64_t>(((g >> 16) & 0xFF) | (g & 0xFF00) | ((g & 0xFF) << 16))) << have
+            have += 24
+            nb += 3
+            while have >= w and j < n:
+                p = src - 1 - <int64_t>(acc & mask)
+                acc >>= w
+                have -= w
+                if p < 0:
+                    bad = 1
+                out[j] = p
+                j += 1
+            i += 4
+            continue
         for k in range(3 - pad):
             acc |= (<uint64_t>((g >> (16 - 8 * k)) & 0xFF)) << have
             have += 8
@@ -432,6 +473,10 @@ cdef int64_t _b64_bits(const unsigned char *t, int64_t m, int w, int64_t n, int6
     return nb
 
 
+cdef extern from "Python.h":
+    void *PyUnicode_DATA(object o)
+
+
 cdef int _decode_positions(text, int64_t src, int64_t n, int64_t *out, where) except -1:
     """out[:n] <- the positions _pack_ages wrote (or the older deflated uint32
     form: base64 of zlib), each checked to lie in [0, src)."""
@@ -445,12 +490,15 @@ cdef int _decode_positions(text, int64_t src, int64_t n, int64_t *out, where) ex
         w = int(head[1:])
         if w > 32:
             raise ValueError(f"{where} (positions {w} bits wide)")
-        try:
-            data = text[len(head) + 1:].encode("ascii")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"{where} (positions do not decode: {e})") from None
-        t = data
-        m = len(data)
+        if not text.isascii():
+            try:
+                text.encode("ascii")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"{where} (positions do not decode: {e})") from None
+        # an ASCII str holds its text as bytes: read it there (no 2 copies of
+        # 4 MB for a 1M buffer)
+        t = <const unsigned char *>PyUnicode_DATA(text) + len(head) + 1
+        m = len(text) - len(head) - 1
         with nogil:
             got = _b64_bits(t, m, w, n, src, out)
         if got == -1:
@@ -501,6 +549,140 @@ def _unpack_positions_v1(text, int64_t src, int64_t n, where):
     return pos
 
 
+# ------------------------------------------------------------ the restore's parallel fill
+# A restore from a file spends most of its fill in chunk loads (pread + the
+# chunk's CRC: 0.13 ms a 1 MiB chunk; at 90% of a 10M-record epoch every chunk
+# of the file holds a few buffered records) and in writing 1M records to their
+# random cells.  Once the fill has decided on cells and preset the slots for
+# the common record size (_preset_cells), the rest is split into pieces of the
+# file order of about equal cost, run on the pool (readerlib/_parallel.pyx):
+# each thread reads through a chunk cache of its own (its own descriptor;
+# every chunk still loaded and verified whole: header, body CRC, every size)
+# and writes only its pieces' cells.  A piece stops at the first record that
+# is not of the preset size (or deferred), and at an error: the caller then
+# fills the rest of each piece serially, in file order, with the general code,
+# which raises the format's own error for a bad chunk -- so what the fill does
+# with anything but the plain case, and every message, is the serial one.
+# Written cells hold no references, so an error leaves nothing to release.
+# records left after the probe below which the fill stays serial: a second
+# chunk cache, the pool's wake-up and the chunk loads' GIL hand-offs cost more
+# than they save there (measured: 100k records from a 1M file, 5.1 ms serial,
+# 7.1 ms split)
+cdef int64_t _PAR_MIN_RECORDS = 262144
+cdef int _PAR_THREADS = 0                   # 0: readerlib's thread count; 1: serial (tests)
+cdef bint _PAR_EMULATE = False              # run the pieces on the caller, tid = piece % threads (tests)
+cdef bint _HUGE_ON = True                   # a restore's fresh slots and cells: ask for huge pages
+DEF PAR_MAX_THREADS = 4                     # chunk caches opened at most (one a thread)
+DEF PAR_PIECES_PER_THREAD = 8
+DEF PAR_LOAD_COST = 4096                    # a chunk load, in record writes (0.13 ms / ~30 ns)
+DEF PAR_BLOCK = 256                         # keys per step of the cost estimate
+
+
+cdef extern from *:
+    """
+    #include <time.h>
+    static inline double rl_shuffle_now(void) {
+        struct timespec t;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+    }
+    """
+    double rl_shuffle_now() nogil
+
+cdef double _phase_t[8]                     # the last restore's phase ends (a benchmark hook)
+
+
+def _restore_phases():
+    """Benchmark hook: the last restore's phases, seconds each: positions
+    decoded (and the draws undone), the source skipped to its place, the file
+    order sorted, the serial fill up to the inline decision, the rest of the
+    fill, the slot positions and the rest."""
+    names = ["positions", "skip", "file_order", "probe_fill", "fill", "finish"]
+    return {k: _phase_t[i + 1] - _phase_t[i] for i, k in enumerate(names)}
+
+
+def _restore_parallel_settings(min_records=None, threads=None, emulate=None, hugepages=None):
+    """Test/benchmark hook: the restore's parallel fill (`min_records`: records
+    left after the probe from which it splits; `threads`: 0 readerlib's thread
+    count, 1 serial, n at most n; `emulate`: run the pieces one after another on
+    the calling thread, piece p as thread p % threads, each with its own chunk
+    cache; `hugepages`: advise huge pages for a restore's fresh slots and
+    cells).  Returns the previous settings as a dict."""
+    global _PAR_MIN_RECORDS, _PAR_THREADS, _PAR_EMULATE, _HUGE_ON
+    old = {"min_records": int(_PAR_MIN_RECORDS), "threads": int(_PAR_THREADS),
+           "emulate": bool(_PAR_EMULATE), "hugepages": bool(_HUGE_ON)}
+    if min_records is not None and int(min_records) < 0:
+        raise ValueError(f"min_records must be >= 0, got {min_records}")
+    if threads is not None and not 0 <= int(threads) <= PAR_MAX_THREADS:
+        raise ValueError(f"threads must be in [0, {PAR_MAX_THREADS}], got {threads}")
+    if min_records is not None:
+        _PAR_MIN_RECORDS = int(min_records)
+    if threads is not None:
+        _PAR_THREADS = int(threads)
+    if emulate is not None:
+        _PAR_EMULATE = bool(emulate)
+    if hugepages is not None:
+        _HUGE_ON = bool(hugepages)
+    return old
+
+
+cdef struct _par_fill:
+    const uint64_t *keys      # the file order (_file_order)
+    int64_t lo
+    char *cells
+    int64_t cell
+    int64_t uni               # the preset record size: the only one a piece writes
+    const int64_t *bounds     # piece p: keys [bounds[p], bounds[p + 1])
+    int64_t *stop             # piece p filled [bounds[p], stop[p]) (the caller does the rest)
+    int *tid_of               # the thread that ran piece p (a test hook)
+    double *times             # piece p: start and end (monotonic seconds; a benchmark hook)
+    PyObject **caches         # one chunk cache a thread (ReaderBase)
+    PyObject *fatal           # a BaseException not an Exception, caught in a piece (a reference)
+
+
+cdef int _par_fill_piece(_par_fill *c, int64_t p, ReaderBase cache) except -1 nogil:
+    cdef int64_t i, s_, nx, end = c.bounds[p + 1]
+    cdef rl_record rec
+    for i in range(c.bounds[p], end):
+        c.stop[p] = i
+        if i + 32 < end:                        # the cell written 32 records from now
+            nx = <int64_t><uint32_t>c.keys[i + 32]
+            __builtin_prefetch(c.cells + nx * c.cell, 1)
+        cache.c_read_at(c.lo + <int64_t>(c.keys[i] >> 32), &rec)
+        if rec.size != c.uni or rl_record_is_deferred(&rec):
+            return 0                            # the serial fill takes it from here
+        s_ = <int64_t><uint32_t>c.keys[i]
+        rl_shuffle_copy_small(c.cells + s_ * c.cell, rec.data, <size_t>rec.size)
+    c.stop[p] = end
+    return 0
+
+
+cdef void _par_fill_pieces(_par_fill *c, int64_t begin, int64_t end, int tid) noexcept:
+    # Pieces [begin, end) through thread tid's cache, the GIL let go but for
+    # a chunk load's own calls.  An error is left to the serial fill (stop[p]
+    # is where it happened; it raises it again there).
+    cdef int64_t p
+    cdef ReaderBase cache = <ReaderBase>c.caches[tid]
+    for p in range(begin, end):
+        c.tid_of[p] = tid
+        c.times[2 * p] = rl_shuffle_now()
+        try:
+            with nogil:
+                _par_fill_piece(c, p, cache)
+                c.times[2 * p + 1] = rl_shuffle_now()
+        except BaseException as e:
+            if not isinstance(e, Exception) and c.fatal == NULL:
+                Py_INCREF(e)                # (KeyboardInterrupt: the caller raises it)
+                c.fatal = <PyObject *>e
+
+
+cdef void _par_fill_body(void *ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
+    # (a pool thread: a thread state for the body's duration, so that the
+    # chunk loads' nested `with gil` and their exceptions stay on it)
+    with gil:
+        _par_fill_pieces(<_par_fill *>ctx, begin, end, tid)
+
+
 cdef struct _bref:
     rl_block *block
     int64_t count        # references held by this shuffle (slots + output)
@@ -526,6 +708,26 @@ cdef extern from *:
     const int64_t BIG "RL_SHUFFLE_BIG"
     const uint32_t INL "RL_SHUFFLE_INL"      # a slot's ref: its record is in its cell, no block
 DEF MAX_BUFFER = 1 << 31                   # ref is 32 bits: at most this + 2 table entries
+
+
+cdef struct _preset:
+    _slot *slots
+    char *cells
+    int64_t cell
+    uint32_t size
+
+
+cdef void _preset_body(void *ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
+    # slots [begin, end) in their cells, of c.size bytes; and the first touch
+    # of their cells' pages here, in order, on the pool (a 1M buffer's slots
+    # and cells are 32 MB of fresh pages: faulted in one at a time by the
+    # fill's random writes, they cost it several ms)
+    cdef _preset *c = <_preset *>ctx
+    cdef int64_t s, a, e
+    for s in range(begin, end):
+        c.slots[s].data = c.cells + s * c.cell
+        c.slots[s].size = c.size
+        c.slots[s].ref = INL
 
 
 cdef class ShuffleReader(DecoratedReader):
@@ -684,6 +886,10 @@ cdef class ShuffleReader(DecoratedReader):
     cdef rl_rng base_rng         # RNG before the draw of step base_t
     cdef object _pending         # set_state's saved buffer, for the first c_skip
     cdef readonly int64_t restores   # bounded restores made (a test hook)
+    cdef int64_t fill_off            # a restore's fill order: key (i + fill_off) % count the i-th (_fill)
+    cdef readonly object _par_tids   # the last parallel fill: the thread of each piece (a test hook)
+    cdef readonly object _par_bounds # ... and the pieces' bounds in the file order
+    cdef readonly object _par_times  # ... and their start and end (s, from the probe's end)
     # Restore through filters (see the design note): slot_pos holds positions in
     # ra_src, the source below the filters, not counts of the filters' outputs
     cdef ReaderBase ra_src       # the reader the restore reads the buffer from (c_read_at)
@@ -920,6 +1126,8 @@ cdef class ShuffleReader(DecoratedReader):
         self.cells = <char *>malloc(self.scap * best_c)
         if self.cells == NULL:
             return
+        if self.i_restoring and _HUGE_ON:   # (fresh, about to be filled at once)
+            rl_shuffle_hugepages(self.cells, <size_t>(self.scap * best_c))
         self.cell = best_c
         for i in range(n):
             s = idx[i] if idx != NULL else i
@@ -1404,6 +1612,7 @@ cdef class ShuffleReader(DecoratedReader):
         if E - t_a > RING:                  # get_state saves at most RING steps (_resume_state)
             raise ValueError(f"{where} ({E - t_a} steps from the anchor {t_a} to {E}, "
                              f"more than the {RING} a state holds)")
+        _phase_t[0] = rl_shuffle_now()
         pos_a = np.empty(max(self.cap, 1), np.int64)
         pos = pos_a
         _decode_positions(info["slots"], B, cnt, &pos[0], where)
@@ -1445,14 +1654,18 @@ cdef class ShuffleReader(DecoratedReader):
                 pos[jj] = a
         cn = _count_at(n, E, cnt, D)
         # position the source, then take the buffer's records by index
+        _phase_t[1] = rl_shuffle_now()
         with nogil:
             got = self.reader.c_skip(src)
+        _phase_t[2] = rl_shuffle_now()
         if got != src:
             raise ValueError(f"set_state: the shuffle's source has {got} records, the saved "
                              f"buffer needs {src}")
         if self.scap < cn:
             self._grow(cn)
-        order_a = np.empty(max(cn, 1), np.int64)        # the slots in fill order (_decide)
+            if _HUGE_ON:
+                rl_shuffle_hugepages(self.slots, <size_t>cn * sizeof(_slot))
+        order_a = np.empty(max(min(cn, RESTORE_PROBE), 1), np.int64)  # the first slots filled (_decide)
         order = order_a
         keys_a = np.empty(max(cn, 1), np.uint64)        # file order: each chunk loaded once
         tmp_a = np.empty(max(cn, 1), np.uint64)
@@ -1461,6 +1674,7 @@ cdef class ShuffleReader(DecoratedReader):
         which = _file_order(&pos[0], cn, &keys[0], &tmpk[0]) if cn > 0 else 0
         if which:
             keys = tmpk
+        _phase_t[3] = rl_shuffle_now()
         lo = 0
         if cn > 0:
             lo = pos[<int64_t><uint32_t>keys[0]] - <int64_t>(keys[0] >> 32)
@@ -1486,16 +1700,16 @@ cdef class ShuffleReader(DecoratedReader):
         self.count = 0
         self.i_restoring = True
         try:
-            with nogil:
-                self._fill_by_index(&keys[0], lo, cn, copy, &order[0])
+            self._fill(&keys[0], lo, cn, copy, &order[0])
         except BaseException:
-            for i in range(self.count):     # slots filled so far, in `keys` order
-                s_ = <int64_t><uint32_t>keys[i]
+            for i in range(self.count):     # slots filled so far, in fill order (_fill)
+                s_ = <int64_t><uint32_t>keys[(i + self.fill_off) % cn]
                 self._unref(s_)
             self.count = 0
             raise
         finally:
             self.i_restoring = False
+        _phase_t[5] = rl_shuffle_now()
         with nogil:                         # in slot order: one random write per record fewer
             for i in range(cn):
                 self.slot_pos[i] = <uint32_t>pos[i]
@@ -1524,13 +1738,148 @@ cdef class ShuffleReader(DecoratedReader):
         self.base_rng = g_n
         self.track_ok = True
         self.restores += 1
+        _phase_t[6] = rl_shuffle_now()
         return n
 
-    cdef int _fill_by_index(self, const uint64_t *keys, int64_t lo, int64_t cn,
-                            bint copy, int64_t *order) except -1 nogil:
+    cdef int _fill(self, const uint64_t *keys, int64_t lo, int64_t cn, bint copy,
+                   int64_t *order) except -1:
+        # The fill of keys [0, cn).  From a file: first the last RESTORE_PROBE
+        # keys in file order, serially, up to the inline decision -- the newest
+        # records, a chunk or two (the first ones are the oldest: at 90% of an
+        # epoch they lie in a hundred chunks, all loaded before the decision);
+        # then keys [0, cn - RESTORE_PROBE), on the pool when it is the plain
+        # case (_fill_parallel), else serially.  fill_off: self.count counts
+        # the slots filled in that order, key (i + fill_off) % cn the i-th.
+        cdef int64_t uni = -1
+        cdef int64_t off = cn - RESTORE_PROBE if copy and cn > RESTORE_PROBE else 0
+        self.fill_off = off
+        with nogil:
+            self._fill_by_index(keys, lo, off, cn, cn, copy, order, &uni)
+        _phase_t[4] = rl_shuffle_now()
+        if off > 0 and not self._fill_parallel(keys, lo, 0, off, cn, copy, order, &uni):
+            with nogil:
+                self._fill_by_index(keys, lo, 0, off, cn, copy, order, &uni)
+        return 0
+
+    cdef bint _fill_parallel(self, const uint64_t *keys, int64_t lo, int64_t first, int64_t last,
+                             int64_t cn, bint copy, int64_t *order, int64_t *uni) except -1:
+        """Keys [first, last) on the pool (see "the restore's parallel fill"
+        above), after the probe; False, having done nothing, when that is not
+        the case here."""
+        cdef int T = _PAR_THREADS if _PAR_THREADS > 0 else num_threads()
+        cdef _par_fill c
+        cdef int64_t P, b, nb, i, ci, prev, total, acc, k, pos_, nchunks
+        cdef int64_t[::1] cost
+        cdef const int64_t *st
+        cdef int64_t[::1] starts
+        cdef int64_t[::1] bounds
+        cdef int64_t[::1] stop
+        cdef int[::1] tid_of
+        cdef PyObject *caches[PAR_MAX_THREADS]
+        cdef int t
+        if T > PAR_MAX_THREADS:
+            T = PAR_MAX_THREADS
+        if T < 2 or uni[0] < 0 or self.cells == NULL or last - first < max(_PAR_MIN_RECORDS, 1):
+            return False
+        from readerlib.readers._random_access import ChunkCache, open_random_access
+        ra = self.ra_src._random_access
+        if type(ra) is not ChunkCache:
+            return False
+        starts_a = np.ascontiguousarray(ra.chunk_starts(), dtype=np.int64)
+        starts = starts_a
+        nchunks = starts.shape[0] - 1
+        # pieces of about equal cost: a record write each, a chunk load each
+        # chunk the keys reach into (estimated a block of PAR_BLOCK keys at a time)
+        P = T * PAR_PIECES_PER_THREAD
+        nb = (last - first + PAR_BLOCK - 1) // PAR_BLOCK
+        cost_a = np.empty(nb + 1, np.int64)
+        bounds_a = np.empty(P + 1, np.int64)
+        stop_a = np.empty(P, np.int64)
+        tid_a = np.full(P, -1, np.intc)
+        times_a = np.zeros(2 * P, np.float64)
+        cdef double[::1] times = times_a
+        bounds = bounds_a
+        stop = stop_a
+        tid_of = tid_a
+        cost = cost_a
+        st = &starts[0]
+        with nogil:
+            ci = 0
+            prev = -1
+            acc = 0
+            cost[0] = 0
+            for b in range(nb):
+                k = min(first + (b + 1) * PAR_BLOCK, last)
+                pos_ = lo + <int64_t>(keys[k - 1] >> 32)
+                while ci + 1 < nchunks and st[ci + 1] <= pos_:
+                    ci += 1
+                acc += (k - first - b * PAR_BLOCK) + (ci - prev) * PAR_LOAD_COST
+                prev = ci
+                cost[b + 1] = acc
+            total = acc
+            bounds[0] = first
+            b = 0
+            for i in range(1, P):
+                while b < nb and cost[b] * P < total * i:
+                    b += 1
+                bounds[i] = min(first + b * PAR_BLOCK, last)
+            bounds[P] = last
+        extra = []
+        try:
+            caches[0] = <PyObject *>ra
+            for t in range(1, T):
+                e = open_random_access(self.ra_src)
+                extra.append(e)
+                if type(e) is not ChunkCache:
+                    return False
+                caches[t] = <PyObject *>e
+            c.keys = keys
+            c.lo = lo
+            c.cells = self.cells
+            c.cell = self.cell
+            c.uni = uni[0]
+            c.bounds = &bounds[0]
+            c.stop = &stop[0]
+            c.tid_of = &tid_of[0]
+            c.times = &times[0]
+            c.caches = caches
+            c.fatal = NULL
+            for i in range(P):
+                stop[i] = bounds[i]
+            with nogil:
+                if _PAR_EMULATE:
+                    for i in range(P):
+                        _par_fill_body(&c, i, i + 1, <int>(i % T))
+                else:
+                    parallel_for(T, P, _par_fill_body, &c)
+        finally:
+            for e in extra:
+                e.close()
+        if c.fatal != NULL:
+            err = <object>c.fatal
+            Py_DECREF(err)
+            raise err
+        self._par_tids = tid_a
+        self._par_times = times_a.reshape(P, 2) - _phase_t[4]
+        self._par_bounds = bounds_a
+        # what the pieces left (a record of another size, a deferred one, an
+        # error): serially, in file order, raising the format's own error
+        for i in range(P):
+            self.n_inlined += stop[i] - bounds[i]
+        for i in range(P):
+            self.count = (cn - last) + (stop[i] - first)     # (fill order: the probe came first)
+            if stop[i] < bounds[i + 1]:
+                with nogil:
+                    self._fill_by_index(keys, lo, stop[i], bounds[i + 1], cn, copy, order, uni)
+        self.count = (cn - last) + (last - first)
+        return True
+
+    cdef int _fill_by_index(self, const uint64_t *keys, int64_t lo, int64_t begin, int64_t end,
+                            int64_t cn, bint copy, int64_t *order, int64_t *uni_) except -1 nogil:
         # slot keys[i] & 0xFFFFFFFF <- the source's record lo + (keys[i] >> 32)
-        # (_file_order); self.count counts the slots filled (in that order),
-        # for the caller's cleanup on an error.
+        # (_file_order), for i in [begin, end); self.count counts the slots
+        # filled (in that order; it is begin on entry), for the caller's
+        # cleanup on an error.
         # copy: small records are copied into the shuffle's own arena blocks
         # as they are read (file sources, compaction on): the buffer's records
         # are scattered over many chunks, which the first compaction pass after
@@ -1540,23 +1889,25 @@ cdef class ShuffleReader(DecoratedReader):
         # the inline cell (when inlining is on) go into their slots' cells;
         # from a file, whether to inline is decided after the first
         # RESTORE_PROBE records (not on the first batch after the fill).
-        # order[i]: the slot filled i-th (for _decide, which may run mid-fill).
+        # order[i - begin]: the slot filled i-th, for the first RESTORE_PROBE (for
+        # _decide, which may run mid-fill; order holds no more).
         # slot_pos is written by the caller afterwards, in slot order.
         # uni >= 0: the slots not filled yet were preset in slot order as in
         # their cells with records of uni bytes (_preset_cells), so a record of
         # that size only writes its cell: one random write a record, not two.
-        cdef int64_t i, s_, nx, at, uni = -1
+        cdef int64_t i, s_, nx, at, uni = uni_[0]
         cdef rl_record rec
         cdef char *p
-        for i in range(cn):
-            if i + 32 < cn:                     # the slot written 32 records from now
+        for i in range(begin, end):
+            if i + 32 < end:                    # the slot written 32 records from now
                 nx = <int64_t><uint32_t>keys[i + 32]
                 if uni < 0:
                     __builtin_prefetch(&self.slots[nx], 1)
                 if self.cells != NULL:          # and its cell (random writes: store-bound without)
                     __builtin_prefetch(self.cells + nx * self.cell, 1)
             s_ = <int64_t><uint32_t>keys[i]
-            order[i] = s_
+            if i - begin < RESTORE_PROBE:
+                order[i - begin] = s_
             at = lo + <int64_t>(keys[i] >> 32)
             self.ra_src.c_read_at(at, &rec)
             if rec.size <= self.cell and not rl_record_is_deferred(&rec):   # inline: into its cell (see _take)
@@ -1583,9 +1934,10 @@ cdef class ShuffleReader(DecoratedReader):
                 # that the rest go straight into cells (deciding after the fill
                 # re-copied every arena copy into a cell on the first batch: a
                 # 1M buffer's random reads cost 30-65 ms there)
-                self._decide(order, self.count)
+                self._decide(order, min(i + 1 - begin, <int64_t>RESTORE_PROBE))
                 if self.cells != NULL and uni < 0:
-                    uni = self._preset_cells(keys, self.count, cn)
+                    uni = self._preset_cells(keys + begin, i + 1 - begin, cn)
+                    uni_[0] = uni
         return 0
 
     cdef int64_t _preset_cells(self, const uint64_t *keys, int64_t filled, int64_t cn) noexcept nogil:
@@ -1597,6 +1949,7 @@ cdef class ShuffleReader(DecoratedReader):
         reached (an error) is never read (count says which were filled)."""
         cdef int64_t j, s, u
         cdef _slot *saved
+        cdef _preset pc
         if filled <= 0:
             return -1
         s = <int64_t><uint32_t>keys[filled - 1]
@@ -1608,10 +1961,11 @@ cdef class ShuffleReader(DecoratedReader):
             return -1
         for j in range(filled):
             saved[j] = self.slots[<int64_t><uint32_t>keys[j]]
-        for s in range(cn):
-            self.slots[s].data = self.cells + s * self.cell
-            self.slots[s].size = <uint32_t>u
-            self.slots[s].ref = INL
+        pc.slots = self.slots
+        pc.cells = self.cells
+        pc.cell = self.cell
+        pc.size = <uint32_t>u
+        parallel_for(threads_for(cn * (<int64_t>sizeof(_slot) + self.cell)), cn, _preset_body, &pc)
         for j in range(filled):
             self.slots[<int64_t><uint32_t>keys[j]] = saved[j]
         free(saved)

@@ -230,12 +230,14 @@ def _corrupt_mid_fill(tmp_path):
     offs, nrec = r.chunk_table()
     r.close()
     starts = np.concatenate([[0], np.cumsum(nrec)])
-    # a chunk of recent records (most are buffered), before the chunk the source
-    # is in (set_state's c_skip reads that one itself), with more than the
-    # probe's 4096 buffered records before it in file order
-    c = int(np.searchsorted(starts, src - 1500, side="right") - 1)
-    assert starts[c + 1] < starts[np.searchsorted(starts, src, side="right") - 1]
-    assert BUF - (src - starts[c]) > 4096
+    # the fill takes the newest 4096 buffered records first (the probe, which
+    # decides the cells), then the rest from the oldest on: a chunk with
+    # buffered records, older than the probe's (more than 4096 buffered
+    # records after it in file order)
+    held = _shuffle._unpack_positions(st["buffer"]["slots"], src, st["buffer"]["count"], "test")
+    c = int(np.searchsorted(starts, src - 9000, side="right") - 1)
+    assert np.sum((held >= starts[c]) & (held < starts[c + 1])) > 0
+    assert np.sum(held >= starts[c + 1]) > 4096
     bad = str(tmp_path / "bad" / "f.rio")        # the same name: the same file identity
     shutil.copy(good, bad)
     corrupt_chunk(bad, chunk=c, at=60)
