@@ -571,7 +571,11 @@ def _unpack_positions_v1(text, int64_t src, int64_t n, where):
 cdef int64_t _PAR_MIN_RECORDS = 262144
 cdef int _PAR_THREADS = 0                   # 0: readerlib's thread count; 1: serial (tests)
 cdef bint _PAR_EMULATE = False              # run the pieces on the caller, tid = piece % threads (tests)
-cdef bint _HUGE_ON = True                   # a restore's fresh slots and cells: ask for huge pages
+# a restore's fresh slots and cells: ask for huge pages.  Off by default: with the
+# usual THP defrag setting ("madvise") an advised fault compacts memory in the
+# faulting thread, and the restore measured 155-191 ms against ~60 in 2 of 8 runs
+# for a 10-20% lower median (results/resume.md); _restore_parallel_settings(hugepages=True)
+cdef bint _HUGE_ON = False
 DEF PAR_MAX_THREADS = 4                     # chunk caches opened at most (one a thread)
 DEF PAR_PIECES_PER_THREAD = 8
 DEF PAR_LOAD_COST = 4096                    # a chunk load, in record writes (0.13 ms / ~30 ns)
