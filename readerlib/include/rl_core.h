@@ -452,14 +452,16 @@ static inline uint32_t rl_crc32c_fold_raw(uint32_t crc, char **pd, const char **
     __m512i x0, x1, x2, x3, y0, y1, y2, y3;
     RL_FOLD_TAKE256(store, s, d, x0, x1, x2, x3);
     x0 = _mm512_xor_si512(x0, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)crc)));
-    s += 256; d += 256; n -= 256;
+    s += 256; n -= 256;
+    if (store) d += 256;                /* (d is NULL when not storing: no arithmetic on it) */
     while (n >= 256) {
         RL_FOLD_TAKE256(store, s, d, y0, y1, y2, y3);
         x0 = rl_fold512(x0, k2048, y0);
         x1 = rl_fold512(x1, k2048, y1);
         x2 = rl_fold512(x2, k2048, y2);
         x3 = rl_fold512(x3, k2048, y3);
-        s += 256; d += 256; n -= 256;
+        s += 256; n -= 256;
+        if (store) d += 256;
     }
     /* x0 x^1536 + x1 x^1024 + x2 x^512 + x3, then its four lanes into one */
     x3 = rl_fold512(x2, RL_FOLD_K(RL_FOLD_512), x3);
