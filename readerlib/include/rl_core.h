@@ -358,9 +358,16 @@ static uint32_t rl_crc32c_sw_raw(uint32_t crc, const unsigned char *next, size_t
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <nmmintrin.h>
+/* clang 14 and later keep the crc32 instruction apart from sse4.2 (a target
+ * of "sse4.2" alone refuses _mm_crc32_*); gcc has it in sse4.2 */
+#if defined(__clang__) && __clang_major__ >= 14
+#define RL_SSE42_TARGET "sse4.2,crc32"
+#else
+#define RL_SSE42_TARGET "sse4.2"
+#endif
 /* Three interleaved crc32 streams over blocks of `block` bytes, combined by
  * shifting with the precomputed zeros operator for `block` bytes. */
-__attribute__((target("sse4.2")))
+__attribute__((target(RL_SSE42_TARGET)))
 static inline uint64_t rl_crc32c_hw_streams(uint64_t crc0, const unsigned char **pnext, size_t *plen,
                                             size_t block, uint32_t zeros[][256]) {
     const unsigned char *next = *pnext;
@@ -415,7 +422,7 @@ static inline uint64_t rl_crc32c_hw_streams(uint64_t crc0, const unsigned char *
 #define RL_FOLD_128 0x3743f7bd00000000ull, 0x3171d43000000000ull
 #include <immintrin.h>
 
-#define RL_FOLD_TARGET __attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2")))
+#define RL_FOLD_TARGET __attribute__((target("avx512f,vpclmulqdq,pclmul," RL_SSE42_TARGET)))
 RL_FOLD_TARGET static inline __m512i rl_fold512(__m512i v, __m512i k, __m512i next) {
     return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(v, k, 0x00),
                                      _mm512_clmulepi64_epi128(v, k, 0x11), next, 0x96);
@@ -485,7 +492,7 @@ static uint32_t rl_crc32c_fold_only(uint32_t crc, const unsigned char **pnext, s
     return rl_crc32c_fold_raw(crc, &unused, (const char **)pnext, plen, 0);
 }
 
-__attribute__((target("sse4.2")))
+__attribute__((target(RL_SSE42_TARGET)))
 static uint32_t rl_crc32c_hw_raw(uint32_t crc, const unsigned char *next, size_t len) {
     uint64_t crc0 = crc;
     if (rl_crc32c_fold && len >= RL_CRC_FOLD_MIN) crc0 = rl_crc32c_fold_only(crc, &next, &len);
