@@ -407,7 +407,7 @@ static inline uint64_t rl_crc32c_hw_streams(uint64_t crc0, const unsigned char *
  * Constants for a fold over D bits (a 128-bit lane whose low quadword holds
  * the earlier bytes): lo = reflect32(x^(D+63) mod P) << 32 multiplies the low
  * quadword, hi = reflect32(x^(D-1) mod P) << 32 the high one (derived and
- * checked against the bitwise CRC in tests/test_crc_fold.py). */
+ * checked against the bitwise CRC in tests/formats/test_crc_fold.py). */
 #define RL_CRC_FOLD_MIN 512       /* shorter inputs: the crc32 streams */
 #define RL_FOLD_K(pair) RL_FOLD_K_(pair)   /* (expands the pair's macro first) */
 #define RL_FOLD_K_(D_LO, D_HI) _mm512_set_epi64((long long)(D_HI), (long long)(D_LO), (long long)(D_HI), \
