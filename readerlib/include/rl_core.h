@@ -358,9 +358,16 @@ static uint32_t rl_crc32c_sw_raw(uint32_t crc, const unsigned char *next, size_t
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <nmmintrin.h>
+/* clang 14 and later keep the crc32 instruction apart from sse4.2 (a target
+ * of "sse4.2" alone refuses _mm_crc32_*); gcc has it in sse4.2 */
+#if defined(__clang__) && __clang_major__ >= 14
+#define RL_SSE42_TARGET "sse4.2,crc32"
+#else
+#define RL_SSE42_TARGET "sse4.2"
+#endif
 /* Three interleaved crc32 streams over blocks of `block` bytes, combined by
  * shifting with the precomputed zeros operator for `block` bytes. */
-__attribute__((target("sse4.2")))
+__attribute__((target(RL_SSE42_TARGET)))
 static inline uint64_t rl_crc32c_hw_streams(uint64_t crc0, const unsigned char **pnext, size_t *plen,
                                             size_t block, uint32_t zeros[][256]) {
     const unsigned char *next = *pnext;
@@ -400,7 +407,7 @@ static inline uint64_t rl_crc32c_hw_streams(uint64_t crc0, const unsigned char *
  * Constants for a fold over D bits (a 128-bit lane whose low quadword holds
  * the earlier bytes): lo = reflect32(x^(D+63) mod P) << 32 multiplies the low
  * quadword, hi = reflect32(x^(D-1) mod P) << 32 the high one (derived and
- * checked against the bitwise CRC in tests/test_crc_fold.py). */
+ * checked against the bitwise CRC in tests/formats/test_crc_fold.py). */
 #define RL_CRC_FOLD_MIN 512       /* shorter inputs: the crc32 streams */
 #define RL_FOLD_K(pair) RL_FOLD_K_(pair)   /* (expands the pair's macro first) */
 #define RL_FOLD_K_(D_LO, D_HI) _mm512_set_epi64((long long)(D_HI), (long long)(D_LO), (long long)(D_HI), \
@@ -415,7 +422,7 @@ static inline uint64_t rl_crc32c_hw_streams(uint64_t crc0, const unsigned char *
 #define RL_FOLD_128 0x3743f7bd00000000ull, 0x3171d43000000000ull
 #include <immintrin.h>
 
-#define RL_FOLD_TARGET __attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2")))
+#define RL_FOLD_TARGET __attribute__((target("avx512f,vpclmulqdq,pclmul," RL_SSE42_TARGET)))
 RL_FOLD_TARGET static inline __m512i rl_fold512(__m512i v, __m512i k, __m512i next) {
     return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(v, k, 0x00),
                                      _mm512_clmulepi64_epi128(v, k, 0x11), next, 0x96);
@@ -452,14 +459,16 @@ static inline uint32_t rl_crc32c_fold_raw(uint32_t crc, char **pd, const char **
     __m512i x0, x1, x2, x3, y0, y1, y2, y3;
     RL_FOLD_TAKE256(store, s, d, x0, x1, x2, x3);
     x0 = _mm512_xor_si512(x0, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)crc)));
-    s += 256; d += 256; n -= 256;
+    s += 256; n -= 256;
+    if (store) d += 256;                /* (d is NULL when not storing: no arithmetic on it) */
     while (n >= 256) {
         RL_FOLD_TAKE256(store, s, d, y0, y1, y2, y3);
         x0 = rl_fold512(x0, k2048, y0);
         x1 = rl_fold512(x1, k2048, y1);
         x2 = rl_fold512(x2, k2048, y2);
         x3 = rl_fold512(x3, k2048, y3);
-        s += 256; d += 256; n -= 256;
+        s += 256; n -= 256;
+        if (store) d += 256;
     }
     /* x0 x^1536 + x1 x^1024 + x2 x^512 + x3, then its four lanes into one */
     x3 = rl_fold512(x2, RL_FOLD_K(RL_FOLD_512), x3);
@@ -483,7 +492,7 @@ static uint32_t rl_crc32c_fold_only(uint32_t crc, const unsigned char **pnext, s
     return rl_crc32c_fold_raw(crc, &unused, (const char **)pnext, plen, 0);
 }
 
-__attribute__((target("sse4.2")))
+__attribute__((target(RL_SSE42_TARGET)))
 static uint32_t rl_crc32c_hw_raw(uint32_t crc, const unsigned char *next, size_t len) {
     uint64_t crc0 = crc;
     if (rl_crc32c_fold && len >= RL_CRC_FOLD_MIN) crc0 = rl_crc32c_fold_only(crc, &next, &len);

@@ -59,7 +59,7 @@ static uint32_t rl_cc_sw_raw(uint32_t crc, char *dst, const char *src, size_t n)
 #define RL_CC_STORE(nt, dst, v) do { \
         if (nt) _mm_stream_si64((long long *)(dst), (long long)(v)); else memcpy((dst), &(v), 8); \
     } while (0)
-__attribute__((target("sse4.2")))
+__attribute__((target(RL_SSE42_TARGET)))
 static inline uint64_t rl_cc_hw_streams(uint64_t crc0, char **pd, const char **ps, size_t *pn,
                                         size_t block, uint32_t zeros[][256], int nt) {
     char *d = *pd;
@@ -97,7 +97,7 @@ static uint32_t rl_cc_fold(uint32_t crc, char **pd, const char **ps, size_t *pn,
     return nt ? rl_crc32c_fold_raw(crc, pd, ps, pn, 2) : rl_crc32c_fold_raw(crc, pd, ps, pn, 1);
 }
 
-__attribute__((target("sse4.2")))
+__attribute__((target(RL_SSE42_TARGET)))
 static uint32_t rl_cc_hw_raw(uint32_t crc, char *d, const char *s, size_t n, int nt) {
     uint64_t crc0 = crc;
     /* streaming stores need 8-byte-aligned destinations: align d first */

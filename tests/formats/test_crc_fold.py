@@ -151,3 +151,91 @@ def test_fold_switch_and_environment():
     if not can:
         with pytest.raises(ValueError):
             _core._set_crc32c_folding(True)
+
+
+# The plain and fused CRC compiled into a standalone program under the
+# sanitizers: AddressSanitizer sees every read and write of the 64-byte loads
+# and stores against buffers allocated to the exact length (so a byte past the
+# end is a report), UBSan the pointer arithmetic; every length to 3,000 bytes,
+# source and destination offsets, a continuation crc, plain and streaming stores.
+_HARNESS = r"""
+#define RL_CORE_OWNER
+#include "rl_core.h"
+#include "rl_crccopy.h"
+#include <stdio.h>
+static rl_core_state st;
+static uint32_t bitwise(uint32_t crc, const unsigned char *p, size_t n) {
+    crc = ~crc;
+    for (size_t i = 0; i < n; i++) {
+        crc ^= p[i];
+        for (int k = 0; k < 8; k++) crc = crc & 1 ? (crc >> 1) ^ 0x82F63B78u : crc >> 1;
+    }
+    return ~crc;
+}
+int main(int argc, char **argv) {
+    rl_core_state_init(&st);
+    /* argv[1] "1": the parent (readerlib._core) saw the CPU fold; a compiler
+     * runtime's __builtin_cpu_supports may not (zig's) */
+    if (argc > 1 && argv[1][0] == '1') { st.crc_hw = 1; st.crc_fold = 1; }
+    printf("fold=%d\n", st.crc_fold);
+    unsigned seed = 1;
+    long bad = 0;
+    for (size_t n = 0; n < 3000; n += (n < 1100 ? 1 : 7)) {
+        for (int off = 0; off < 64; off += (n > 700 ? 9 : 1)) {
+            unsigned char *src = malloc(n + off + 1);
+            for (size_t i = 0; i < n + off; i++) { seed = seed * 1103515245u + 12345u; src[i] = seed >> 16; }
+            uint32_t c0 = seed, want = bitwise(c0, src + off, n);
+            if (rl_crc32c(c0, src + off, n) != want && bad++ < 5) printf("crc n=%zu off=%d\n", n, off);
+            for (int nt = 0; nt < 2; nt++)
+                for (int doff = 0; doff < 64; doff += 13) {
+                    char *dst = calloc(n + doff + 1, 1);
+                    uint32_t got = nt ? rl_crc32c_copy_nt(c0, dst + doff, (const char *)src + off, n)
+                                      : rl_crc32c_copy(c0, dst + doff, (const char *)src + off, n);
+                    rl_cc_fence();
+                    int before = 0;
+                    for (int i = 0; i < doff; i++) before |= dst[i];
+                    if ((got != want || memcmp(dst + doff, src + off, n) || before) && bad++ < 5)
+                        printf("copy nt=%d n=%zu off=%d doff=%d\n", nt, n, off, doff);
+                    free(dst);
+                }
+            free(src);
+        }
+    }
+    printf("bad=%ld\n", bad);
+    return bad != 0;
+}
+"""
+
+
+def _compilers():
+    """(name, command, flags): gcc with ASan + UBSan; a clang (`clang` on PATH,
+    or READERLIB_TEST_CLANG, e.g. "python -m ziglang cc") with UBSan, which also
+    flags arithmetic on a null pointer and builds without -mcrc32 only where the
+    header's targets name crc32 (clang 14 and later)."""
+    import shlex
+    import shutil
+    out = []
+    if shutil.which("gcc"):
+        out.append(("gcc", ["gcc"], ["-fsanitize=address,undefined"]))
+    clang = os.environ.get("READERLIB_TEST_CLANG") or shutil.which("clang")
+    if clang:
+        out.append(("clang", shlex.split(clang), ["-fsanitize=undefined"]))
+    return out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the harness is built for Linux")
+@pytest.mark.parametrize("name,cc,flags", _compilers(), ids=lambda v: v if isinstance(v, str) else "")
+def test_fold_under_the_sanitizers(tmp_path, name, cc, flags):
+    src = tmp_path / "fold_harness.c"
+    src.write_text(_HARNESS)
+    exe = tmp_path / "fold_harness"
+    build = subprocess.run(cc + ["-O1", "-g", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all", *flags,
+                                 "-I", str(HEADER.parent), str(src), "-o", str(exe)],
+                           capture_output=True, text=True, timeout=240)
+    assert build.returncode == 0, build.stderr[-4000:]
+    can = _core._cpu_can_fold() and _core._crc32c_uses_hardware()
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0", UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
+    env.pop("LD_PRELOAD", None)
+    run = subprocess.run([str(exe), "1" if can else "0"], capture_output=True, text=True, timeout=240, env=env)
+    assert run.returncode == 0 and "bad=0" in run.stdout, (run.stdout[-2000:], run.stderr[-4000:])
+    assert f"fold={int(can)}" in run.stdout, run.stdout[:200]
