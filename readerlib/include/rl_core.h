@@ -326,8 +326,11 @@ static void rl_core_state_init(rl_core_state *st) {
     rl_crc32c_fold = rl_crc32c_hw && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("vpclmulqdq");
 #endif
     {
-        const char *f = getenv("READERLIB_CRC_FOLD");   /* "0": the crc32 streams only (the A/B) */
-        if (f && f[0] == '0') rl_crc32c_fold = 0;
+        /* "0", "false", "off" or "no" (any case): the crc32 streams only (the A/B) */
+        const char *f = getenv("READERLIB_CRC_FOLD");
+        if (f && (f[0] == '0' || f[0] == 'f' || f[0] == 'F' || f[0] == 'n' || f[0] == 'N' ||
+                  ((f[0] == 'o' || f[0] == 'O') && (f[1] == 'f' || f[1] == 'F'))))
+            rl_crc32c_fold = 0;
     }
 }
 #endif
