@@ -19,7 +19,6 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 import bench_big_records as bb  # noqa: E402
 
