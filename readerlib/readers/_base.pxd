@@ -118,6 +118,7 @@ cdef class ReaderBase:
     cdef object _epoch_snapshot     # per-reader epoch state at the epoch's start
     cdef object _lock               # serialises read_next/reset/close across threads
     cdef bint _close_pending        # close() from another thread did not get the lock: the read holding it closes
+    cdef object _restore_error      # why the last set_state() failed part-way (reads raise until reset/set_state), or None
     # 1: *out holds the next item; 0: end of the epoch; -1: exception set.
     cdef int c_next(self, rl_record *out) except -1 nogil
     # Restart the whole chain below (next epoch).

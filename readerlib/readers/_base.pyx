@@ -618,10 +618,15 @@ cdef class ReaderBase:
             self._check_open()
             self.c_reset()
             self._resuming = False
+            self._restore_error = None
             self._position = 0
             self._mark_started(False)
 
     cdef int _begin_read(self) except -1:
+        if self._restore_error is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}: the last set_state() failed part-way ({self._restore_error}); "
+                "call set_state() again with a state that restores, or reset() to start the next epoch")
         if not self._started:
             if self._resuming:
                 self._resuming = False
@@ -757,14 +762,21 @@ cdef class ReaderBase:
         position = state.get("position")
         if isinstance(position, bool) or not isinstance(position, int) or position < 0:
             raise ValueError(f"state position must be an int >= 0, got {position!r}")
-        self.c_reset()
-        for r, d in zip(readers, saved):
-            r._set_epoch_state({key: v for key, v in d.items() if key != "type"})
         cdef int64_t i, n_skip = position
-        with nogil:
-            i = self.c_skip(n_skip)       # O(1) where the chain can position without reading
-        if i != n_skip:
-            raise ValueError(f"state position {position} is past the end of the epoch ({i} items)")
+        # from here a failure leaves the chain part-way into the saved epoch:
+        # reads raise (naming the failure) until a set_state() succeeds or reset()
+        self._restore_error = None
+        try:
+            self.c_reset()
+            for r, d in zip(readers, saved):
+                r._set_epoch_state({key: v for key, v in d.items() if key != "type"})
+            with nogil:
+                i = self.c_skip(n_skip)       # O(1) where the chain can position without reading
+            if i != n_skip:
+                raise ValueError(f"state position {position} is past the end of the epoch ({i} items)")
+        except BaseException as e:
+            self._restore_error = f"{type(e).__name__}: {e}"
+            raise
         self._mark_started(False)
         self._epoch_snapshot = [dict(d) for d in saved]
         self._position = position
