@@ -261,3 +261,26 @@ def test_a_restore_through_a_map_or_a_filter_reads_the_mapped_records(fixed, cha
             rest = _items(other)
             other.close()
         assert rest == ref[k:], (chain, mode)
+
+
+from hypothesis import given, settings, strategies as hs
+
+
+@settings(max_examples=300, deadline=None)
+@given(hs.integers(0, 32), hs.integers(1, 3000), hs.integers(0, 2**31), hs.randoms(use_true_random=False))
+def test_the_file_order_sorts_every_span_width(bits, n, base, rnd):
+    # spans of every bit width (1 to 4 passes, 1 to 10 bits a digit): the keys
+    # are (pos - lo) << 32 | slot in increasing order, every slot once
+    span = (1 << bits) - 1
+    n = min(n, span + 1)
+    pos = np.array(rnd.sample(range(span + 1), n), np.int64) + base
+    if n > 1:
+        pos[rnd.randrange(n)] = base                    # the span's both ends
+        pos[rnd.randrange(n)] = base + span
+        pos = np.unique(pos)
+        rnd.shuffle(pos)
+    keys = _shuffle._file_order_py(pos)
+    slots = (keys & 0xFFFFFFFF).astype(np.int64)
+    assert sorted(slots.tolist()) == list(range(len(pos)))
+    assert np.array_equal(pos[slots], np.sort(pos))
+    assert np.array_equal((keys >> np.uint64(32)).astype(np.int64), np.sort(pos) - pos.min())
