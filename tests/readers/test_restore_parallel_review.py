@@ -284,3 +284,17 @@ def test_the_file_order_sorts_every_span_width(bits, n, base, rnd):
     assert sorted(slots.tolist()) == list(range(len(pos)))
     assert np.array_equal(pos[slots], np.sort(pos))
     assert np.array_equal((keys >> np.uint64(32)).astype(np.int64), np.sort(pos) - pos.min())
+
+
+_FORK = 'import sys, os, threading\nsys.path[:0] = sys.argv[2:]\nimport numpy as np, readerlib as rl\nfrom readerlib.readers import _shuffle\nfrom test_resume_bounded import _state_at\nfrom test_restore_chunk_load import _items, _shuffle_of, _write_fixed\npath = _write_fixed(sys.argv[1], 60000, chunk_size=4096)\n_shuffle._inline_settings(enabled=True, min_payload=0, cell=0)\n_shuffle._restore_parallel_settings(min_records=0, threads=2)\nrl.set_num_threads(2)\nmake = lambda: rl.RecordIOReader(path).shuffle(12000, seed=2)\nref = _items(make()); st = _state_at(make, 20000)\nstop = False; bad = []\ndef loop():\n    while not stop:\n        o = make(); o.set_state(st)\n        if _items(o) != ref[20000:]: bad.append(1)\n        o.close()\nth = threading.Thread(target=loop); th.start()\nfor i in range(6):\n    pid = os.fork()\n    if pid == 0:\n        try:\n            o = make(); o.set_state(st)\n            ok = _items(o) == ref[20000:] and _shuffle_of(o)._par_tids is not None\n            os._exit(0 if ok else 3)\n        except BaseException:\n            os._exit(4)\n    _, s = os.waitpid(pid, 0)\n    assert os.WEXITSTATUS(s) == 0, s\nstop = True; th.join()\nassert not bad\nprint("OK")\n'
+
+
+def test_a_fork_while_another_thread_restores_on_the_pool(tmp_path):
+    # a DataLoader-style fork while a second thread's restore fills on the
+    # pool: every child restores on its own pool, exactly (a child, with a
+    # time limit: a deadlock is a failure, not a hung run)
+    here = os.path.dirname(os.path.abspath(__file__))
+    support = os.path.join(os.path.dirname(here), "support")
+    p = subprocess.run([sys.executable, "-c", _FORK, str(tmp_path / "f.rio"), here, support],
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0 and "OK" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
