@@ -202,7 +202,7 @@ _FUZZ = textwrap.dedent("""
         assert got.shape == (n,)
         assert n == 0 or (got.min() >= 0 and got.max() < src), (text, src, n)
 
-    @settings(max_examples=3000, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))
     @given(hs.integers(1, 1 << 33), hs.integers(0, 64), hs.data())
     def fuzz(src, n, data):
         pos = np.array(data.draw(hs.lists(hs.integers(0, src - 1), min_size=n, max_size=n)), np.int64)
@@ -266,7 +266,7 @@ def test_a_restore_through_a_map_or_a_filter_reads_the_mapped_records(fixed, cha
 from hypothesis import given, settings, strategies as hs
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(hs.integers(0, 32), hs.integers(1, 3000), hs.integers(0, 2**31), hs.randoms(use_true_random=False))
 def test_the_file_order_sorts_every_span_width(bits, n, base, rnd):
     # spans of every bit width (1 to 4 passes, 1 to 10 bits a digit): the keys
