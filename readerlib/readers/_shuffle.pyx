@@ -1832,7 +1832,13 @@ cdef class ShuffleReader(DecoratedReader):
         try:
             caches[0] = <PyObject *>ra
             for t in range(1, T):
-                e = open_random_access(self.ra_src)
+                try:
+                    e = open_random_access(self.ra_src)
+                except Exception:
+                    # (too many open files, the file replaced since the fill's
+                    # own cache opened it...): the serial fill needs no second
+                    # cache, and an error here is none it would have raised
+                    return False
                 extra.append(e)
                 if type(e) is not ChunkCache:
                     return False
