@@ -299,6 +299,7 @@ def _run_child(script, tmp_path):
                        capture_output=True, text=True, timeout=240)
     assert p.returncode == 0 and "OK" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
 
+
 _FORK = _CHILD + 'stop = False; bad = []\ndef loop():\n    while not stop:\n        o = make(); o.set_state(st)\n        if _items(o) != ref[20000:]: bad.append(1)\n        o.close()\nth = threading.Thread(target=loop); th.start()\nfor i in range(6):\n    pid = os.fork()\n    if pid == 0:\n        try:\n            o = make(); o.set_state(st)\n            ok = _items(o) == ref[20000:] and _shuffle_of(o)._par_tids is not None\n            os._exit(0 if ok else 3)\n        except BaseException:\n            os._exit(4)\n    _, s = os.waitpid(pid, 0)\n    assert os.WEXITSTATUS(s) == 0, s\nstop = True; th.join()\nassert not bad\nprint("OK")\n'
 
 
