@@ -35,6 +35,23 @@ def _write_fixed(path, n, chunk_size=4096, **kw):
     return path
 
 
+def _good_file_state(tmp_path, n, k, buf):
+    """The corrupt-chunk tests' set-up: `n` int64 records in good/f.rio (an
+    empty bad/ beside it, for a corrupted copy of the same name, so the same
+    file identity), the maker of shuffle(buf, seed=3) over a path, its state
+    after `k` reads of the good file, and each chunk's first record index
+    (chunks + 1 entries).  Returns (good, make, state, starts)."""
+    (tmp_path / "good").mkdir()
+    (tmp_path / "bad").mkdir()
+    good = _write_fixed(str(tmp_path / "good" / "f.rio"), n, chunk_size=4096)
+    make = lambda p: rl.RecordIOReader(p).shuffle(buf, seed=3)
+    st = _state_at(lambda: make(good), k)
+    r = rl.RecordIOReader(good)
+    _, nrec = r.chunk_table()
+    r.close()
+    return good, make, st, np.concatenate([[0], np.cumsum(nrec)])
+
+
 def _write_var(path, n, chunk_size=4096):
     with rl.RecordIOWriter(path, VAR, chunk_size=chunk_size) as w:
         for i in range(n):
@@ -218,18 +235,9 @@ def test_a_corrupt_chunk_met_after_the_fill_decided_raises_naming_the_file(tmp_p
 
 
 def _corrupt_mid_fill(tmp_path):
-    n = 40_000
-    (tmp_path / "good").mkdir()
-    (tmp_path / "bad").mkdir()
-    good = _write_fixed(str(tmp_path / "good" / "f.rio"), n, chunk_size=4096)
-    make = lambda p: rl.RecordIOReader(p).shuffle(BUF, seed=3)
-    k = 15_000
-    st = _state_at(lambda: make(good), k)
+    n, k = 40_000, 15_000
+    good, make, st, starts = _good_file_state(tmp_path, n, k, BUF)
     src = st["buffer"]["source_position"]
-    r = rl.RecordIOReader(good)
-    offs, nrec = r.chunk_table()
-    r.close()
-    starts = np.concatenate([[0], np.cumsum(nrec)])
     # the fill takes the newest 4096 buffered records first (the probe, which
     # decides the cells), then the rest from the oldest on: a chunk with
     # buffered records, older than the probe's (more than 4096 buffered

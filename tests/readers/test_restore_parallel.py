@@ -22,7 +22,7 @@ from readerlib import _parallel
 from readerlib.readers import _shuffle
 from helpers import corrupt_chunk
 from test_resume_bounded import _state_at
-from test_restore_chunk_load import _items, _shuffle_of, _write_fixed, _write_var
+from test_restore_chunk_load import _good_file_state, _items, _shuffle_of, _write_fixed, _write_var
 
 BUF = 12_000          # the probe (4096) and then 7,904 records in pieces
 
@@ -111,19 +111,10 @@ def test_variable_records_stop_the_pieces_and_the_serial_fill_takes_the_rest(tmp
 
 @pytest.mark.parametrize("mode", ["emulated", "pool"])
 def test_a_corrupt_chunk_met_in_a_piece_raises_naming_the_file(tmp_path, mode):
-    n = 60_000
-    (tmp_path / "good").mkdir()
-    (tmp_path / "bad").mkdir()
-    good = _write_fixed(str(tmp_path / "good" / "f.rio"), n, chunk_size=4096)
-    make = lambda p: rl.RecordIOReader(p).shuffle(BUF, seed=3)
-    k = 20_000
-    st = _state_at(lambda: make(good), k)
+    n, k = 60_000, 20_000
+    good, make, st, starts = _good_file_state(tmp_path, n, k, BUF)
     src = st["buffer"]["source_position"]
     held = _shuffle._unpack_positions(st["buffer"]["slots"], src, st["buffer"]["count"], "test")
-    r = rl.RecordIOReader(good)
-    _, nrec = r.chunk_table()
-    r.close()
-    starts = np.concatenate([[0], np.cumsum(nrec)])
     # for each piece position: an old chunk (the first pieces), a middle one
     for back in (25_000, 14_000):
         c = int(np.searchsorted(starts, src - back, side="right") - 1)

@@ -28,7 +28,7 @@ import readerlib as rl
 from readerlib.readers import _random_access, _shuffle
 from helpers import corrupt_chunk
 from test_resume_bounded import _state_at
-from test_restore_chunk_load import VAR, _items, _shuffle_of, _write_fixed
+from test_restore_chunk_load import VAR, _good_file_state, _items, _shuffle_of, _write_fixed
 from test_restore_parallel import BUF, _fill_mode, _restore
 
 
@@ -74,21 +74,12 @@ def test_a_thread_cache_that_cannot_open_leaves_the_fill_serial(fixed, monkeypat
 
 
 def test_no_descriptor_is_left_open_and_a_retry_on_the_same_reader_restores(tmp_path):
-    n = 60_000
-    (tmp_path / "good").mkdir()
-    (tmp_path / "bad").mkdir()
-    good = _write_fixed(str(tmp_path / "good" / "f.rio"), n, chunk_size=4096)
+    n, k = 60_000, 20_000
+    good, make, st, starts = _good_file_state(tmp_path, n, k, BUF)
     bad = str(tmp_path / "bad" / "f.rio")
     shutil.copy(good, bad)
-    make = lambda p: rl.RecordIOReader(p).shuffle(BUF, seed=3)
     ref = _items(make(good))
-    k = 20_000
-    st = _state_at(lambda: make(good), k)
     src = st["buffer"]["source_position"]
-    r = rl.RecordIOReader(good)
-    _, nrec = r.chunk_table()
-    r.close()
-    starts = np.concatenate([[0], np.cumsum(nrec)])
     c = int(np.searchsorted(starts, src - 25_000, side="right") - 1)   # met in a piece
     for mode in ("emulated", "pool"):
         with _fill_mode(mode):
