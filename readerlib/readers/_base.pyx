@@ -23,8 +23,8 @@ Design:
     instance encoding, the views that wrap blocks as NumPy arrays.
 """
 import os
-import threading
 import warnings
+from _thread import RLock as _RLock
 
 import numpy as np
 
@@ -478,10 +478,20 @@ cdef class ReaderBase:
     __signature__ = _ClassSignature()
 
     def __cinit__(self, *args, **kwargs):
+        # Must not fail: when it does, CPython deallocates the half-made object
+        # through the *subclass's* tp_dealloc while its vtable is still this
+        # class's, and a subclass __dealloc__ that calls one of its own cdef
+        # methods (RecordIOReader._release_cur) jumps through a slot this
+        # vtable lacks: SIGSEGV (and one whose own __cinit__ never ran would
+        # close fd 0).  So no Python-level call here: threading.RLock() is a
+        # Python function, whose frame ran a pending signal's handler -- a
+        # KeyboardInterrupt during a pooled restore's open_random_access
+        # crashed the process (tests/readers/test_construct_interrupt.py).
+        # _thread.RLock is the C type threading.RLock() returns.
         self._closed = False
         self._started = False
         self.item_kind = ITEM_INSTANCE
-        self._lock = threading.RLock()
+        self._lock = _RLock()
 
     cdef int _set_schema(self, object schema, int item_kind) except -1:
         self.schema = Schema.coerce(schema)

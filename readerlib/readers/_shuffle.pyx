@@ -569,12 +569,11 @@ def _unpack_positions_v1(text, int64_t src, int64_t n, where):
 # than they save there (measured: 100k records from a 1M file, 5.1 ms serial,
 # 7.1 ms split)
 cdef int64_t _PAR_MIN_RECORDS = 262144
-# 0: readerlib's thread count; 1: serial.  1 by default: the pooled fill crashed
-# (SIGSEGV) when a KeyboardInterrupt landed during a pooled restore on a loaded
-# machine (tests/readers/test_restore_parallel_review.py, found at the last CI run
-# of 2026-12-02, not yet understood); the serial fill survives the same test.
-# _restore_parallel_settings(threads=0 or 2) turns the pooled fill on.
-cdef int _PAR_THREADS = 1
+# 0: readerlib's thread count; 1: serial.  (Off from 2026-12-02 01:00 to 01:50
+# for a SIGSEGV when a KeyboardInterrupt landed in the open of a thread's chunk
+# cache: ReaderBase.__cinit__ could fail, and a half-made RecordIOReader's
+# __dealloc__ then ran through the base vtable; fixed there.)
+cdef int _PAR_THREADS = 0
 cdef bint _PAR_EMULATE = False              # run the pieces on the caller, tid = piece % threads (tests)
 # a restore's fresh slots and cells: ask for huge pages.  Off by default: with the
 # usual THP defrag setting ("madvise") an advised fault compacts memory in the

@@ -304,13 +304,7 @@ def test_a_fork_while_another_thread_restores_on_the_pool(tmp_path):
 _INTERRUPT = _POOL_CHILD + 'armed = [False]\ndef h(sig, frm):\n    if armed[0]:\n        armed[0] = False\n        raise KeyboardInterrupt\nsignal.signal(signal.SIGALRM, h)\nfd0 = len(os.listdir("/proc/self/fd"))\nhits = 0\nfor i in range(60):\n    o = make()\n    armed[0] = True\n    signal.setitimer(signal.ITIMER_REAL, 0.0002 * (i % 20 + 1))\n    try:\n        o.set_state(st)\n        armed[0] = False\n        signal.setitimer(signal.ITIMER_REAL, 0)\n        got = _items(o)\n        assert got == ref[20000:], i\n    except KeyboardInterrupt:\n        hits += 1\n        signal.setitimer(signal.ITIMER_REAL, 0)\n        s = o._memory_stats()\n        assert s["blocks"] <= 2, s\n    finally:\n        armed[0] = False\n    o.close()\nassert len(os.listdir("/proc/self/fd")) == fd0, "descriptors left"\no = make(); o.set_state(st); assert _items(o) == ref[20000:]; o.close()\nprint("OK", hits)\n'
 
 
-@pytest.mark.parametrize("threads", [
-    1,
-    pytest.param(2, marks=pytest.mark.xfail(
-        strict=False, reason="known defect: the pooled fill can crash (SIGSEGV) when a KeyboardInterrupt "
-                             "lands during a pooled restore on a loaded machine; the pooled fill is off by "
-                             "default (_shuffle._PAR_THREADS = 1) until it is understood")),
-])
+@pytest.mark.parametrize("threads", [1, 2])
 def test_keyboard_interrupts_during_pooled_restores(tmp_path, threads):
     # SIGALRM handlers raising KeyboardInterrupt at 0.2-4 ms into set_state,
     # 60 times: each restore either completes exactly or raises
