@@ -534,3 +534,76 @@ def _parallel_for_py(int n_threads, int64_t n_items, int nested_threads=0, int64
     with nogil:
         parallel_for(n_threads, n_items, _probe_body, &c)
     return tids, calls
+
+
+# --------------------------------------------------- Python threads, started whole
+# threading.Thread.start() is Python code: on the main thread a pending
+# signal's handler runs inside it, and a KeyboardInterrupt there leaves a
+# thread that may or may not run (started before Event.wait, or left in
+# threading's limbo), which join() then refuses ("cannot join thread before
+# it is started") and whose work never comes (open_files waits on a worker
+# that does not exist).  start_threads() runs the start() calls on a launcher
+# thread -- signal handlers run only on the main thread -- while the caller
+# waits in C, GIL released, where no handler runs: every thread is started,
+# or start() raised its own error, and a pending KeyboardInterrupt comes at
+# the caller's next Python call, after the threads are consistent.
+from readerlib._sync cimport (pthread_mutex_t, pthread_cond_t, pthread_mutex_init, pthread_mutex_destroy,
+                              pthread_mutex_lock, pthread_mutex_unlock, pthread_cond_init,
+                              pthread_cond_destroy, pthread_cond_wait, pthread_cond_broadcast)
+import _thread
+import threading as _threading
+
+
+cdef class _Launch:
+    cdef pthread_mutex_t mu
+    cdef pthread_cond_t cv
+    cdef int done
+    cdef object threads
+    cdef object error
+
+    def __cinit__(self):
+        pthread_mutex_init(&self.mu, NULL)
+        pthread_cond_init(&self.cv, NULL)
+
+    def __dealloc__(self):
+        pthread_cond_destroy(&self.cv)
+        pthread_mutex_destroy(&self.mu)
+
+    def run(self):
+        try:
+            for t in self.threads:
+                t.start()
+        except BaseException as e:
+            self.error = e
+        finally:
+            with nogil:
+                pthread_mutex_lock(&self.mu)
+                self.done = 1
+                pthread_cond_broadcast(&self.cv)
+                pthread_mutex_unlock(&self.mu)
+
+
+def start_threads(threads):
+    """Start each threading.Thread of `threads`, never half-way: on the main
+    thread the start() calls run on a launcher thread while this one waits
+    with the GIL released (see above); elsewhere (no signal handler runs
+    there) they run here.  Raises what a start() raised; threads before it
+    are started."""
+    cdef _Launch L
+    threads = list(threads)
+    if not threads:
+        return
+    if _thread.get_ident() != _threading.main_thread().ident:
+        for t in threads:
+            t.start()
+        return
+    L = _Launch()
+    L.threads = threads
+    _thread.start_new_thread(L.run, ())
+    with nogil:
+        pthread_mutex_lock(&L.mu)
+        while not L.done:
+            pthread_cond_wait(&L.cv, &L.mu)
+        pthread_mutex_unlock(&L.mu)
+    if L.error is not None:
+        raise L.error

@@ -61,6 +61,7 @@ from readerlib.readers._base cimport (
     ReaderBase, FileReader, DecoratedReader, rl_block, rl_record, rl_block_incref, rl_block_decref,
     ITEM_INSTANCE, rl_core_import)
 from readerlib.readers._base import _check_positive_int, _check_reader
+from readerlib._parallel import start_threads
 from readerlib.errors import DataLossError
 
 rl_core_import()
@@ -431,6 +432,8 @@ cdef class MultiFileReader(FileReader):
         run.errors = [None] * self.num_threads
         run.sh = _sh_new(self.num_threads)
         _sh_incref(run.sh)
+        if self.sh != NULL:                 # a start interrupted before its threads ran
+            _sh_decref(self.sh)
         self.sh = run.sh
         self.run = run
         self._units = run.units
@@ -439,13 +442,23 @@ cdef class MultiFileReader(FileReader):
         self.first_unit = run.first
         self.emitted = 0
         self._threads = []
+        ths = []
         for t in range(min(self.num_threads, max(self.nunits - run.first, 1))):
-            th = threading.Thread(target=run._worker, args=(t,), daemon=True,
-                                  name=f"readerlib-open_files-{t}")
-            self._threads.append(th)
+            ths.append(threading.Thread(target=run._worker, args=(t,), daemon=True,
+                                        name=f"readerlib-open_files-{t}"))
+        # all started or none (a KeyboardInterrupt never leaves a worker unstarted,
+        # whose units the stream would wait for, or that _stop_threads cannot join)
+        try:
+            start_threads(ths)
+        except BaseException:
+            # a start() failed (no thread could be made): stop the ones it started
+            self._threads = [th for th in ths if th.ident is not None]
+            self.running = True
+            self._stop_threads()
+            self.running = False
+            raise
+        self._threads = ths
         self.running = True
-        for th in self._threads:
-            th.start()
         return 0
 
     cdef int _stop_threads(self) except -1:

@@ -70,6 +70,7 @@ from readerlib.readers._base cimport (
     ReaderBase, DecoratedReader, rl_block, rl_record, rl_block_incref, rl_block_decref,
     ITEM_BATCH, ITEM_INSTANCE, rl_core_import)
 from readerlib.readers._base import _check_positive_int, _check_reader
+from readerlib._parallel import start_threads
 from readerlib.tensor import LoDTensor
 
 rl_core_import()
@@ -232,9 +233,10 @@ cdef class _Pump:
         self.st = NULL
 
     def start(self, name):
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        t = threading.Thread(target=self._run, name=name, daemon=True)
         _live_pumps.add(self)
-        self.thread.start()
+        start_threads((t,))         # (a KeyboardInterrupt never leaves it half-started)
+        self.thread = t
 
     cdef int _loop(self) except -1 nogil:
         cdef pf_state *st = self.st
