@@ -12,7 +12,7 @@ from typing_extensions import Self
 from readerlib.tensor import Field, LoDTensor, Schema
 
 
-__all__ = ['MAX_THREADS', 'SHARES_PER_THREAD', 'MIN_BYTES_PER_THREAD', 'set_num_threads', 'get_num_threads', 'threads_enabled']
+__all__ = ['MAX_THREADS', 'SHARES_PER_THREAD', 'MIN_BYTES_PER_THREAD', 'set_num_threads', 'get_num_threads', 'threads_enabled', 'start_threads']
 
 MAX_THREADS: int
 SHARES_PER_THREAD: int
@@ -20,3 +20,4 @@ MIN_BYTES_PER_THREAD: int
 def set_num_threads(n: int) -> int: ...
 def get_num_threads() -> int: ...
 def threads_enabled() -> bool: ...
+def start_threads(threads: Any) -> Any: ...
