@@ -26,7 +26,7 @@ import gc, os, sys, tempfile, time
 sys.path.insert(0, SUPPORT)
 import numpy as np
 import readerlib as rl
-from helpers import make_byte_files
+from helpers import make_byte_files, open_fds
 
 d = tempfile.mkdtemp()
 (rio, tfr), _ = make_byte_files(d, ["rio", "tfrecord"], [200, 200])
@@ -51,15 +51,7 @@ class Injected(KeyboardInterrupt):
     pass
 
 
-def fds():
-    # {fd: target}, without the listing's own descriptor (gone by readlink)
-    out = {}
-    for f in os.listdir("/proc/self/fd"):
-        try:
-            out[f] = os.readlink("/proc/self/fd/" + f)
-        except FileNotFoundError:
-            pass
-    return out
+fds = open_fds
 
 
 for name in ONLY:

@@ -19,7 +19,7 @@ import gc, os, random, signal, sys, tempfile, threading, time
 sys.path.insert(0, SUPPORT)
 import numpy as np
 import readerlib as rl
-from helpers import make_byte_files
+from helpers import make_byte_files, open_fds
 
 from readerlib.readers import _shuffle
 
@@ -62,14 +62,7 @@ def handler(sig, frame):
 signal.signal(signal.SIGALRM, handler)
 
 
-def fds():
-    out = {}
-    for f in os.listdir("/proc/self/fd"):
-        try:
-            out[f] = os.readlink("/proc/self/fd/" + f)
-        except FileNotFoundError:
-            pass
-    return out
+fds = open_fds
 
 
 def settle(before_fds, before_threads):

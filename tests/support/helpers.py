@@ -390,6 +390,18 @@ def make_byte_files(d, kinds, sizes, chunk_size=2048, rec_size=8):
     return paths, recs
 
 
+def open_fds():
+    """{descriptor: what it points to} of this process, without the
+    listing's own descriptor (gone by the time it is read)."""
+    out = {}
+    for f in os.listdir("/proc/self/fd"):
+        try:
+            out[f] = os.readlink("/proc/self/fd/" + f)
+        except FileNotFoundError:
+            pass
+    return out
+
+
 SUPPORT_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
