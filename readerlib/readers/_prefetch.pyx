@@ -212,7 +212,15 @@ cdef int _pf_pop(pf_state *st, rl_record *out, int64_t deadline_ns, bint blockin
 
 
 # ------------------------------------------------------------------- a run
-_live_pumps = weakref.WeakSet()
+# id(pump) -> weakref.ref(pump), without a callback: each pump takes itself out
+# in __dealloc__ (C only).  Not a WeakSet: its Python callback ran at every
+# pump's dealloc, and a signal handler's KeyboardInterrupt raised inside it
+# was swallowed ("Exception ignored in ... WeakSet"): a lost Ctrl-C.
+_live_pumps = {}
+
+
+def _pumps_alive():
+    return [p for p in (r() for r in list(_live_pumps.values())) if p is not None]
 
 
 cdef class _Pump:
@@ -229,12 +237,15 @@ cdef class _Pump:
         self.upstream = upstream
 
     def __dealloc__(self):
+        live = _live_pumps
+        if live is not None:                # (None: the module torn down at exit)
+            live.pop(id(self), None)
         _pf_decref(self.st)
         self.st = NULL
 
     def start(self, name):
         t = threading.Thread(target=self._run, name=name, daemon=True)
-        _live_pumps.add(self)
+        _live_pumps[id(self)] = weakref.ref(self)
         start_threads((t,))         # (a KeyboardInterrupt never leaves it half-started)
         self.thread = t
 
@@ -346,7 +357,7 @@ def _deprioritise_wakeups():
 
 def _stop_all_at_exit():
     """Stop every live thread before finalisation, so none is cut off mid-item."""
-    pumps = list(_live_pumps)
+    pumps = _pumps_alive()
     for p in pumps:
         _pf_request_stop((<_Pump>p).st)
     for p in pumps:
@@ -356,7 +367,7 @@ def _stop_all_at_exit():
 
 
 def _reinit_after_fork():
-    for p in list(_live_pumps):
+    for p in _pumps_alive():
         p._after_fork_in_child()
 
 
