@@ -11,7 +11,8 @@
     readerlib / fastest tf.data.
 
 The contenders of a table run interleaved, `--repeats` rounds (harness.py),
-over files already in the page cache; best reported.  Machines here are shared and noisy: read the ratios.
+over files already in the page cache; best and median reported (ratios best / best and
+median / median).  Machines here are shared and noisy: read the ratios.
 """
 import os
 import shutil
@@ -35,7 +36,7 @@ def write_file(path, n, size, seed, compression=None):
 
 
 def best_all(fns, repeat):
-    """{name: (best seconds, records of the last pass)}, the contenders interleaved."""
+    """{name: (best seconds, median seconds, records of the last pass)}, the contenders interleaved."""
     counts = {}
 
     def counted(name, fn):
@@ -43,7 +44,7 @@ def best_all(fns, repeat):
             counts[name] = fn()
         return run
     st = harness.interleaved({k: counted(k, f) for k, f in fns.items()}, repeat)
-    return {k: (st[k].best, counts[k]) for k in fns}
+    return {k: (st[k].best, st[k].median, counts[k]) for k in fns}
 
 
 def drain(reader):
@@ -81,8 +82,8 @@ def bench_open_files(d, n_files, per_file, repeat):
                     # the default schema (records as uint8 sequences, one copy into LoD form)
                     "open_files(16 files, num_threads=2).batch(256), uint8 LoD records":
                         pooled(paths, 2, None)}, repeat)
-    rows = [(name, t, n) for name, (t, n) in res.items()]
-    assert all(n == total for _, _, n in rows), rows
+    rows = [(name, t, tm, n) for name, (t, tm, n) in res.items()]
+    assert all(n == total for *_, n in rows), rows
     # GZIP files: the workers inflate, the part a pool can spread over cores
     for p in gz:
         TFRecordReader(p, schema=schema, compression="GZIP").__len__()
@@ -99,8 +100,8 @@ def bench_open_files(d, n_files, per_file, repeat):
     res = best_all({"GZIP files one after another, consumer thread (no pool)": gz_sequential,
                     "open_files(16 GZIP files, num_threads=1).batch(256)": gz_pooled(1),
                     "open_files(16 GZIP files, num_threads=2).batch(256)": gz_pooled(2)}, repeat)
-    gz_rows = [(name, t, n) for name, (t, n) in res.items()]
-    n = gz_rows[0][2]
+    gz_rows = [(name, t, tm, n) for name, (t, tm, n) in res.items()]
+    n = gz_rows[0][3]
     return rows, total * 64, gz_rows, n * 64
 
 
@@ -138,9 +139,9 @@ def bench_tf(path, n, size, repeat):
     fns = {"readerlib TFRecordReader().batch(256) (uint8 LoD)": rl_lod,
            "readerlib TFRecordReader(schema=uint8[size]).batch(256)": rl_fixed}
     fns.update((name, tf_iter(ds)) for name, ds in variants)
-    for name, (t, k) in best_all(fns, repeat).items():
+    for name, (t, tm, k) in best_all(fns, repeat).items():
         assert k == n, (name, k, n)
-        rows.append(("rl" if name.startswith("readerlib") else "tf", name, t))
+        rows.append(("rl" if name.startswith("readerlib") else "tf", name, t, tm))
     return rows
 
 
@@ -163,15 +164,17 @@ def main(argv=None):
             out(f"#### (b) open_files over 16 TFRecord files, {16 * per_file} records of 64 B "
                 f"(fixed schema uint8[64] unless noted)")
             out()
-            out("| chain | s | records/s | payload GB/s | vs no pool |")
+            out("| chain | s (best / median) | records/s (best) | payload GB/s (best) "
+                "| vs no pool (best / median) |")
             out("|---|---:|---:|---:|---:|")
-            base = rows[0][1]
-            for name, t, n in rows:
-                out(f"| {name} | {t:.3f} | {n / t / 1e6:.2f} M | {nbytes / t / 1e9:.2f} | {base / t:.2f}x |")
-            base = gz_rows[0][1]
-            for name, t, n in gz_rows:
-                out(f"| {name} ({n} records) | {t:.3f} | {n / t / 1e6:.2f} M | {gz_bytes / t / 1e9:.2f} | "
-                    f"{base / t:.2f}x |")
+            base, basem = rows[0][1], rows[0][2]
+            for name, t, tm, n in rows:
+                out(f"| {name} | {t:.3f} / {tm:.3f} | {n / t / 1e6:.2f} M | {nbytes / t / 1e9:.2f} | "
+                    f"{base / t:.2f}x / {basem / tm:.2f}x |")
+            base, basem = gz_rows[0][1], gz_rows[0][2]
+            for name, t, tm, n in gz_rows:
+                out(f"| {name} ({n} records) | {t:.3f} / {tm:.3f} | {n / t / 1e6:.2f} M | "
+                    f"{gz_bytes / t / 1e9:.2f} | {base / t:.2f}x / {basem / tm:.2f}x |")
             out()
             shutil.rmtree(d, ignore_errors=True)
             os.makedirs(d, exist_ok=True)
@@ -182,26 +185,27 @@ def main(argv=None):
             else:
                 out(f"#### (c) TFRecord read throughput against tf.data (TensorFlow {tf.__version__})")
                 out()
-                out("| records | reader | s | records/s | payload GB/s |")
+                out("| records | reader | s (best / median) | records/s (best) | payload GB/s (best) |")
                 out("|---|---|---:|---:|---:|")
                 summary = []
                 for size, n, target in [(64, max(1000, int(2_000_000 * scale)), 10),
                                         (65536, max(16, int(4000 * scale)), 3)]:
                     path = write_file(os.path.join(d, f"r{size}.tfrecord"), n, size, 99)
                     rows = bench_tf(path, n, size, args.repeats)
-                    for kind, name, t in rows:
-                        out(f"| {n} x {size} B | {name} | {t:.3f} | {n / t / 1e6:.3f} M | "
+                    for kind, name, t, tm in rows:
+                        out(f"| {n} x {size} B | {name} | {t:.3f} / {tm:.3f} | {n / t / 1e6:.3f} M | "
                             f"{n * size / t / 1e9:.2f} |")
-                    best_tf = min(t for kind, _, t in rows if kind == "tf")
-                    rl_lod = rows[0][2]
-                    rl_fix = rows[1][2]
-                    summary.append((size, best_tf / rl_lod, best_tf / rl_fix, target))
+                    # the peer: the tf.data variant fastest at its best (its median beside it)
+                    _, _, tf_b, tf_m = min((r for r in rows if r[0] == "tf"), key=lambda r: r[2])
+                    (_, _, lod_b, lod_m), (_, _, fix_b, fix_m) = rows[0], rows[1]
+                    summary.append((size, tf_b / lod_b, tf_m / lod_m, tf_b / fix_b, tf_m / fix_m, target))
                     os.unlink(path)
                 out()
-                out("| records | readerlib / fastest tf.data (uint8 LoD) | (fixed schema) | target |")
+                out("| records | readerlib / fastest tf.data (uint8 LoD), best / median "
+                    "| (fixed schema), best / median | target |")
                 out("|---|---:|---:|---:|")
-                for size, r_lod, r_fix, target in summary:
-                    out(f"| {size} B | {r_lod:.1f}x | {r_fix:.1f}x | >= {target}x |")
+                for size, lod_b, lod_m, fix_b, fix_m, target in summary:
+                    out(f"| {size} B | {lod_b:.1f}x / {lod_m:.1f}x | {fix_b:.1f}x / {fix_m:.1f}x | >= {target}x |")
                 out()
     finally:
         if not args.dir:
