@@ -487,7 +487,12 @@ cdef class ReaderBase:
         # Python function, whose frame ran a pending signal's handler -- a
         # KeyboardInterrupt during a pooled restore's open_random_access
         # crashed the process (tests/readers/test_construct_interrupt.py).
-        # _thread.RLock is the C type threading.RLock() returns.
+        # _thread.RLock is the C type threading.RLock() returns.  It can still
+        # raise MemoryError (its allocation): so a subclass __dealloc__ that
+        # calls its own cdef methods or closes a descriptor first checks that
+        # its own part was made -- `if <void *>self.<an object field> == NULL:
+        # return` (NULL, not None: tp_new had not reached the subclass's fields;
+        # its C fields are 0).  tests/readers/test_review9_halfmade.py.
         self._closed = False
         self._started = False
         self.item_kind = ITEM_INSTANCE
