@@ -15,6 +15,11 @@ review:
   methods through the base vtable there -- SIGSEGV -- and the file readers
   would have closed fd 0 (their `fd = -1` is in their own __cinit__).
   Each now returns early when its own part was never made.
+* A reader whose __init__ never ran -- `cls.__new__(cls)`, or a Python
+  subclass whose __init__ does not call super().__init__ -- segfaulted on
+  read_next / reset / len / close (ShuffleReader, the decorators: their
+  compiled methods read fields nothing set).  Such a reader now raises
+  TypeError ("never initialised"), and such a subclass is refused when made.
 * RecordIOWriter.__init__ opened its file before making the header (Schema
   .to_json runs Python code): an exception there left the descriptor open for
   good (the writer is not open yet, so __del__ does not close it, and
@@ -216,6 +221,97 @@ def test_a_reader_whose_init_never_ran_is_freed_safely():
     """`cls.__new__(cls)` then collected: every __dealloc__ copes with the
     fields __cinit__ set and nothing else."""
     run_ok_script(f"SUPPORT = {SUPPORT_DIR!r}\n" + _NEW_ONLY, timeout=120)
+
+
+_NEVER_INIT = _CLASSES + r'''
+import pickle
+METHODS = {
+    "read_next": lambda r: r.read_next(),
+    "reset": lambda r: r.reset(),
+    "len": lambda r: len(r),
+    "next": lambda r: next(iter(r)),
+    "set_state": lambda r: r.set_state({}),
+    "skip": lambda r: r._skip(3),
+    "read_many": lambda r: r.read_many([0]),
+    "getitem": lambda r: r[0],
+    "decorate": lambda r: r.shuffle(4),
+    "get_state": lambda r: r.get_state(),
+    "repr": lambda r: repr(r),
+    "pickle": lambda r: pickle.dumps(r),
+    "close": lambda r: (r.close(), r.close()),
+}
+MUST_REFUSE = ("read_next", "reset", "len", "next", "set_state", "skip", "read_many", "decorate")
+ABSTRACT = ("ReaderBase", "FileReader", "DecoratedReader", "_ChunkedSource")
+for cls in CLASSES:
+    for m, call in METHODS.items():
+        print(cls.__name__, m, flush=True)
+        # (a source's own __len__ reads a count, 0 here: no need to refuse)
+        must = m in MUST_REFUSE and not (m == "len" and cls.__len__ is not B.ReaderBase.__len__)
+        r = cls.__new__(cls)               # __cinit__ ran, __init__ never did
+        try:
+            call(r)
+        except Exception as e:
+            if must and cls.__name__ not in ABSTRACT:
+                assert isinstance(e, TypeError) and "never initialised" in str(e), (cls, m, repr(e))
+        else:
+            assert not must, (cls, m, "no error")
+        del r
+        gc.collect()
+print("OK")
+'''
+
+
+def test_a_reader_whose_init_never_ran_refuses_every_read():
+    """Methods on `cls.__new__(cls)`: read_next, reset, len, iteration,
+    set_state, _skip, read_many and decorating it raised nothing useful or
+    crashed (ShuffleReader, the decorators over a None reader: SIGSEGV); now
+    TypeError "was never initialised", and close() is a no-op."""
+    run_ok_script(f"SUPPORT = {SUPPORT_DIR!r}\n" + _NEVER_INIT, timeout=180)
+
+
+_NO_SUPER = r'''
+import numpy as np
+import readerlib as rl
+from readerlib.readers._shuffle import ShuffleReader
+
+
+class Forgot(ShuffleReader):
+    def __init__(self, reader, n):
+        self.n = n                          # no super().__init__(reader, n)
+
+
+class Calls(ShuffleReader):
+    """A shuffle that remembers its buffer size."""
+    def __init__(self, reader, n):
+        super().__init__(reader, n, seed=1)
+        self.n = n
+
+
+class NoInit(rl.ArrayReader):
+    def total(self):
+        return sum(int(x[0]) for x in self)
+
+
+up = rl.ArrayReader(np.arange(10, dtype=np.int64))
+try:
+    Forgot(up, 3)
+except TypeError as e:
+    assert "Forgot.__init__ must call super().__init__" in str(e), e
+else:
+    raise AssertionError("Forgot was made")
+c = Calls(up, 3)
+assert c.n == 3 and sorted(int(x[0]) for x in c) == list(range(10))
+assert Calls.__init__.__wrapped__.__doc__ is None and Calls.__init__.__name__ == "__init__"
+assert NoInit(np.arange(4, dtype=np.int64)).total() == 6
+print("OK")
+'''
+
+
+def test_a_python_subclass_whose_init_skips_super_is_refused():
+    """A Python subclass of a concrete reader whose __init__ forgets
+    super().__init__ gave an object whose reads, reset, len and close
+    segfaulted (a ShuffleReader's); it is refused when made."""
+    run_ok_script(_NO_SUPER, timeout=60)
 
 
 # ------------------------------------------------ an interrupt anywhere, more kinds
