@@ -345,6 +345,8 @@ cdef class TransformReader(DecoratedReader):
         self._source = _source_of(reader)
 
     def __dealloc__(self):
+        if <void *>self.transform == NULL:
+            return                   # half-made (ReaderBase.__cinit__ failed): see _base.pyx
         self._drop()
         free(self.recs)
         free(self.offs)

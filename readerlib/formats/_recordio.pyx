@@ -459,8 +459,11 @@ cdef class RecordIOWriter(FileWriter):
             raise ValueError(f"page_align must be 'auto', True or False, got {page_align!r}")
         self.page_align = page_align
         self.path = os.fspath(path)
-        self._f = _PieceFile(self.path)
         self._index = []
+        # the file is opened last, right before the try that closes it on failure:
+        # an exception while the header is made (a KeyboardInterrupt in to_json's
+        # Python frames, a MemoryError) left its descriptor open for good
+        # (__del__ closes only an open writer; _PieceFile has no finaliser)
         schema_bytes = self.schema.to_json().encode()
         file_id = os.urandom(8)
         magic = b"RLRECIO2" if version == 2 else b"RLRECIO1"
@@ -470,6 +473,7 @@ cdef class RecordIOWriter(FileWriter):
         head[12:16] = crc.to_bytes(4, "little")
         head += schema_bytes
         self.salt = rl_crc32c(0, <const char *>file_id, 8)
+        self._f = _PieceFile(self.path)
         try:
             self._f.write(head)
         except BaseException:
@@ -800,6 +804,8 @@ cdef class RecordIOReader(FileReader):
         self.c_reset()
 
     def __dealloc__(self):
+        if <void *>self.path == NULL:
+            return                   # half-made (ReaderBase.__cinit__ failed): see _base.pyx
         self._release_cur()
         self._unmap()
         if self.fd >= 0:

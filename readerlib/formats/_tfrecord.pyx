@@ -290,6 +290,8 @@ cdef class TFRecordReader(FileReader):
         self.c_reset()
 
     def __dealloc__(self):
+        if <void *>self.path == NULL:
+            return                   # half-made (ReaderBase.__cinit__ failed): see _base.pyx
         self._release_cur()
         if self.spare != NULL:
             rl_block_decref(self.spare)
@@ -1154,8 +1156,8 @@ cdef class TFRecordWriter(FileWriter):
         # TF's ZlibCompressionOptions: deflate, window 15 (+16 for gzip), memLevel 9
         self._z = (_pyzlib.compressobj(compression_level, _pyzlib.DEFLATED, 15 if ztype == 1 else 31, 9)
                    if ztype else None)
-        self._f = _PieceFile(self.path)
         self._buf = bytearray()
+        self._f = _PieceFile(self.path)  # last: nothing after it can fail and leave it open
         self._closed = False
 
     def _gc_warning(self):

@@ -487,7 +487,12 @@ cdef class ReaderBase:
         # Python function, whose frame ran a pending signal's handler -- a
         # KeyboardInterrupt during a pooled restore's open_random_access
         # crashed the process (tests/readers/test_construct_interrupt.py).
-        # _thread.RLock is the C type threading.RLock() returns.
+        # _thread.RLock is the C type threading.RLock() returns.  It can still
+        # raise MemoryError (its allocation): so a subclass __dealloc__ that
+        # calls its own cdef methods or closes a descriptor first checks that
+        # its own part was made -- `if <void *>self.<an object field> == NULL:
+        # return` (NULL, not None: tp_new had not reached the subclass's fields;
+        # its C fields are 0).  tests/readers/test_review9_halfmade.py.
         self._closed = False
         self._started = False
         self.item_kind = ITEM_INSTANCE
@@ -593,6 +598,8 @@ cdef class ReaderBase:
     def _check_open(self):
         if self._closed:
             raise ValueError(f"I/O operation on closed reader ({type(self).__name__})")
+        if self.schema is None:
+            _not_initialised(self)
 
     def read_next(self):
         """The next instance or batch, or None at the end of the epoch.
@@ -633,6 +640,8 @@ cdef class ReaderBase:
             self._mark_started(False)
 
     cdef int _begin_read(self) except -1:
+        if self.schema is None:
+            _not_initialised(self)
         if self._restore_error is not None:
             raise RuntimeError(
                 f"{type(self).__name__}: the last set_state() failed part-way ({self._restore_error}); "
@@ -834,6 +843,9 @@ cdef class ReaderBase:
         """
         if self._closed and not self._close_pending:
             return
+        if self.schema is None:          # never initialised: nothing of it is open
+            self._closed = True
+            return
         for r in self._walk():
             r._interrupt()
         # The interrupts wake a read_next() (another thread's, holding the lock)
@@ -1013,6 +1025,8 @@ cdef class ReaderBase:
         """Items per epoch where the chain knows it without reading (sources with an
         index, and take/skip/batch/shuffle/map/repeat(count) over them); else TypeError."""
         from readerlib.readers._slice import length_of
+        if self.schema is None:
+            _not_initialised(self)
         n = length_of(self)
         if n is None:
             raise TypeError(f"the length of {type(self).__name__} is not known without reading it")
@@ -1020,6 +1034,27 @@ cdef class ReaderBase:
 
     def __bool__(self):
         return True         # a reader is a reader, whatever len() says
+
+
+def _not_initialised(reader):
+    # every reader's __init__ sets its schema: None means it never ran (cls.__new__(cls),
+    # or a subclass __init__ that did not call super().__init__), and the compiled
+    # methods would read fields nothing set (a SIGSEGV, tests/readers/test_review9_halfmade.py)
+    raise TypeError(f"{type(reader).__name__} was never initialised: its __init__ did not run "
+                    f"(a subclass's __init__ must call super().__init__(...))")
+
+
+def _checked_init(init):
+    # a Python subclass's __init__, then the check that the reader was initialised
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if (<ReaderBase>self).schema is None:
+            raise TypeError(f"{type(self).__name__}.__init__ must call super().__init__(...): "
+                            f"the compiled reader below it was never initialised")
+    __init__.__wrapped__ = init
+    for a in ("__module__", "__name__", "__qualname__", "__doc__"):
+        setattr(__init__, a, getattr(init, a, None))
+    return __init__
 
 
 def _reader_init_subclass(cls, **kwargs):
@@ -1034,6 +1069,8 @@ def _reader_init_subclass(cls, **kwargs):
         python_classes = cls.__mro__[:cls.__mro__.index(compiled)]
         overridden = sorted({name for k in python_classes for name in _ITEM_METHODS if name in vars(k)})
         if not overridden:
+            if "__init__" in vars(cls):
+                type.__setattr__(cls, "__init__", _checked_init(vars(cls)["__init__"]))
             return
         why = (f"it overrides {', '.join(overridden)}, which the compiled readers of a chain "
                f"never call (they take items from {compiled.__name__}'s c_next)")

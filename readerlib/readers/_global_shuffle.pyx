@@ -311,6 +311,8 @@ cdef class GlobalShuffleReader(DecoratedReader):
 
     def __dealloc__(self):
         cdef int64_t j
+        if <void *>self.ra == NULL:
+            return                   # half-made (ReaderBase.__cinit__ failed): see _base.pyx
         self._drop_window()
         if self.wch != NULL:
             for j in range(self.window_chunks):

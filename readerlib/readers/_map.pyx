@@ -342,6 +342,8 @@ cdef class MapReader(DecoratedReader):
         self.spare_ok = self.incodec.L.n_lod == 0 and not self.incodec.L.bare
 
     def __dealloc__(self):
+        if <void *>self.fn == NULL:
+            return                   # half-made (ReaderBase.__cinit__ failed): see _base.pyx
         self._drop_chunk()
         self._drop_arena()
         free(self.recs)
