@@ -523,9 +523,10 @@ cdef class MultiFileRecords(FileReader):
             self.cur_seg = -1             # until the open below succeeds: no stale current file
             while len(self.lru) >= self.max_open:
                 old = self.lru.pop(0)
-                self.closed_loads += self.caches[old].chunk_loads
-                self.caches[old].close()
-                self.caches[old] = None
+                oc = self.caches[old]
+                self.caches[old] = None       # first: a close that raises leaves lru and caches agreeing
+                self.closed_loads += oc.chunk_loads
+                oc.close()
             c = open_file_records(self.plan, f, self._expect.get(f))
             self.caches[f] = c
         else:
