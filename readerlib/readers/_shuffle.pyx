@@ -573,6 +573,11 @@ def _unpack_positions_v1(text, int64_t src, int64_t n, where):
 # which raises the format's own error for a bad chunk -- so what the fill does
 # with anything but the plain case, and every message, is the serial one.
 # Written cells hold no references, so an error leaves nothing to release.
+# It splits only where that can pay: a pool that runs pieces concurrently (not
+# a READERLIB_NO_THREADS build, not set_num_threads(1): there every piece ran
+# on the caller, through extra caches for nothing) and a probe whose records
+# were all inline of the preset size (records of varying size stop the
+# pieces at once and the serial fill redoes nearly everything).
 # records left after the probe below which the fill stays serial: a second
 # chunk cache, the pool's wake-up and the chunk loads' GIL hand-offs cost more
 # than they save there (measured: 100k records from a 1M file, 5.1 ms serial,
@@ -624,7 +629,8 @@ def _restore_phases():
 def _restore_parallel_settings(min_records=None, threads=None, emulate=None, hugepages=None):
     """Test/benchmark hook: the restore's parallel fill (`min_records`: records
     left after the probe from which it splits; `threads`: 0 readerlib's thread
-    count, 1 serial, n at most n; `emulate`: run the pieces one after another on
+    count, 1 serial, n at most n (pooled only while readerlib has 2 threads or
+    more and its build has threads: see _restore_pool_concurrent); `emulate`: run the pieces one after another on
     the calling thread, piece p as thread p % threads, each with its own chunk
     cache; `hugepages`: advise huge pages for a restore's fresh slots and
     cells).  Returns the previous settings as a dict."""
