@@ -12,6 +12,7 @@ from cpython.ref cimport PyObject, Py_INCREF, Py_DECREF
 
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
 from readerlib._parallel cimport parallel_for, num_threads, threads_for
+from readerlib._parallel import threads_enabled as _threads_enabled
 from readerlib.readers._base cimport (
     ReaderBase, FileReader, DecoratedReader, rl_block, rl_record, rl_layout, rl_columns, rl_rng,
     rl_core_import, rl_block_incref, rl_block_decref, rl_block_new, rl_block_new_static,
@@ -419,8 +420,11 @@ cdef int64_t _b64_bits(const unsigned char *t, int64_t m, int w, int64_t n, int6
     """Decode base64 text t[:m] and unpack n values of w bits (LSB first) from its
     bytes as out[i] = src - 1 - value, in one pass.  Returns the number of
     decoded bytes, or -1 (a character outside the alphabet, bad padding), -2
-    (a position below 0); the caller checks the byte count."""
-    cdef int64_t i = 0, j = 0, nb = 0, p
+    (a position below 0), -3 (more bytes than n values of w bits take: it
+    stops there, so the bit buffer never holds more than w + 23 bits; a
+    crafted string once shifted it past 64 bits); the caller checks the
+    byte count."""
+    cdef int64_t i = 0, j = 0, nb = 0, p, want = (n * w + 7) // 8
     cdef int have = 0, pad, k
     cdef uint64_t acc = 0, mask = ((<uint64_t>1) << w) - 1 if w < 64 else <uint64_t>0xFFFFFFFFFFFFFFFF
     cdef int c0, c1, c2, c3
@@ -456,6 +460,8 @@ cdef int64_t _b64_bits(const unsigned char *t, int64_t m, int w, int64_t n, int6
             i += 4
             continue
         for k in range(3 - pad):
+            if nb >= want:
+                return -3
             acc |= (<uint64_t>((g >> (16 - 8 * k)) & 0xFF)) << have
             have += 8
             nb += 1
@@ -505,6 +511,9 @@ cdef int _decode_positions(text, int64_t src, int64_t n, int64_t *out, where) ex
             raise ValueError(f"{where} (positions do not decode: not base64)")
         if got == -2:
             raise ValueError(f"{where} (a position before the epoch's start)")
+        if got == -3:
+            raise ValueError(f"{where} (more than the {(n * w + 7) // 8} bytes of {n} "
+                             f"{w}-bit positions)")
         if got != (n * w + 7) // 8:
             raise ValueError(f"{where} ({got} bytes of {w}-bit positions, expected {n})")
         if w == 0:
@@ -564,6 +573,11 @@ def _unpack_positions_v1(text, int64_t src, int64_t n, where):
 # which raises the format's own error for a bad chunk -- so what the fill does
 # with anything but the plain case, and every message, is the serial one.
 # Written cells hold no references, so an error leaves nothing to release.
+# It splits only where that can pay: a pool that runs pieces concurrently (not
+# a READERLIB_NO_THREADS build, not set_num_threads(1): there every piece ran
+# on the caller, through extra caches for nothing) and a probe whose records
+# were all inline of the preset size (records of varying size stop the
+# pieces at once and the serial fill redoes nearly everything).
 # records left after the probe below which the fill stays serial: a second
 # chunk cache, the pool's wake-up and the chunk loads' GIL hand-offs cost more
 # than they save there (measured: 100k records from a 1M file, 5.1 ms serial,
@@ -575,6 +589,9 @@ cdef int64_t _PAR_MIN_RECORDS = 262144
 # __dealloc__ then ran through the base vtable; fixed there.)
 cdef int _PAR_THREADS = 0
 cdef bint _PAR_EMULATE = False              # run the pieces on the caller, tid = piece % threads (tests)
+# whether readerlib's pool can run pieces concurrently at all (False in a
+# READERLIB_NO_THREADS build: parallel_for runs every piece on the caller)
+cdef bint _POOL_CONCURRENT = _threads_enabled()
 # a restore's fresh slots and cells: ask for huge pages.  Off by default: with the
 # usual THP defrag setting ("madvise") an advised fault compacts memory in the
 # faulting thread, and the restore measured 155-191 ms against ~60 in 2 of 8 runs
@@ -612,7 +629,8 @@ def _restore_phases():
 def _restore_parallel_settings(min_records=None, threads=None, emulate=None, hugepages=None):
     """Test/benchmark hook: the restore's parallel fill (`min_records`: records
     left after the probe from which it splits; `threads`: 0 readerlib's thread
-    count, 1 serial, n at most n; `emulate`: run the pieces one after another on
+    count, 1 serial, n at most n (pooled only while readerlib has 2 threads or
+    more and its build has threads: see _restore_pool_concurrent); `emulate`: run the pieces one after another on
     the calling thread, piece p as thread p % threads, each with its own chunk
     cache; `hugepages`: advise huge pages for a restore's fresh slots and
     cells).  Returns the previous settings as a dict."""
@@ -631,6 +649,33 @@ def _restore_parallel_settings(min_records=None, threads=None, emulate=None, hug
         _PAR_EMULATE = bool(emulate)
     if hugepages is not None:
         _HUGE_ON = bool(hugepages)
+    return old
+
+
+def _close_all(caches):
+    """Close every one of `caches`, even when a close raises (a KeyboardInterrupt
+    landing in one): the rest are closed all the same, then the first error
+    is raised."""
+    first = None
+    for e in caches:
+        try:
+            e.close()
+        except BaseException as x:
+            if first is None:
+                first = x
+    if first is not None:
+        raise first
+
+
+def _restore_pool_concurrent(value=None):
+    """Test hook: whether the restore's pooled fill takes readerlib's pool as
+    able to run pieces concurrently (its default: `threads_enabled()`, False
+    in a READERLIB_NO_THREADS build); False makes this build's restores
+    behave as that one's.  Returns the previous value."""
+    global _POOL_CONCURRENT
+    old = bool(_POOL_CONCURRENT)
+    if value is not None:
+        _POOL_CONCURRENT = bool(value)
     return old
 
 
@@ -1714,6 +1759,12 @@ cdef class ShuffleReader(DecoratedReader):
                 s_ = <int64_t><uint32_t>keys[(i + self.fill_off) % cn]
                 self._unref(s_)
             self.count = 0
+            # the fill's chunk cache (a descriptor, a chunk or two) too: a
+            # failed restore holds nothing (a retry opens a fresh one)
+            try:
+                self._close_random_access()
+            except BaseException:
+                pass                        # (the fill's error is the one to see)
             raise
         finally:
             self.i_restoring = False
@@ -1769,6 +1820,22 @@ cdef class ShuffleReader(DecoratedReader):
                 self._fill_by_index(keys, lo, 0, off, cn, copy, order, &uni)
         return 0
 
+    cdef bint _probe_uniform(self, const int64_t *order, int64_t n, int64_t uni) noexcept nogil:
+        # Whether the probe's n slots (order[:n]) all hold inline records of
+        # the preset size uni: the pieces' plain case.  Otherwise the records
+        # vary in size (or are deferred, or too big for a cell) and a piece
+        # would stop at the first one not of size uni, leaving nearly all of
+        # it to the serial fill: the extra caches and the pool's wake-up
+        # would buy nothing.
+        cdef int64_t i, s
+        if uni < 0:
+            return False
+        for i in range(n):
+            s = order[i]
+            if self.slots[s].ref != INL or <int64_t>self.slots[s].size != uni:
+                return False
+        return True
+
     cdef bint _fill_parallel(self, const uint64_t *keys, int64_t lo, int64_t first, int64_t last,
                              int64_t cn, bint copy, int64_t *order, int64_t *uni) except -1:
         """Keys [first, last) on the pool (see "the restore's parallel fill"
@@ -1787,7 +1854,13 @@ cdef class ShuffleReader(DecoratedReader):
         cdef int t
         if T > PAR_MAX_THREADS:
             T = PAR_MAX_THREADS
+        if not _PAR_EMULATE and (not _POOL_CONCURRENT or num_threads() < 2):
+            # the pool would run every piece on the caller (a READERLIB_NO_THREADS
+            # build, set_num_threads(1)): the extra caches would buy nothing
+            return False
         if T < 2 or uni[0] < 0 or self.cells == NULL or last - first < max(_PAR_MIN_RECORDS, 1):
+            return False
+        if not self._probe_uniform(order, min(cn - last, <int64_t>RESTORE_PROBE), uni[0]):
             return False
         from readerlib.readers._random_access import ChunkCache, open_random_access
         ra = self.ra_src._random_access
@@ -1867,8 +1940,7 @@ cdef class ShuffleReader(DecoratedReader):
                 else:
                     parallel_for(T, P, _par_fill_body, &c)
         finally:
-            for e in extra:
-                e.close()
+            _close_all(extra)
         if c.fatal != NULL:
             err = <object>c.fatal
             Py_DECREF(err)
