@@ -553,6 +553,10 @@ from readerlib._sync cimport (pthread_mutex_t, pthread_cond_t, pthread_mutex_ini
 import _thread
 import threading as _threading
 
+cdef extern from "Python.h":
+    int PyGC_Enable()               # (3.10+) each returns whether the collector was enabled
+    int PyGC_Disable()
+
 
 cdef class _Launch:
     cdef pthread_mutex_t mu
@@ -588,22 +592,41 @@ def start_threads(threads):
     thread the start() calls run on a launcher thread while this one waits
     with the GIL released (see above); elsewhere (no signal handler runs
     there) they run here.  Raises what a start() raised; threads before it
-    are started."""
+    are started.
+
+    The cyclic collector is off while they start: a collection triggered on
+    the launcher, or on a new thread before its start() returns, ran the
+    garbage's finalizers there, and one that took a lock the caller holds
+    (a reader's RLock, which the reading thread holds in read_next: a
+    weakref.finalize or __del__ that closes the reader) blocked for good
+    with the caller waiting for that start (tests/readers/test_review10.py).
+    The collection comes at the caller's next allocation instead."""
     cdef _Launch L
+    cdef int gc_was
     threads = list(threads)
     if not threads:
         return
     if _thread.get_ident() != _threading.main_thread().ident:
-        for t in threads:
-            t.start()
+        gc_was = PyGC_Disable()
+        try:
+            for t in threads:
+                t.start()
+        finally:
+            if gc_was:
+                PyGC_Enable()
         return
     L = _Launch()
     L.threads = threads
-    _thread.start_new_thread(L.run, ())
-    with nogil:
-        pthread_mutex_lock(&L.mu)
-        while not L.done:
-            pthread_cond_wait(&L.cv, &L.mu)
-        pthread_mutex_unlock(&L.mu)
+    gc_was = PyGC_Disable()
+    try:
+        _thread.start_new_thread(L.run, ())
+        with nogil:
+            pthread_mutex_lock(&L.mu)
+            while not L.done:
+                pthread_cond_wait(&L.cv, &L.mu)
+            pthread_mutex_unlock(&L.mu)
+    finally:
+        if gc_was:
+            PyGC_Enable()
     if L.error is not None:
         raise L.error
