@@ -551,6 +551,7 @@ from readerlib._sync cimport (pthread_mutex_t, pthread_cond_t, pthread_mutex_ini
                               pthread_mutex_lock, pthread_mutex_unlock, pthread_cond_init,
                               pthread_cond_destroy, pthread_cond_wait, pthread_cond_broadcast)
 import _thread
+import sys as _sys
 import threading as _threading
 
 cdef extern from "Python.h":
@@ -606,6 +607,11 @@ def start_threads(threads):
     threads = list(threads)
     if not threads:
         return
+    if _sys.is_finalizing():
+        # (3.11) a thread made now exits as it first takes the GIL, before
+        # its start() returns: this wait, and start()'s own, never ended
+        raise RuntimeError("readerlib: can't start a thread at interpreter shutdown "
+                           "(a reader first read from a finalizer that ran at exit)")
     if _thread.get_ident() != _threading.main_thread().ident:
         gc_was = PyGC_Disable()
         try:

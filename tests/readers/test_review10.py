@@ -11,6 +11,9 @@ registry, ReaderBase's never-initialised checks, the half-made deallocs).
   deadlock (the same finalizer on the caller's thread re-enters the RLock).
   The collector is now off while the threads start; the collection comes at
   the caller's next allocation.
+* start_threads after finalisation began (a finalizer run at exit that
+  first reads a prefetch or open_files chain) waited for good: a thread made
+  then exits as it first takes the GIL.  It raises RuntimeError now.
 
 Each check runs in a child with a time limit, so a hang is a failure.
 """
@@ -107,3 +110,37 @@ for enabled in (True, False, True):
 gc.enable()
 print("OK")
 ''', timeout=60)
+
+
+def test_start_threads_at_interpreter_shutdown_raises_instead_of_hanging():
+    # A thread made after finalisation began exits as it first takes the GIL
+    # (CPython 3.11), before its start() returns: start_threads' wait -- and
+    # Thread.start()'s own -- never ended.  Now: RuntimeError, said so.
+    import os
+    import subprocess
+    import sys
+    code = r'''
+import gc, sys, threading
+from readerlib._parallel import start_threads
+
+gc.disable()      # (the collection at finalisation runs all the same)
+
+
+class Late:
+    def __del__(self):
+        try:
+            start_threads([threading.Thread(target=int, daemon=True)])
+            sys.stderr.write("LATE started\n")
+        except RuntimeError as e:
+            sys.stderr.write("LATE raised %s\n" % e)
+
+
+x = Late()
+x.me = x          # a cycle: freed by the last collection, during finalisation
+del x
+print("OK")
+'''
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ))
+    assert p.returncode == 0 and "OK" in p.stdout, p.stdout + p.stderr
+    assert "LATE raised readerlib: can't start a thread at interpreter shutdown" in p.stderr, p.stderr
