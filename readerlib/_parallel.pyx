@@ -558,6 +558,23 @@ cdef extern from "Python.h":
     int PyGC_Enable()               # (3.10+) each returns whether the collector was enabled
     int PyGC_Disable()
 
+# start_threads calls that turned the collector off and have not turned it back
+# on: a process forked meanwhile (from another thread) has no such call left to
+# do it, so its child turns it back on (else it ran with no cyclic collection)
+cdef int _gc_held = 0
+
+
+def _gc_after_fork_in_child():
+    global _gc_held
+    if _gc_held:
+        _gc_held = 0
+        PyGC_Enable()
+
+
+import os as _os
+if hasattr(_os, "register_at_fork"):
+    _os.register_at_fork(after_in_child=_gc_after_fork_in_child)
+
 
 cdef class _Launch:
     cdef pthread_mutex_t mu
@@ -602,6 +619,7 @@ def start_threads(threads):
     weakref.finalize or __del__ that closes the reader) blocked for good
     with the caller waiting for that start (tests/readers/test_review10.py).
     The collection comes at the caller's next allocation instead."""
+    global _gc_held
     cdef _Launch L
     cdef int gc_was
     threads = list(threads)
@@ -614,16 +632,19 @@ def start_threads(threads):
                            "(a reader first read from a finalizer that ran at exit)")
     if _thread.get_ident() != _threading.main_thread().ident:
         gc_was = PyGC_Disable()
+        _gc_held += gc_was
         try:
             for t in threads:
                 t.start()
         finally:
-            if gc_was:
+            if gc_was and _gc_held:
+                _gc_held -= 1
                 PyGC_Enable()
         return
     L = _Launch()
     L.threads = threads
     gc_was = PyGC_Disable()
+    _gc_held += gc_was
     try:
         _thread.start_new_thread(L.run, ())
         with nogil:
@@ -632,7 +653,8 @@ def start_threads(threads):
                 pthread_cond_wait(&L.cv, &L.mu)
             pthread_mutex_unlock(&L.mu)
     finally:
-        if gc_was:
+        if gc_was and _gc_held:
+            _gc_held -= 1
             PyGC_Enable()
     if L.error is not None:
         raise L.error

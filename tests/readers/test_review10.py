@@ -14,6 +14,8 @@ registry, ReaderBase's never-initialised checks, the half-made deallocs).
 * start_threads after finalisation began (a finalizer run at exit that
   first reads a prefetch or open_files chain) waited for good: a thread made
   then exits as it first takes the GIL.  It raises RuntimeError now.
+* (of the first fix) a fork from another thread while the collector is off
+  for a start left the child with it off: the child turns it back on.
 
 Each check runs in a child with a time limit, so a hang is a failure.
 """
@@ -144,3 +146,43 @@ print("OK")
                        env=dict(os.environ))
     assert p.returncode == 0 and "OK" in p.stdout, p.stdout + p.stderr
     assert "LATE raised readerlib: can't start a thread at interpreter shutdown" in p.stderr, p.stderr
+
+
+def test_a_process_forked_while_threads_start_has_the_collector_on():
+    # start_threads turns the collector off while the threads start; a fork
+    # from another thread in that window (here: the launcher itself, in a
+    # Thread subclass's start()) left the child with it off for good -- no
+    # start_threads call there to turn it back on.
+    run_ok_script(r'''
+import gc, os, threading
+from readerlib._parallel import start_threads
+
+
+class ForkingStart(threading.Thread):
+    def start(self):
+        rd, wr = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(wr, b"1" if gc.isenabled() else b"0")
+            os._exit(0)
+        os.close(wr)
+        ForkingStart.child = os.read(rd, 1)
+        os.close(rd)
+        os.waitpid(pid, 0)
+        super().start()
+
+
+assert gc.isenabled()
+for caller in ("main", "other"):
+    ForkingStart.child = None
+    t = ForkingStart(target=int)
+    if caller == "main":
+        start_threads([t])
+    else:
+        h = threading.Thread(target=start_threads, args=([t],))
+        h.start(); h.join(30)
+    t.join(30)
+    assert ForkingStart.child == b"1", (caller, ForkingStart.child, "the child's collector is off")
+    assert gc.isenabled(), caller
+print("OK")
+''', timeout=60)
