@@ -551,7 +551,29 @@ from readerlib._sync cimport (pthread_mutex_t, pthread_cond_t, pthread_mutex_ini
                               pthread_mutex_lock, pthread_mutex_unlock, pthread_cond_init,
                               pthread_cond_destroy, pthread_cond_wait, pthread_cond_broadcast)
 import _thread
+import sys as _sys
 import threading as _threading
+
+cdef extern from "Python.h":
+    int PyGC_Enable()               # (3.10+) each returns whether the collector was enabled
+    int PyGC_Disable()
+
+# start_threads calls that turned the collector off and have not turned it back
+# on: a process forked meanwhile (from another thread) has no such call left to
+# do it, so its child turns it back on (else it ran with no cyclic collection)
+cdef int _gc_held = 0
+
+
+def _gc_after_fork_in_child():
+    global _gc_held
+    if _gc_held:
+        _gc_held = 0
+        PyGC_Enable()
+
+
+import os as _os
+if hasattr(_os, "register_at_fork"):
+    _os.register_at_fork(after_in_child=_gc_after_fork_in_child)
 
 
 cdef class _Launch:
@@ -588,22 +610,51 @@ def start_threads(threads):
     thread the start() calls run on a launcher thread while this one waits
     with the GIL released (see above); elsewhere (no signal handler runs
     there) they run here.  Raises what a start() raised; threads before it
-    are started."""
+    are started.
+
+    The cyclic collector is off while they start: a collection triggered on
+    the launcher, or on a new thread before its start() returns, ran the
+    garbage's finalizers there, and one that took a lock the caller holds
+    (a reader's RLock, which the reading thread holds in read_next: a
+    weakref.finalize or __del__ that closes the reader) blocked for good
+    with the caller waiting for that start (tests/readers/test_review10.py).
+    The collection comes at the caller's next allocation instead."""
+    global _gc_held
     cdef _Launch L
+    cdef int gc_was
     threads = list(threads)
     if not threads:
         return
+    if _sys.is_finalizing():
+        # (3.11) a thread made now exits as it first takes the GIL, before
+        # its start() returns: this wait, and start()'s own, never ended
+        raise RuntimeError("readerlib: can't start a thread at interpreter shutdown "
+                           "(a reader first read from a finalizer that ran at exit)")
     if _thread.get_ident() != _threading.main_thread().ident:
-        for t in threads:
-            t.start()
+        gc_was = PyGC_Disable()
+        _gc_held += gc_was
+        try:
+            for t in threads:
+                t.start()
+        finally:
+            if gc_was and _gc_held:
+                _gc_held -= 1
+                PyGC_Enable()
         return
     L = _Launch()
     L.threads = threads
-    _thread.start_new_thread(L.run, ())
-    with nogil:
-        pthread_mutex_lock(&L.mu)
-        while not L.done:
-            pthread_cond_wait(&L.cv, &L.mu)
-        pthread_mutex_unlock(&L.mu)
+    gc_was = PyGC_Disable()
+    _gc_held += gc_was
+    try:
+        _thread.start_new_thread(L.run, ())
+        with nogil:
+            pthread_mutex_lock(&L.mu)
+            while not L.done:
+                pthread_cond_wait(&L.cv, &L.mu)
+            pthread_mutex_unlock(&L.mu)
+    finally:
+        if gc_was and _gc_held:
+            _gc_held -= 1
+            PyGC_Enable()
     if L.error is not None:
         raise L.error
