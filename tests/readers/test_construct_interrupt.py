@@ -22,11 +22,11 @@ import pytest
 from helpers import SUPPORT_DIR, run_ok_script
 
 _CHILD = r'''
-import gc, os, sys, tempfile, time
+import sys, tempfile
 sys.path.insert(0, SUPPORT)
 import numpy as np
 import readerlib as rl
-from helpers import make_byte_files, open_fds
+from helpers import interrupt_each_call, make_byte_files
 
 d = tempfile.mkdtemp()
 (rio, tfr), _ = make_byte_files(d, ["rio", "tfrecord"], [200, 200])
@@ -47,71 +47,16 @@ CHAINS = {
 ONLY = sys.argv[1:] or list(CHAINS)
 
 
-class Injected(KeyboardInterrupt):
-    pass
-
-
-fds = open_fds
-
-
 for name in ONLY:
     build = CHAINS[name]
     r = build()                          # warm: imports, caches, first-use set-up
+    n_items = sum(1 for _ in r)          # what a made chain gives, for the check at the end
     r.close()
     del r
-    gc.collect()
-    before = fds()
-    k, hits = 1, 0
-    while True:
-        seen = [0]
-
-        def tracer(frame, event, arg):
-            # (calls only: an exception a tracer raises at a *line* event in an
-            # except block leaves CPython 3.11's handled-exception state set,
-            # and that stale traceback keeps the half-made chain alive)
-            seen[0] += 1
-            if seen[0] == k:
-                raise Injected(k)
-            return None
-
-        r = None
-        sys.settrace(tracer)
-        try:
-            r = build()
-        except BaseException as e:
-            # the injected exception, or one it caused inside the stdlib's
-            # own code (threading.Condition.wait interrupted before it took
-            # its lock back raises "release unlocked lock" on the way out)
-            c = e
-            while c is not None and not isinstance(c, Injected):
-                c = c.__context__
-            if c is None:
-                raise
-            hits += 1
-            del e, c
-        finally:
-            sys.settrace(None)
-        if r is not None:
-            r.close()
-            del r
-        # a prefetch thread started before the interrupt stops on its own
-        # (its reader's dealloc asks it to) and closes the chain: wait for it
-        deadline = time.monotonic() + 10
-        while True:
-            gc.collect()
-            now = fds()
-            if now == before or time.monotonic() > deadline:
-                break
-            time.sleep(0.01)
-        assert now == before, (name, k, "descriptors left", set(now.items()) - set(before.items()))
-        if seen[0] < k:                  # made with no injection: every event tried
-            break
-        k += 1
-    assert hits == k - 1 and hits > 0, (name, hits, k)
-    # the reader still works after all that
-    r = build()
+    hits = interrupt_each_call(build, name)
+    r = build()                          # the reader still works after all that
     n = sum(1 for _ in r)
-    assert n > 0, name
+    assert n == n_items and n > 0, (name, n, n_items)
     r.close()
     print(name, hits)
 print("OK")

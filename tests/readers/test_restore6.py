@@ -31,6 +31,7 @@ from helpers import corrupt_chunk
 from test_resume_bounded import _state_at
 from test_restore_chunk_load import VAR, _good_file_state, _items, _shuffle_of, _write_fixed, _write_var
 from test_restore_parallel import BUF, _fill_mode, _restore
+from test_restore_parallel_review import _write_mixed
 
 
 def _fds():
@@ -109,16 +110,16 @@ def _epochs(make):
     return ep0, ep1
 
 
-def _write_mixed(path, n, chunk_size=8192):
-    # 90% 16-byte pads (the common size), some other small sizes, some too big
-    # for a cell
-    rng = np.random.default_rng(7)
-    kind = rng.random(n)
-    with rl.RecordIOWriter(path, VAR, chunk_size=chunk_size) as w:
-        for i in range(n):
-            m = 16 if kind[i] < 0.9 else (int(rng.integers(0, 40)) if kind[i] < 0.97 else 3000)
-            w.write((np.int64(i), np.full(m, i % 251, np.uint8)))
-    return path
+def _restore_two_epochs(make, st):
+    """Restore `st` on a fresh chain: (its pieces' thread ids, the rest of
+    the epoch, the whole next epoch)."""
+    other, sh = _restore(make, st)
+    tids = sh._par_tids
+    rest = _items(other)
+    other.reset()
+    nxt = _items(other)
+    other.close()
+    return tids, rest, nxt
 
 
 @pytest.mark.parametrize("kind", ["var", "mixed"])
@@ -133,12 +134,7 @@ def test_variable_size_restores_do_not_split_and_are_exact(tmp_path, kind):
         for mode in ("pool", "emulated"):
             with _fill_mode(mode):
                 before = _fds()
-                other, sh = _restore(make, st)
-                tids = sh._par_tids
-                rest = _items(other)
-                other.reset()
-                nxt = _items(other)
-                other.close()
+                tids, rest, nxt = _restore_two_epochs(make, st)
                 assert _fds() == before
             assert tids is None, (kind, mode, k, tids)      # no pieces, no extra caches
             assert rest == ep0[k:], (kind, mode, k)
@@ -164,12 +160,7 @@ def test_a_uniform_probe_over_older_records_of_other_sizes_splits_and_is_exact(t
     st = _state_at(make, k)
     for mode in ("emulated", "pool"):
         with _fill_mode(mode):
-            other, sh = _restore(make, st)
-            tids = sh._par_tids
-            rest = _items(other)
-            other.reset()
-            nxt = _items(other)
-            other.close()
+            tids, rest, nxt = _restore_two_epochs(make, st)
         if mode == "emulated" or _parallel.threads_enabled():
             assert tids is not None, mode
         assert rest == ep0[k:], mode

@@ -67,14 +67,8 @@ for c in ("RecordIOReader", "TFRecordReader", "GlobalShuffleReader", "MapReader"
     assert c in {k.__name__ for k in CLASSES}, c
 
 
-def fds():
-    out = {}
-    for f in os.listdir("/proc/self/fd"):
-        try:
-            out[f] = os.readlink("/proc/self/fd/" + f)
-        except FileNotFoundError:
-            pass
-    return out
+from helpers import open_fds
+fds = open_fds
 
 
 # fd 0: a file of ours, so that a reader that closes it by mistake shows
@@ -323,7 +317,7 @@ import gc, os, sys, tempfile, time
 sys.path.insert(0, SUPPORT)
 import numpy as np
 import readerlib as rl
-from helpers import make_byte_files, BYTES
+from helpers import interrupt_each_call, make_byte_files, BYTES
 from readerlib.formats._tfrecord import TFRecordWriter
 from readerlib.transform import RecordTransform
 from readerlib.readers._base import ReaderHolder
@@ -395,20 +389,6 @@ CHAINS = {
 ONLY = sys.argv[1:] or list(CHAINS)
 
 
-class Injected(KeyboardInterrupt):
-    pass
-
-
-def fds():
-    out = {}
-    for f in os.listdir("/proc/self/fd"):
-        try:
-            out[f] = os.readlink("/proc/self/fd/" + f)
-        except FileNotFoundError:
-            pass
-    return out
-
-
 for name in ONLY:
     build = CHAINS[name]
     r = build()
@@ -418,47 +398,7 @@ for name in ONLY:
     n_items = sum(1 for _ in r)          # what a made chain gives, for the check at the end
     r.close()
     del r
-    gc.collect()
-    before = fds()
-    k, hits = 1, 0
-    while True:
-        seen = [0]
-
-        def tracer(frame, event, arg):
-            seen[0] += 1                 # call events only (see test_construct_interrupt)
-            if seen[0] == k:
-                raise Injected(k)
-            return None
-
-        r = None
-        sys.settrace(tracer)
-        try:
-            r = build()
-        except BaseException as e:
-            c = e
-            while c is not None and not isinstance(c, Injected):
-                c = c.__context__
-            if c is None:
-                raise
-            hits += 1
-            del e, c
-        finally:
-            sys.settrace(None)
-        if r is not None:
-            r.close()
-            del r
-        deadline = time.monotonic() + 10
-        while True:
-            gc.collect()
-            now = fds()
-            if now == before or time.monotonic() > deadline:
-                break
-            time.sleep(0.01)
-        assert now == before, (name, k, "descriptors left", set(now.items()) - set(before.items()))
-        if seen[0] < k:
-            break
-        k += 1
-    assert hits == k - 1 and hits > 0, (name, hits, k)
+    hits = interrupt_each_call(build, name)
     r = build()                          # the thing still works after all that
     n = sum(1 for _ in r)
     assert n == n_items, (name, n, n_items)

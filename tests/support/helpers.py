@@ -402,6 +402,72 @@ def open_fds():
     return out
 
 
+class InjectedInterrupt(KeyboardInterrupt):
+    """The KeyboardInterrupt `interrupt_each_call` injects."""
+
+
+def interrupt_each_call(build, what, settle_s=10):
+    """Call `build()` once for each k = 1, 2, ... with an InjectedInterrupt
+    raised at the k-th call of a Python function (sys.settrace), until
+    build() completes with none left to interrupt.  Each attempt must raise
+    the injected exception (or one it caused inside the stdlib's own code:
+    threading.Condition.wait interrupted before it took its lock back raises
+    "release unlocked lock" on the way out) or make the thing, which is then
+    closed; after each, the descriptors must come back to what they were
+    (waiting up to `settle_s`: a prefetch thread started before the
+    interrupt stops on its own, its reader's dealloc asks it to, and closes
+    the chain).  Returns the number of interrupted attempts (>= 1).
+
+    Calls only: an exception a tracer raises at a *line* event inside an
+    except block leaves CPython 3.11's handled-exception state set, and that
+    stale traceback keeps the half-made chain alive."""
+    import gc
+    import sys
+    import time
+    gc.collect()
+    before = open_fds()
+    k, hits = 1, 0
+    while True:
+        seen = [0]
+
+        def tracer(frame, event, arg):
+            seen[0] += 1
+            if seen[0] == k:
+                raise InjectedInterrupt(k)
+            return None
+
+        r = None
+        sys.settrace(tracer)
+        try:
+            r = build()
+        except BaseException as e:
+            c = e
+            while c is not None and not isinstance(c, InjectedInterrupt):
+                c = c.__context__
+            if c is None:
+                raise
+            hits += 1
+            del e, c
+        finally:
+            sys.settrace(None)
+        if r is not None:
+            r.close()
+            del r
+        deadline = time.monotonic() + settle_s
+        while True:
+            gc.collect()
+            now = open_fds()
+            if now == before or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        assert now == before, (what, k, "descriptors left", set(now.items()) - set(before.items()))
+        if seen[0] < k:                  # made with no injection: every call tried
+            break
+        k += 1
+    assert hits == k - 1 and hits > 0, (what, hits, k)
+    return hits
+
+
 SUPPORT_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
