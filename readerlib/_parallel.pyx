@@ -630,31 +630,25 @@ def start_threads(threads):
         # its start() returns: this wait, and start()'s own, never ended
         raise RuntimeError("readerlib: can't start a thread at interpreter shutdown "
                            "(a reader first read from a finalizer that ran at exit)")
-    if _thread.get_ident() != _threading.main_thread().ident:
-        gc_was = PyGC_Disable()
-        _gc_held += gc_was
-        try:
-            for t in threads:
-                t.start()
-        finally:
-            if gc_was and _gc_held:
-                _gc_held -= 1
-                PyGC_Enable()
-        return
-    L = _Launch()
-    L.threads = threads
+    L = None
     gc_was = PyGC_Disable()
     _gc_held += gc_was
     try:
-        _thread.start_new_thread(L.run, ())
-        with nogil:
-            pthread_mutex_lock(&L.mu)
-            while not L.done:
-                pthread_cond_wait(&L.cv, &L.mu)
-            pthread_mutex_unlock(&L.mu)
+        if _thread.get_ident() != _threading.main_thread().ident:
+            for t in threads:
+                t.start()
+        else:
+            L = _Launch()
+            L.threads = threads
+            _thread.start_new_thread(L.run, ())
+            with nogil:
+                pthread_mutex_lock(&L.mu)
+                while not L.done:
+                    pthread_cond_wait(&L.cv, &L.mu)
+                pthread_mutex_unlock(&L.mu)
     finally:
         if gc_was and _gc_held:
             _gc_held -= 1
             PyGC_Enable()
-    if L.error is not None:
+    if L is not None and L.error is not None:
         raise L.error
