@@ -391,18 +391,10 @@ ONLY = sys.argv[1:] or list(CHAINS)
 
 for name in ONLY:
     build = CHAINS[name]
-    r = build()
+    r = build()                          # (a first make before the warm-up's count)
     r.close()
     del r
-    r = build()
-    n_items = sum(1 for _ in r)          # what a made chain gives, for the check at the end
-    r.close()
-    del r
-    hits = interrupt_each_call(build, name)
-    r = build()                          # the thing still works after all that
-    n = sum(1 for _ in r)
-    assert n == n_items, (name, n, n_items)
-    r.close()
+    hits, _ = interrupt_each_call(build, name)
     print(name, hits, flush=True)
 print("OK")
 '''

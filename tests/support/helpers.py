@@ -407,8 +407,10 @@ class InjectedInterrupt(KeyboardInterrupt):
 
 
 def interrupt_each_call(build, what, settle_s=10):
-    """Call `build()` once for each k = 1, 2, ... with an InjectedInterrupt
-    raised at the k-th call of a Python function (sys.settrace), until
+    """Make `build()` once uninterrupted (the warm-up: imports, first-use
+    set-up) and count its items; then call it once for each k = 1, 2, ...
+    with an InjectedInterrupt raised at the k-th call of a Python function
+    (sys.settrace), until
     build() completes with none left to interrupt.  Each attempt must raise
     the injected exception (or one it caused inside the stdlib's own code:
     threading.Condition.wait interrupted before it took its lock back raises
@@ -416,14 +418,20 @@ def interrupt_each_call(build, what, settle_s=10):
     closed; after each, the descriptors must come back to what they were
     (waiting up to `settle_s`: a prefetch thread started before the
     interrupt stops on its own, its reader's dealloc asks it to, and closes
-    the chain).  Returns the number of interrupted attempts (>= 1).
+    the chain).
 
     Calls only: an exception a tracer raises at a *line* event inside an
     except block leaves CPython 3.11's handled-exception state set, and that
-    stale traceback keeps the half-made chain alive."""
+    stale traceback keeps the half-made chain alive.  At the end, a chain made
+    afresh must give as many items as the warm-up's.  Returns (interrupted
+    attempts, that item count)."""
     import gc
     import sys
     import time
+    r = build()
+    n_items = sum(1 for _ in r)
+    r.close()
+    del r
     gc.collect()
     before = open_fds()
     k, hits = 1, 0
@@ -465,7 +473,11 @@ def interrupt_each_call(build, what, settle_s=10):
             break
         k += 1
     assert hits == k - 1 and hits > 0, (what, hits, k)
-    return hits
+    r = build()                          # the thing still works after all that
+    n = sum(1 for _ in r)
+    r.close()
+    assert n == n_items, (what, n, n_items)
+    return hits, n_items
 
 
 SUPPORT_DIR = os.path.dirname(os.path.abspath(__file__))
