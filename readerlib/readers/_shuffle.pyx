@@ -583,11 +583,7 @@ def _unpack_positions_v1(text, int64_t src, int64_t n, where):
 # than they save there (measured: 100k records from a 1M file, 5.1 ms serial,
 # 7.1 ms split)
 cdef int64_t _PAR_MIN_RECORDS = 262144
-# 0: readerlib's thread count; 1: serial.  (Off from 2026-12-02 01:00 to 01:50
-# for a SIGSEGV when a KeyboardInterrupt landed in the open of a thread's chunk
-# cache: ReaderBase.__cinit__ could fail, and a half-made RecordIOReader's
-# __dealloc__ then ran through the base vtable; fixed there.)
-cdef int _PAR_THREADS = 0
+cdef int _PAR_THREADS = 0                   # 0: readerlib's thread count; 1: serial
 cdef bint _PAR_EMULATE = False              # run the pieces on the caller, tid = piece % threads (tests)
 # whether readerlib's pool can run pieces concurrently at all (False in a
 # READERLIB_NO_THREADS build: parallel_for runs every piece on the caller)
