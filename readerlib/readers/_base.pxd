@@ -119,6 +119,11 @@ cdef class ReaderBase:
     cdef object _lock               # serialises read_next/reset/close across threads
     cdef bint _close_pending        # close() from another thread did not get the lock: the read holding it closes
     cdef object _restore_error      # why the last set_state() failed part-way (reads raise until reset/set_state), or None
+    # An item c_next gave read_next whose hand-over raised (a KeyboardInterrupt in
+    # the Python objects' making, a MemoryError): still borrowed (no c_next since),
+    # not counted in _position; the next read_next hands it out.
+    cdef rl_record _held
+    cdef bint _has_held
     # 1: *out holds the next item; 0: end of the epoch; -1: exception set.
     cdef int c_next(self, rl_record *out) except -1 nogil
     # Restart the whole chain below (next epoch).

@@ -616,23 +616,44 @@ cdef class ReaderBase:
                 if self._closed:
                     self._check_open()
                 self._begin_read()
-                with nogil:
-                    r = self.c_next(&rec)
-                if r == 0:
-                    return None
-                self._position += 1
+                if self._has_held:
+                    rec = self._held
+                else:
+                    with nogil:
+                        r = self.c_next(&rec)
+                    if r == 0:
+                        return None
+                    # Taken from the chain but not yet handed over: making its
+                    # Python objects can raise (a KeyboardInterrupt that lands in
+                    # Python code they call, a MemoryError).  Then it stays here,
+                    # borrowed (no c_next before it is handed out), uncounted, and
+                    # the next read_next hands it out: nothing is lost, and a
+                    # get_state meanwhile counts it as not read.
+                    self._held = rec
+                    self._has_held = True
                 # the record is borrowed until the next c_next: wrap it under the lock
                 if self.item_kind == ITEM_BATCH:
-                    return _wrap_batch(self, &rec)
-                return _decode_instance(self, &rec)
+                    item = _wrap_batch(self, &rec)
+                else:
+                    item = _decode_instance(self, &rec)
+                self._has_held = False
+                self._position += 1
+                return item
         finally:
             if self._close_pending:          # close() from another thread left it to us
                 self.close()
+
+    def _held_items(self):
+        """1 while an item taken from the chain waits to be handed out (its
+        hand-over raised), else 0: a reader below that saves a live state must
+        be able to go back that far (see ShuffleReader._resume_state)."""
+        return 1 if self._has_held else 0
 
     def reset(self):
         """Restart the whole chain; shuffles draw a new order (next epoch)."""
         with self._lock:
             self._check_open()
+            self._has_held = False           # the item belonged to the epoch being left
             self.c_reset()
             self._resuming = False
             self._restore_error = None
@@ -785,6 +806,7 @@ cdef class ReaderBase:
         # from here a failure leaves the chain part-way into the saved epoch:
         # reads raise (naming the failure) until a set_state() succeeds or reset()
         self._restore_error = None
+        self._has_held = False
         try:
             self.c_reset()
             for r, d in zip(readers, saved):
@@ -808,14 +830,18 @@ cdef class ReaderBase:
     def _skip(self, n):
         """Read and drop `n` items in compiled code (no Python objects); returns
         how many there were (fewer at the end of the epoch).  Counts as read."""
-        cdef int64_t i = 0, want = n
+        cdef int64_t i = 0, held = 0, want = n
         with self._lock:
             self._check_open()
             self._begin_read()
+            if want > 0 and self._has_held:  # the next item is the one read_next holds
+                self._has_held = False
+                held = 1
+                want -= 1
             with nogil:
                 i = self.c_skip(want)
-            self._position += i
-        return int(i)
+            self._position += held + i
+        return int(held + i)
 
     def __reduce__(self):
         # A chain pickles as its description: how to rebuild each reader
@@ -863,6 +889,7 @@ cdef class ReaderBase:
             if self._close_pending or not self._closed:
                 self._close_pending = False
                 self._closed = True
+                self._has_held = False
                 self.c_close()
                 if self._random_access is not None:
                     ra, self._random_access = self._random_access, None

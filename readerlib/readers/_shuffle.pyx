@@ -228,13 +228,14 @@ def _upstream_ahead(r, a):
     if f is not None:
         return f(a)
     name = type(r).__name__
-    if name in ("TakeReader", "SkipReader", "MapBatchesReader", "MultiPassReader",
-                "RepeatReader", "ReaderHolder"):
+    if name in ("TakeReader", "SkipReader", "MultiPassReader", "RepeatReader", "ReaderHolder"):
         return a
+    if name == "MapBatchesReader":
+        return a + r._inputs_held()             # (an interrupted call's input, held)
     if name == "PrefetchReader":
         return a + 2 * int(r.capacity) + 2
     if name == "MapReader":
-        return a if int(r.num_threads) == 1 else a + 512 * int(r.num_threads)
+        return a + r._inputs_held() if int(r.num_threads) == 1 else a + 512 * int(r.num_threads)
     if name in ("BatchReader", "PaddedBatchReader"):
         return (a + 1) * int(r.batch_size)
     if name == "ShardReader":
@@ -244,8 +245,12 @@ def _upstream_ahead(r, a):
     return None
 
 
-def _ahead_bound(above):
-    a = 0
+def _ahead_bound(above, reader):
+    """Items `reader` may have handed out beyond the chain's position (None: not
+    known), given the readers `above` it (top first): starting from the item the
+    top's read_next holds when its hand-over raised (ReaderBase._held_items)."""
+    top = above[0] if above else reader
+    a = top._held_items()
     for r in above:
         a = _upstream_ahead(r, a)
         if a is None:
@@ -2085,7 +2090,7 @@ cdef class ShuffleReader(DecoratedReader):
                 or (self.in_upstream and self.f_in == NULL)
                 or (self._filters is not None and not self._filters_exact())):
             return {"buffer": None}
-        G = _ahead_bound(above)
+        G = _ahead_bound(above, self)
         lo = max(self.base_t, E - RING + 64, 0)
         want = lo if G is None else max(E - <int64_t>G, lo)
         # t_a: the latest step <= want whose RNG is known (an anchor every 64th
