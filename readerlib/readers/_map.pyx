@@ -52,7 +52,8 @@ Design:
     used for the first record of the first epoch, so the function still runs
     once per instance.
 """
-import concurrent.futures
+import _thread
+import threading
 import os
 from time import perf_counter as _perf_counter
 
@@ -228,6 +229,90 @@ def _probe_first(ReaderBase reader, fn, what):
     return out
 
 
+# Interrupted calls.  An exception the function raises for an item (an
+# Exception: it failed on that item) is that item's outcome: raised, and the
+# item is gone, as in tf.data.  Any other BaseException (KeyboardInterrupt,
+# SystemExit: the run was interrupted, not the item) leaves the input where
+# it was: the reader holds it (its record still borrowed from the reader
+# below, its count undone) and the next read calls the function on it again,
+# so an interrupted run that reads on loses nothing and a get_state meanwhile
+# counts it as not taken.
+_NOT_CALLED = object()       # a threaded chunk's output slot whose call has not completed
+_IN_CALL = object()          # ... whose call runs now
+_REDECODE = object()         # an input whose call was interrupted: decoded afresh before its next call
+
+
+cdef inline bint _interrupted(BaseException e):
+    return not isinstance(e, Exception)
+
+
+cdef class _CallPool:
+    """The threaded map's workers: worker k calls the piece of a chunk posted
+    to it.  The hand-offs are `_thread` locks, taken and given in compiled code:
+    an interrupt while the caller waits for a piece raises before the lock is
+    taken (nothing half-done), and the retry waits again.  (The stdlib's
+    ThreadPoolExecutor runs Python code between its locks: an interrupt
+    there left its Condition broken -- "release unlocked lock".)"""
+    cdef list go          # worker k's lock: held until a piece (or the stop) is posted
+    cdef list done        # worker k's lock: held until its piece is done
+    cdef list jobs
+    cdef list threads
+    cdef readonly object pid
+    cdef bint stop
+
+    def __init__(self, int n, str name):
+        cdef int k
+        self.go = [_thread.allocate_lock() for k in range(n)]
+        self.done = [_thread.allocate_lock() for k in range(n)]
+        for k in range(n):
+            self.go[k].acquire()
+            self.done[k].acquire()
+        self.jobs = [None] * n
+        self.pid = os.getpid()
+        self.threads = [threading.Thread(target=_call_pool_worker, args=(self, k), daemon=True,
+                                         name=f"{name}-{k}") for k in range(n)]
+        from readerlib._parallel import start_threads
+        start_threads(self.threads)
+
+    cdef post(self, int k, object job):
+        self.jobs[k] = job
+        self.go[k].release()
+
+    cdef wait(self, int k):
+        self.done[k].acquire()
+
+    def shutdown(self, bint wait):
+        """Workers end after their piece in hand; `wait`: join them."""
+        cdef int k
+        if not self.stop:
+            self.stop = True
+            for k in range(len(self.go)):
+                self.jobs[k] = None
+                self.go[k].release()
+        if wait and os.getpid() == self.pid:
+            for t in self.threads:
+                if t.is_alive() and t is not threading.current_thread():
+                    t.join()
+
+
+def _call_pool_worker(_CallPool pool, int k):
+    go = pool.go[k]
+    done = pool.done[k]
+    while True:
+        go.acquire()
+        job = pool.jobs[k]
+        pool.jobs[k] = None
+        if pool.stop or job is None:
+            return
+        try:
+            job[0](*job[1:])
+        except BaseException:
+            pass                 # (not on this thread: the caller calls what is left)
+        finally:
+            job = None
+            done.release()
+
+
 cdef class MapReader(DecoratedReader):
     """Apply `fn` to every instance (tf.data's / Grain's map), in a compiled chain.
 
@@ -261,7 +346,9 @@ cdef class MapReader(DecoratedReader):
     Whatever `fn` raises, from the read that would have returned that
     record, with a note naming its position; TypeError / ValueError naming
     the field when an output does not fit the output schema.  Reading on
-    continues with the next record.
+    continues with the next record.  An interrupt inside `fn` (a
+    KeyboardInterrupt, SystemExit: not an Exception) leaves the record in
+    the chain: reading on calls `fn` on it again (docs/reliability.md).
 
     Examples
     --------
@@ -294,13 +381,16 @@ cdef class MapReader(DecoratedReader):
     cdef bint spare_ok            # fixed-size input schema: refilling can apply
     cdef readonly int64_t reused  # inputs refilled in place (a test hook)
     cdef int64_t arena_used
-    cdef object _pool
-    cdef object _pool_pid
+    cdef object _pool             # num_threads>1: the workers (_CallPool), made on first use
     cdef object _source
     cdef double spr_threads       # seconds per record of a chunk's calls on the threads (0: not measured)
     cdef double spr_serial        # ... on the calling thread alone (see _threads_pay)
     cdef int64_t fills            # chunks called so far (all epochs)
     cdef readonly int64_t threaded_chunks   # chunks whose calls ran on the threads (a test hook)
+    cdef rl_record held_in        # num_threads=1: the input whose call was interrupted (see _interrupted)
+    cdef bint has_held_in
+    cdef object _held_chunk       # num_threads>1: [inputs, outputs, failures, futures, probe] of a chunk
+                                  # whose calls were interrupted (its records stay in recs[:nrecs])
 
     def __init__(self, reader, fn, num_threads=1, deterministic=True, output_schema=None):
         _check_reader(reader, "MapReader")
@@ -350,6 +440,8 @@ cdef class MapReader(DecoratedReader):
         free(self.offs)
         self.recs = NULL
         self.offs = NULL
+        if self._pool is not None:           # its workers end (they hold the pool, not this reader)
+            self._pool.shutdown(False)
 
     cdef void _drop_chunk(self) noexcept:
         cdef int64_t i
@@ -364,6 +456,15 @@ cdef class MapReader(DecoratedReader):
         self.ichunk = 0
         self.failures = None
         self.has_failures = False
+        held = self._held_chunk
+        if held is not None and held[3]:
+            # an interrupted chunk dropped with pieces still out: their workers
+            # would signal "done" into the next chunk's wait; this pool retires
+            # (its workers end after those pieces) and the next chunk makes one
+            self._pool.shutdown(False)
+            self._pool = None
+        self._held_chunk = None
+        self.has_held_in = False
 
     cdef void _drop_arena(self) noexcept:
         if self.arena != NULL:
@@ -400,28 +501,39 @@ cdef class MapReader(DecoratedReader):
             nbytes += rec.size
         return 1
 
+    def _inputs_held(self):
+        """1 while an interrupted call's input waits here (num_threads=1, see _interrupted)."""
+        return 1 if self.has_held_in else 0
+
     def _where(self, int64_t pos):
         src = f", reading {self._source!r}" if self._source is not None else ""
         return f"instance {pos} of this epoch's input to {type(self).__name__}{src}"
 
     def _call_slice(self, list inputs, list outputs, list failures, Py_ssize_t a, Py_ssize_t b):
+        # the inputs of [a, b) whose call has not completed (all of them, but
+        # after an interrupt): an interrupted call's input is decoded afresh
+        # before it is called again (the function may have changed it)
         fn = self.fn
         for i in range(a, b):
             x = inputs[i]
-            if x is None:
+            if x is None or outputs[i] is not _NOT_CALLED:
                 continue
+            outputs[i] = _IN_CALL
             try:
                 outputs[i] = fn(x)
             except Exception as e:
                 failures[i] = (e, True)
+                outputs[i] = None
+            except BaseException:
+                inputs[i] = _REDECODE
+                outputs[i] = _NOT_CALLED
+                raise
 
-    cdef _get_pool(self):
+    cdef _CallPool _get_pool(self):
         pid = os.getpid()
-        if self._pool is None or self._pool_pid != pid:   # a fork()ed child makes its own
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=self.num_threads - 1, thread_name_prefix="readerlib-map")
-            self._pool_pid = pid
-        return self._pool
+        if self._pool is None or (<_CallPool>self._pool).pid != pid:   # a fork()ed child makes its own
+            self._pool = _CallPool(self.num_threads - 1, "readerlib-map")
+        return <_CallPool>self._pool
 
     cdef bint _threads_pay(self):
         """Call this chunk's function on the threads?  Whichever of the threads
@@ -446,8 +558,29 @@ cdef class MapReader(DecoratedReader):
             t[0] = 1e-12
 
     cdef int _fill(self) except -1:
-        """Read, decode, call, encode the next chunk.  0: nothing left."""
+        """Read, decode, call, encode the next chunk.  0: nothing left.  An
+        interrupt (see _interrupted) during the calls or the encoding leaves
+        the chunk held: the next _fill finishes it."""
         cdef int64_t i, n, size, pos
+        cdef int r = 1
+        held = self._held_chunk
+        self._held_chunk = None
+        if held is None:
+            held = self._fill_read()
+            if held is None:
+                return 0
+        try:
+            return self._fill_finish(held)
+        except BaseException as e:
+            if _interrupted(e):
+                self._held_chunk = held
+            raise
+
+    cdef object _fill_read(self):
+        """Pull and decode the next chunk: [inputs, outputs, failures, futures, probe],
+        or None at the end.  Its records stay referenced in recs[:nrecs] until its
+        calls complete."""
+        cdef int64_t i, n
         cdef int r = 1
         self._drop_chunk()
         try:
@@ -461,12 +594,11 @@ cdef class MapReader(DecoratedReader):
                 e = self.upstream_error
                 self.upstream_error = None
                 raise e
-            return 0
+            return None
         self.chunk_pos = self.in_pos
         self.in_pos += n
         inputs = [None] * n
         failures = [None] * n          # None, or (exception, raised by fn?)
-        any_failure = False
         spares = self._spares            # the last chunk's inputs, refilled where unshared
         self._spares = None
         nspare = len(spares) if spares is not None else 0
@@ -483,38 +615,72 @@ cdef class MapReader(DecoratedReader):
                     x = self.incodec.decode(self.recs[i].data, self.recs[i].size)
                 except ValueError as e:
                     failures[i] = (e, False)
-                    any_failure = True
             inputs[i] = x
             x = None
-            rl_record_consumed(&self.recs[i])
-            rl_block_decref(self.recs[i].block)
         spares = None
-        self.nrecs = 0
-        outputs = [None] * n
+        outputs = [_NOT_CALLED] * n
         probe = self._probe if self.chunk_pos == 0 else None
         self._probe = None
         if probe is not None:
             inputs[0] = None           # its output is the inference call's
-        nt = self.num_threads if n > 1 else 1
-        if nt > 1 and not self._threads_pay():
-            nt = 1
-        t0 = _perf_counter()
-        if nt == 1:
+        return [inputs, outputs, failures, None, probe]
+
+    cdef int _fill_finish(self, list held) except -1:
+        """Call the function on the held chunk's inputs not yet called, encode the outputs."""
+        cdef int64_t i, n, size, pos
+        inputs, outputs, failures, futs, probe = held
+        n = len(inputs)
+        if futs is not None:
+            # an interrupted chunk: the workers' pieces finish first, then the
+            # calls left run here
+            pool = self._pool
+            while futs:
+                (<_CallPool>pool).wait(futs[len(futs) - 1])
+                futs.pop()
+            held[3] = None
+            futs = None
+            for i in range(n):
+                if inputs[i] is _REDECODE:
+                    inputs[i] = self.incodec.decode(self.recs[i].data, self.recs[i].size)
             self._call_slice(inputs, outputs, failures, 0, n)
-        else:
-            self.threaded_chunks += 1
-            pool = self._get_pool()
-            bounds = [(k * n) // nt for k in range(nt + 1)]
-            futs = [pool.submit(self._call_slice, inputs, outputs, failures, bounds[k], bounds[k + 1])
-                    for k in range(1, nt)]
-            try:
+        elif self.nrecs == n:
+            for i in range(n):
+                if inputs[i] is _REDECODE:
+                    inputs[i] = self.incodec.decode(self.recs[i].data, self.recs[i].size)
+            nt = self.num_threads if n > 1 else 1
+            if nt > 1 and not self._threads_pay():
+                nt = 1
+            t0 = _perf_counter()
+            if nt == 1:
+                self._call_slice(inputs, outputs, failures, 0, n)
+            else:
+                self.threaded_chunks += 1
+                pool = self._get_pool()
+                bounds = [(k * n) // nt for k in range(nt + 1)]
+                futs = held[3] = []          # the workers whose pieces are out
+                for k in range(1, nt):
+                    (<_CallPool>pool).post(k - 1, (self._call_slice, inputs, outputs, failures,
+                                                   bounds[k], bounds[k + 1]))
+                    futs.append(k - 1)
                 self._call_slice(inputs, outputs, failures, bounds[0], bounds[1])
-            finally:
-                concurrent.futures.wait(futs)
-        if self.num_threads > 1 and n > 1:
-            self._timed(nt > 1, (_perf_counter() - t0) / n)
+                while futs:
+                    (<_CallPool>pool).wait(futs[len(futs) - 1])
+                    futs.pop()
+                held[3] = futs = None
+            if self.num_threads > 1 and n > 1:
+                self._timed(nt > 1, (_perf_counter() - t0) / n)
+        if self.nrecs:
+            # every call completed: the input records go
+            for i in range(self.nrecs):
+                rl_record_consumed(&self.recs[i])
+                rl_block_decref(self.recs[i].block)
+            self.nrecs = 0
+        any_failure = False
         arrays = [None] * n
         size = 0
+        if self.chunk != NULL:         # an interrupted encoding's
+            rl_block_decref(self.chunk)
+            self.chunk = NULL
         for i in range(n):
             if failures[i] is not None:
                 any_failure = True
@@ -542,6 +708,7 @@ cdef class MapReader(DecoratedReader):
         arrays = None
         if self.spare_ok:
             self._spares = inputs
+        held[:] = [None] * 5
         self.nchunk = n
         self.ichunk = 0
         self.failures = failures if any_failure else None
@@ -552,7 +719,7 @@ cdef class MapReader(DecoratedReader):
         cdef int64_t i
         while True:
             if self.ichunk >= self.nchunk:
-                if self.upstream_error is not None:
+                if self._held_chunk is None and self.upstream_error is not None:
                     e = self.upstream_error
                     self.upstream_error = None
                     self._drop_chunk()
@@ -573,14 +740,26 @@ cdef class MapReader(DecoratedReader):
             return 1
 
     cdef int _one(self, rl_record *rec, rl_record *out) except -1:
-        """num_threads=1: the record just read -> one call -> one record out (no read-ahead)."""
-        cdef int64_t pos
-        x = None
-        pos = self.in_pos
+        """num_threads=1: the record just read -> one call -> one record out (no
+        read-ahead).  Interrupted (see _interrupted), the record is held: the
+        next c_next calls the function on it again."""
+        cdef int64_t pos = self.in_pos
         self.in_pos += 1
+        try:
+            return self._one_call(rec, out, pos)
+        except BaseException as e:
+            if _interrupted(e):
+                self.held_in = rec[0]
+                self.has_held_in = True
+                self.in_pos = pos
+            else:
+                rl_record_consumed(rec)
+            raise
+
+    cdef int _one_call(self, rl_record *rec, rl_record *out, int64_t pos) except -1:
+        x = None
         if self._probe is not None and pos == 0:
             arrays = self._probe                  # the inference call's output, checked
-            self._probe = None
         else:
             self._probe = None
             # The last input's tuple and arrays are refilled in place when the
@@ -592,9 +771,12 @@ cdef class MapReader(DecoratedReader):
             if x is spare:
                 self.reused += 1
             spare = None
-            rl_record_consumed(rec)
             arrays = self._call(x, pos, False)
         self._emit(arrays, out)
+        # consumed once its call completed (a big record's pages may go: an
+        # interrupted call's record is read again)
+        rl_record_consumed(rec)
+        self._probe = None
         if self.spare_ok:
             self._spare = x
         return 1
@@ -668,9 +850,13 @@ cdef class MapReader(DecoratedReader):
         cdef int r
         cdef int64_t i
         if self.num_threads == 1:
-            r = self.reader.c_next(&rec)
-            if r <= 0:
-                return r
+            if self.has_held_in:             # an interrupted call's input (see _one)
+                rec = self.held_in
+                self.has_held_in = False
+            else:
+                r = self.reader.c_next(&rec)
+                if r <= 0:
+                    return r
             with gil:
                 return self._one(&rec, out)
         if self.ichunk < self.nchunk and not self.has_failures:
@@ -700,7 +886,7 @@ cdef class MapReader(DecoratedReader):
         self._spares = None
         self._probe = None
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(True)
             self._pool = None
         self.reader.close()
         return 0
@@ -718,9 +904,18 @@ cdef class MapReader(DecoratedReader):
         if n <= 0:
             return 0
         if self.num_threads == 1:
-            got = self.reader.c_skip(n)
+            if self.has_held_in:             # the next input is the held one
+                self.has_held_in = False
+                rl_record_consumed(&self.held_in)
+                self.in_pos += 1
+                done = 1
+            got = self.reader.c_skip(n - done)
             self.in_pos += got
-            return got
+            return done + got
+        with gil:
+            pending = self._held_chunk is not None
+            if pending:                      # an interrupted chunk's calls are finished first
+                self._fill()
         while done < n and self.ichunk < self.nchunk:
             if self.has_failures:
                 if self.c_next(&rec) != 1:
@@ -790,6 +985,8 @@ cdef class MapBatchesReader(DecoratedReader):
     cdef bint same_schema
     cdef object _probe
     cdef object _source
+    cdef rl_record held_in        # the input batch whose call was interrupted (see _interrupted)
+    cdef bint has_held_in
 
     def __init__(self, reader, fn, output_schema=None):
         _check_reader(reader, "MapBatchesReader")
@@ -834,7 +1031,6 @@ cdef class MapBatchesReader(DecoratedReader):
         self.in_pos += 1
         if self._probe is not None and pos == 0:
             res = self._probe
-            self._probe = None
             return res, None
         self._probe = None
         batch = self.incodec.wrap(rec)
@@ -859,6 +1055,25 @@ cdef class MapBatchesReader(DecoratedReader):
             if (<tuple>res)[k] is not (<tuple>batch)[k]:
                 return False
         return True
+
+    cdef int _apply_or_hold(self, rl_record *rec, rl_record *out) except -1:
+        """_apply; interrupted (see _interrupted), the input is held for the next c_next."""
+        cdef int64_t pos = self.in_pos
+        cdef int r
+        try:
+            r = self._apply(rec, out)
+        except BaseException as e:
+            if _interrupted(e):
+                self.held_in = rec[0]
+                self.has_held_in = True
+                self.in_pos = pos
+            raise
+        self._probe = None                   # (batch 0's output came from the inference call)
+        return r
+
+    def _inputs_held(self):
+        """1 while an interrupted call's input batch waits here (see _interrupted)."""
+        return 1 if self.has_held_in else 0
 
     cdef int _apply(self, rl_record *rec, rl_record *out) except -1:
         res, batch = self._call(rec)
@@ -886,6 +1101,7 @@ cdef class MapBatchesReader(DecoratedReader):
         """
         cdef rl_record rec
         cdef int r
+        cdef int64_t pos
         if self._closed:
             self._check_open()
         try:
@@ -896,18 +1112,31 @@ cdef class MapBatchesReader(DecoratedReader):
                 if self.hold != NULL:
                     rl_block_decref(self.hold)
                     self.hold = NULL
-                with nogil:
-                    r = self.reader.c_next(&rec)
-                if r == 0:
-                    return None
-                res, batch = self._call(&rec)
-                if not self._unchanged(res, batch):
-                    try:
-                        parts = self.outcodec.normalize(res, "map_batches: the function's output")
-                    except (TypeError, ValueError) as e:
-                        _note(e, f"at batch {self.in_pos - 1} of this epoch's input to MapBatchesReader")
-                        raise
-                    batch = keyed_of(self.schema, True, [_lod(d, [] if o is None else [o]) for d, o in parts])
+                if self.has_held_in:             # an interrupted call's input (see _interrupted)
+                    rec = self.held_in
+                    self.has_held_in = False
+                else:
+                    with nogil:
+                        r = self.reader.c_next(&rec)
+                    if r == 0:
+                        return None
+                pos = self.in_pos
+                try:
+                    res, batch = self._call(&rec)
+                    if not self._unchanged(res, batch):
+                        try:
+                            parts = self.outcodec.normalize(res, "map_batches: the function's output")
+                        except (TypeError, ValueError) as e:
+                            _note(e, f"at batch {self.in_pos - 1} of this epoch's input to MapBatchesReader")
+                            raise
+                        batch = keyed_of(self.schema, True, [_lod(d, [] if o is None else [o]) for d, o in parts])
+                except BaseException as e:
+                    if _interrupted(e):
+                        self.held_in = rec
+                        self.has_held_in = True
+                        self.in_pos = pos
+                    raise
+                self._probe = None
                 self._position += 1
                 return batch
         finally:
@@ -922,25 +1151,33 @@ cdef class MapBatchesReader(DecoratedReader):
         if self.hold != NULL:
             rl_block_decref(self.hold)
             self.hold = NULL
-        r = self.reader.c_next(&rec)
-        if r <= 0:
-            return r
+        if self.has_held_in:
+            rec = self.held_in
+            self.has_held_in = False
+        else:
+            r = self.reader.c_next(&rec)
+            if r <= 0:
+                return r
         with gil:
-            return self._apply(&rec, out)
+            return self._apply_or_hold(&rec, out)
 
     cdef int64_t c_skip(self, int64_t n) except -1 nogil:
         # one batch out per batch in: skip below, without calling fn
-        cdef int64_t got
+        cdef int64_t got, held = 0
         if self.hold != NULL:
             rl_block_decref(self.hold)
             self.hold = NULL
         if n <= 0:
             return 0
-        got = self.reader.c_skip(n)
-        self.in_pos += got
-        return got
+        if self.has_held_in:                 # the next input is the held one
+            self.has_held_in = False
+            held = 1
+        got = self.reader.c_skip(n - held)
+        self.in_pos += held + got
+        return held + got
 
     cdef int c_reset(self) except -1:
+        self.has_held_in = False
         if self.hold != NULL:
             rl_block_decref(self.hold)
             self.hold = NULL
@@ -949,6 +1186,7 @@ cdef class MapBatchesReader(DecoratedReader):
         return self.reader.c_reset()
 
     cdef int c_close(self) except -1:
+        self.has_held_in = False
         if self.hold != NULL:
             rl_block_decref(self.hold)
             self.hold = NULL
@@ -1053,6 +1291,8 @@ cdef class FilterReader(DecoratedReader):
     cdef object _passes              # epoch -> (outputs, inputs) of the last epochs read to their end
     cdef object _saved_passes        # ... as set_state found them in the state
     cdef readonly int64_t restores   # positioned without the predicate (a test hook)
+    cdef rl_record held_in           # the item whose predicate call was interrupted (see _interrupted)
+    cdef bint has_held_in
 
     def __cinit__(self, *args, **kwargs):
         self.ring = <int64_t *>malloc(F_RING * sizeof(int64_t))
@@ -1084,6 +1324,18 @@ cdef class FilterReader(DecoratedReader):
     def track(self):
         """True: get_state reads this filter's counts (background readers above pause)."""
         return True
+
+    cdef int _keep_or_hold(self, rl_record *rec) except -1:
+        """_keep; interrupted (see _interrupted), the item is held for the next c_next."""
+        cdef int64_t pos = self.in_pos
+        try:
+            return self._keep(rec)
+        except BaseException as e:
+            if _interrupted(e):
+                self.held_in = rec[0]
+                self.has_held_in = True
+                self.in_pos = pos
+            raise
 
     cdef int _keep(self, rl_record *rec) except -1:
         cdef int64_t pos = self.in_pos
@@ -1122,17 +1374,21 @@ cdef class FilterReader(DecoratedReader):
         if self.in_upstream:
             self.track_ok = False           # the reader below raised: its count no longer adds up
         while True:
-            self.in_upstream = True
-            r = self.reader.c_next(out)
-            self.in_upstream = False
-            if r <= 0:
-                if not self.at_end and self.track_ok:
-                    with gil:
-                        self._passed()
-                self.at_end = True
-                return r
+            if self.has_held_in:            # an interrupted predicate call's item
+                out[0] = self.held_in
+                self.has_held_in = False
+            else:
+                self.in_upstream = True
+                r = self.reader.c_next(out)
+                self.in_upstream = False
+                if r <= 0:
+                    if not self.at_end and self.track_ok:
+                        with gil:
+                            self._passed()
+                    self.at_end = True
+                    return r
             with gil:
-                keep = self._keep(out)
+                keep = self._keep_or_hold(out)
             if keep:
                 self.ring[self.emitted & F_MASK] = self.in_pos
                 self.emitted += 1
@@ -1278,7 +1534,8 @@ cdef class FilterReader(DecoratedReader):
         lo = max(self.base_n, E - F_RING + 1)
         if E - <int64_t>a < lo:
             return None
-        return int(self.in_pos - self._count(E - <int64_t>a))
+        # (an item held by an interrupted predicate call was taken too)
+        return int(self.in_pos - self._count(E - <int64_t>a)) + (1 if self.has_held_in else 0)
 
     def _resume_state(self, above):
         """get_state's live part: the input counts after each of the outputs the
@@ -1287,7 +1544,7 @@ cdef class FilterReader(DecoratedReader):
         cdef int64_t E = self.emitted, lo, want, m
         if not self.track_ok or self.in_upstream:
             return {"filter": None}
-        G = _ahead_bound(above)
+        G = _ahead_bound(above, self)
         lo = max(self.base_n, E - F_RING + 1, 0)
         want = lo if G is None else max(E - <int64_t>G, lo)
         counts = np.empty(E - want + 1, np.int64)
@@ -1363,6 +1620,7 @@ cdef class FilterReader(DecoratedReader):
         self.epoch += 1
         self.track_ok = True
         self.in_upstream = False
+        self.has_held_in = False
         self._spare = None
         return self.reader.c_reset()
 

@@ -1,0 +1,253 @@
+"""An interrupted read loses nothing.
+
+A KeyboardInterrupt that lands inside a read -- in a map's function, a
+filter's predicate, map_batches' function, while the chain waits for a
+threaded map's calls -- and a MemoryError while a read makes the item's
+Python objects, leave the item in the chain: reading on gives exactly the
+epoch an uninterrupted run gives (nothing lost, nothing twice), and a
+get_state() taken right after the interrupt restores, on a fresh chain, to
+the item that was interrupted.  (An Exception the function raises for an
+item is that item's outcome: raised, the item dropped -- tests/readers/
+test_transforms.py.)
+
+The interrupts are injected deterministically at every Python call of one
+read (sys.settrace), and by a real SIGALRM at random times; the allocation
+failures at every allocation of one read (_testcapi.set_nomemory).  In a
+child with a time limit: a crash or a hang is a failure.
+"""
+import pytest
+
+from helpers import SUPPORT_DIR, run_ok_script
+
+_PRELUDE = r'''
+import gc, os, random, signal, sys, tempfile, time
+sys.path.insert(0, SUPPORT)
+import numpy as np
+import readerlib as rl
+from helpers import InjectedInterrupt, make_byte_files
+
+d = tempfile.mkdtemp()
+paths, _ = make_byte_files(d, ["rio", "rio"], [700, 500], chunk_size=1024, rec_size=24)
+rio0, rio1 = paths
+
+
+def _same(x):
+    return x
+
+
+def ident(x):                 # a few Python calls per item: places for an interrupt to land
+    return _same(_same(x))
+
+
+def keep_most(x):             # drops every 5th record (x: the BYTES schema's one uint8 field)
+    return bool(_same(int(x[0][0]) % 5 != 0))
+
+
+def keep_batch(b):
+    return bool(_same(int(b[0].data[0]) % 3 != 1))
+
+
+CHAINS = {
+    "map": lambda: rl.RecordIOReader(rio0).map(ident).batch(8),
+    "map_threads": lambda: rl.RecordIOReader(rio0).map(ident, num_threads=2).batch(8),
+    "map_shuffle": lambda: rl.RecordIOReader(rio0).map(ident).shuffle(100, seed=3).batch(8),
+    "map_top": lambda: rl.RecordIOReader(rio0).map(ident),
+    "map_batches": lambda: rl.RecordIOReader(rio0).batch(8).map_batches(ident),
+    "map_batches_inner": lambda: rl.RecordIOReader(rio0).batch(8).map_batches(ident).take(10 ** 6),
+    "filter": lambda: rl.RecordIOReader(rio0).filter(keep_most).batch(8),
+    "filter_batches": lambda: rl.RecordIOReader(rio0).batch(4).filter(keep_batch),
+    "shuffle_filter": lambda: rl.RecordIOReader(rio0).shuffle(64, seed=2).filter(keep_most).batch(8),
+    "filter_shuffle": lambda: rl.RecordIOReader(rio0).filter(keep_most).shuffle(64, seed=4).batch(8),
+    "open_files_map": lambda: rl.open_files(paths, num_threads=2).map(ident).batch(8),
+    "shuffle_top": lambda: rl.RecordIOReader(rio0).shuffle(64, seed=5),
+    "prefetch": lambda: rl.RecordIOReader(rio0).shuffle(64, seed=6).batch(8).prefetch(2),
+}
+
+
+def key(item):
+    return tuple((np.asarray(t.data if hasattr(t, "data") else t).tobytes(),
+                  tuple(np.asarray(l).tolist() for l in getattr(t, "lod", ())))
+                 for t in item)
+
+
+def rest(r):
+    out = []
+    while True:
+        item = r.read_next()
+        if item is None:
+            return out
+        out.append(key(item))
+'''
+
+# An interrupt at the k-th Python call of read number j, for every k until a
+# read has fewer calls than k; then read on (even k) or checkpoint and restore
+# on a fresh chain (odd k).
+_EACH_CALL = _PRELUDE + r'''
+def attempt(make, j, k, ref):
+    c = make()
+    got = [key(c.read_next()) for _ in range(j)]
+    seen = [0]
+
+    def tracer(frame, event, arg):
+        seen[0] += 1
+        if seen[0] == k:
+            raise InjectedInterrupt(k)
+        return None
+
+    hit = False
+    sys.settrace(tracer)
+    try:
+        item = c.read_next()
+    except InjectedInterrupt:
+        hit = True
+    finally:
+        sys.settrace(None)
+    if not hit:
+        got += [key(item)] + rest(c)
+    elif k % 2 == 0:
+        got += rest(c)                       # read on
+    else:
+        st = c.get_state()                   # checkpoint right after the interrupt
+        c2 = make()
+        c2.set_state(st)
+        got += rest(c2)
+        c2.close()
+    c.close()
+    assert got == ref, (NAME, j, k, "read on" if k % 2 == 0 else "restored", len(got), len(ref),
+                        next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None))
+    return hit, seen[0]
+
+
+make = CHAINS[NAME]
+c = make()
+ref = rest(c)
+c.close()
+hits = 0
+for j in (0, len(ref) // 2):
+    k = 1
+    while True:
+        hit, calls = attempt(make, j, k, ref)
+        hits += hit
+        if not hit:
+            break
+        # every call up to 48, then spread over the rest (a threaded map's
+        # read has over a thousand)
+        k = k + 1 if k < 48 else k + max(1, calls // 40)
+print(NAME, hits)
+print("OK")
+'''
+
+# Real signals: SIGALRM at random times raises KeyboardInterrupt in whatever
+# runs; the loop reads on after each (several per epoch).  It consumes as a
+# training loop does, `for item in iterator`: an assignment from a call
+# (`x = reader.read_next()`) would lose the item in the caller's own frame
+# (CPython runs a pending handler right after a call returns, before the
+# assignment), whatever the reader does; a for loop's next item is bound
+# before any handler runs.
+_SIGNALS = _PRELUDE + r'''
+class Armed:
+    on = False
+
+
+def handler(sig, frame):
+    if Armed.on:
+        Armed.on = False
+        raise KeyboardInterrupt
+
+
+signal.signal(signal.SIGALRM, handler)
+rnd = random.Random(7)
+for name in NAMES:
+    make = CHAINS[name]
+    c = make()
+    t0 = time.perf_counter()
+    ref = rest(c)
+    dur = time.perf_counter() - t0             # the timer's range follows the epoch's length
+    c.close()
+    hits = 0
+    for attempt in range(12):
+        c = make()
+        items = []
+        append = items.append
+        it = iter(c)
+        while True:
+            try:
+                Armed.on = True
+                signal.setitimer(signal.ITIMER_REAL, max(1e-5, rnd.uniform(0.02, 0.5) * dur))
+                for item in it:
+                    append(item)
+                done = True
+            except KeyboardInterrupt:
+                hits += 1
+                done = False
+            finally:
+                Armed.on = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            if done:
+                break
+        got = [key(b) for b in items]
+        c.close()
+        assert got == ref, (name, attempt, len(got), len(ref))
+    assert hits > 0, name
+    print(name, hits)
+print("OK")
+'''
+
+# A MemoryError while a read makes the item's Python objects (every
+# allocation of one read in turn): the item stays, reading on is exact.
+_NOMEMORY = _PRELUDE + r'''
+import _testcapi
+
+SOURCES = {
+    "rio_instances": lambda: rl.RecordIOReader(rio0),
+    "rio_batches": lambda: rl.RecordIOReader(rio0).batch(8),
+    "array_batches": lambda: rl.ArrayReader(np.arange(300, dtype=np.int64)).batch(7),
+    "shuffle_prefetch": lambda: rl.RecordIOReader(rio0).shuffle(64, seed=6).batch(8).prefetch(2),
+}
+for name, make in SOURCES.items():
+    c = make()
+    ref = rest(c)
+    c.close()
+    hits = 0
+    for n in range(1, 60):
+        c = make()
+        got = [key(c.read_next()) for _ in range(3)]
+        _testcapi.set_nomemory(n, n + 1)        # the n-th allocation from here fails
+        try:
+            item = c.read_next()
+        except MemoryError:
+            item = None
+            hits += 1
+        finally:
+            _testcapi.remove_mem_hooks()
+        if item is not None:
+            got.append(key(item))
+        got += rest(c)
+        c.close()
+        assert got == ref, (name, n, len(got), len(ref))
+    print(name, hits)
+print("OK")
+'''
+
+
+@pytest.mark.parametrize("name", ["map", "map_threads", "map_shuffle", "map_top", "map_batches",
+                                  "map_batches_inner", "filter", "filter_batches", "shuffle_filter",
+                                  "filter_shuffle", "open_files_map"])
+def test_an_interrupt_at_any_call_of_a_read_loses_nothing(name):
+    p = run_ok_script(f"SUPPORT = {SUPPORT_DIR!r}\nNAME = {name!r}\n" + _EACH_CALL, timeout=300)
+    hits = int(p.stdout.split()[1])
+    assert hits > 0, p.stdout          # the interrupts did land inside the reads
+
+
+def test_real_signals_while_reading_lose_nothing():
+    names = ["map", "map_threads", "map_batches", "filter_shuffle", "shuffle_top", "prefetch",
+             "open_files_map"]
+    p = run_ok_script(f"SUPPORT = {SUPPORT_DIR!r}\nNAMES = {names!r}\n" + _SIGNALS, timeout=300)
+    assert p.stdout.count("\n") == len(names) + 1, p.stdout
+
+
+def test_a_memory_error_while_an_item_is_handed_over_loses_nothing():
+    p = run_ok_script(f"SUPPORT = {SUPPORT_DIR!r}\n" + _NOMEMORY, timeout=300)
+    counts = dict(line.split() for line in p.stdout.splitlines() if line != "OK")
+    # the failures did land in the reads (an allocation made after the item was taken)
+    assert all(int(v) > 0 for v in counts.values()), counts
