@@ -40,13 +40,17 @@ class CudaStager:
         self.inflight = deque()
         self.host_end = False
         self.pending = None
+        self.unstaged = None      # a host batch read but not staged yet (its stage() was interrupted)
 
     def clear(self):
         self.inflight.clear()
         self.host_end = False
         self.pending = None
+        self.unstaged = None
 
     def stage(self, host_batch):
+        """Start the batch's copy; returns the in-flight entry, which the caller
+        (compiled code: no interrupt lands between) appends to `inflight`."""
         cp = self.cp
         arrays = []
         for t in host_batch:
@@ -91,7 +95,7 @@ class CudaStager:
             lt.data = views[0]
             lt.lod = views[1:]
             out.append(lt)
-        self.inflight.append((type(host_batch)._make(out) if hasattr(host_batch, "_make") else tuple(out), done))   # keeps a Batch's keys
+        return (type(host_batch)._make(out) if hasattr(host_batch, "_make") else tuple(out), done)   # keeps a Batch's keys
 
     def hand_out(self):
         batch, done = self.inflight.popleft()

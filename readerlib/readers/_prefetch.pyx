@@ -728,22 +728,13 @@ cdef class PrefetchReader(DecoratedReader):
         # get_state() counts batches handed out, not batches staged: every
         # host read below bumps _position, so put it back afterwards.
         handed = self._position if (self._started or self._resuming) else 0
-        # Keep up to `capacity` batches in flight on the GPU: take every host
-        # batch already waiting, and block only when nothing is in flight.
-        while len(st.inflight) < self.capacity and not st.host_end and st.pending is None:
-            try:
-                hb = self._read_host(not st.inflight)
-            except BaseException as e:
-                if not st.inflight:
-                    raise
-                st.pending = e               # hand out the batches read before it first
-                break
-            if hb is _NOT_READY:
-                break
-            if hb is None:
-                st.host_end = True
-                break
-            st.stage(hb)
+        try:
+            self._stage_ahead(st)
+        except BaseException:
+            # (an interrupt in stage(): its host batch stays in st.unstaged and
+            # is staged first next time; nothing was handed out)
+            self._position = handed
+            raise
         if not st.inflight:
             self._position = handed
             if st.pending is not None:
@@ -754,6 +745,29 @@ cdef class PrefetchReader(DecoratedReader):
         batch = st.hand_out()
         self._position = handed + 1
         return batch
+
+    def _stage_ahead(self, st):
+        # Keep up to `capacity` batches in flight on the GPU: take every host
+        # batch already waiting, and block only when nothing is in flight.
+        while len(st.inflight) < self.capacity and not st.host_end and st.pending is None:
+            hb = st.unstaged
+            if hb is None:
+                try:
+                    hb = self._read_host(not st.inflight)
+                except BaseException as e:
+                    if not st.inflight:
+                        raise
+                    st.pending = e           # hand out the batches read before it first
+                    break
+                if hb is _NOT_READY:
+                    break
+                if hb is None:
+                    st.host_end = True
+                    break
+                st.unstaged = hb             # held until staged (stage() runs Python code)
+            entry = st.stage(hb)
+            st.inflight.append(entry)
+            st.unstaged = None
 
     def _reduce_args(self):
         return (int(self.capacity),), {"device": self.device, "timeout": self.timeout}

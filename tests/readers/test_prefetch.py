@@ -526,6 +526,53 @@ def test_cuda_prefetch_error_after_staged_batches(xp_gpu):
     assert n == 20
 
 
+@pytest.mark.gpu
+@pytest.mark.cuda_emu          # without a GPU: the staging logic on tests/support/fake_cupy.py
+@pytest.mark.parametrize("at", [1, 2, 5])
+def test_cuda_prefetch_interrupted_while_staging_loses_nothing(xp_gpu, monkeypatch, at):
+    # A KeyboardInterrupt inside stage() (Python code: the packing, CuPy's
+    # calls) left its host batch read and not staged, and the position counted
+    # it: reading on skipped it.  Now the batch is staged first next time and
+    # the position counts only batches handed out.
+    from readerlib.readers._cuda_stager import CudaStager
+    cp = xp_gpu
+
+    def make():
+        return PrefetchReader(rl.ArrayReader(_arrays()).shuffle(40, seed=3).batch(8), capacity=2,
+                              device="cuda")
+    want = [[(cp.asnumpy(t.data), [cp.asnumpy(l) for l in t.lod]) for t in b] for b in make()]
+    real = CudaStager.stage
+    calls = [0]
+
+    def stage(self, hb):
+        calls[0] += 1
+        if calls[0] == at:
+            raise KeyboardInterrupt
+        return real(self, hb)
+
+    monkeypatch.setattr(CudaStager, "stage", stage)
+    p = make()
+    got, interrupted = [], 0
+    while True:
+        try:
+            b = p.read_next()
+        except KeyboardInterrupt:
+            interrupted += 1
+            state = p.get_state()
+            r = make()                  # a checkpoint taken right after it restores to the same batch
+            r.set_state(state)
+            rest = [[(cp.asnumpy(t.data), [cp.asnumpy(l) for l in t.lod]) for t in x] for x in r]
+            r.close()
+            _assert_same(got + rest, want)
+            continue
+        if b is None:
+            break
+        got.append([(cp.asnumpy(t.data), [cp.asnumpy(l) for l in t.lod]) for t in b])
+    assert interrupted == 1
+    _assert_same(got, want)
+    p.close()
+
+
 # ------------------------------------------------------ checkpoint / resume
 def test_get_state_set_state_through_prefetch_at_every_position():
     def make():
