@@ -355,14 +355,20 @@ static inline int rl_pad_is_zero(const char *p, int64_t n) { return memcmp(p, rl
 #include <sys/uio.h>
 #include <errno.h>
 #include <pthread.h>
-/* pread mode: through a 68 KiB buffer that stays in cache, then the fused
- * CRC + copy with streaming stores (measured 4-8% faster than reading
- * straight into the row and CRC-ing it there:
- * benchmarks/results/big_records.md).  0: straight into the row.  68 KiB, not
- * 64: a 64 KiB sequence record is 64 KiB of rows plus its 8-byte row count,
- * and one pread of it costs one syscall and page-cache walk, not two. */
+/* pread mode: 0 (the default) reads straight into the batch's row(s) with
+ * one preadv (the padding to a scratch page), then the CRC over the row,
+ * which the kernel's copy has just left in this core's cache; 1 reads through
+ * a 68 KiB buffer that stays in cache, then the fused CRC + copy with
+ * streaming stores into the batch.  Measured (benchmarks/results/big_records.md,
+ * 64 KiB records, file -> shuffle(10k) -> batch(256), 2 threads): on the
+ * 2026-12-05 Intel Xeon machine the straight read took 13-16% less CPU per GB
+ * (0.144-0.150 against 0.166-0.177 s/GB) and ran 15-29% faster, idle and
+ * beside a busy process; on the earlier EPYC machines the two were within
+ * -8% .. +6% of each other.  68 KiB, not 64: a 64 KiB sequence record is 64
+ * KiB of rows plus its 8-byte row count, and one pread of it costs one
+ * syscall and page-cache walk, not two. */
 #define RL_STAGE_BYTES (65536 + 4096)
-static int rl_stage_reads = 1;
+static int rl_stage_reads = 0;
 static int rl_stage_nt = 1;        /* the staged copy's stores: 1 streaming, 0 plain (the A/B) */      /* 2: a buffer malloc'd per record (the A/B against the per-thread one) */
 
 /* One staging buffer per thread (and per module that includes this header),

@@ -44,11 +44,11 @@ cdef extern from "rl_mapped.h":
 
 
 def _set_staged_deferred_reads(flag):
-    """A/B and test hook: deferred records (pread mode) read through a small
-    cached buffer and the fused CRC + copy (True, the default) or straight
-    into the batch row, CRC-checked there; "malloc": staged through a buffer
-    allocated per record (the A/B against the per-thread buffer); returns the
-    old setting."""
+    """A/B and test hook: deferred records (pread mode) read straight into
+    the batch row, CRC-checked there (False, the default), or through a small
+    cached buffer and the fused CRC + copy (True); "malloc": staged through a
+    buffer allocated per record (the A/B against the per-thread buffer);
+    returns the old setting."""
     global rl_stage_reads
     old = "malloc" if rl_stage_reads == 2 else bool(rl_stage_reads)
     rl_stage_reads = 2 if flag == "malloc" else int(bool(flag))
