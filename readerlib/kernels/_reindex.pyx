@@ -166,10 +166,18 @@ def _set_prefetch_rows(n):
 
 #: Outputs at least this big are written with streaming stores (see
 #: rl_gather.h); smaller ones stay in the caches, where the caller will read
-#: them next.  Measured with benchmarks/bench_kernels_cpu.py --sweep-stream.
-#: (one thread, output and source both this big, cached vs streaming: 256-byte
-#: rows 1.06x at 8 MiB, 2.3x at 16 MiB; 8 KiB rows 0.83x at 8, 1.5x at 16).
-STREAM_MIN_BYTES = 16 << 20
+#: them next.  Measured with benchmarks/bench_kernels_cpu.py --sweep on a
+#: Zen 4 EPYC (one thread, output and source both this big, cached vs
+#: streaming: 256-byte rows 1.06x at 8 MiB, 2.3x at 16 MiB; 8 KiB rows 0.83x
+#: at 8, 1.5x at 16), then raised to 32 MiB on the 2-vCPU Xeon (2026-12-05,
+#: L3 shared with other tenants): 16 MiB of 256-byte rows in the interleaved
+#: benchmark (the peers write the same recycled heap pages with cached stores
+#: between our calls), cached stores won the medians in 3 runs of 3 (fresh
+#: output 1.29-1.56 vs 1.60-2.14 ms; out= 1.26-1.48 vs 2.71-3.57), bests
+#: equal (0.73-0.78 vs 0.75-0.87); an interleaved A/B against torch and
+#: np.take, 60 rounds twice: median 1.87-1.90 ms vs 3.13-3.14; at 128 MiB
+#: streaming wins ~2x (C driver, 2 threads, 4.7-5.1 vs 8-10 ms).
+STREAM_MIN_BYTES = 32 << 20
 cdef int64_t _stream_min_bytes = STREAM_MIN_BYTES
 
 
