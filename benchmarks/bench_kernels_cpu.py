@@ -114,7 +114,7 @@ def interleaved(fns, rounds, number=1):
         for i in rng.permutation(len(names)):
             k = names[i]
             order[k] = timed[k]
-            if settle is not None and k.startswith("torch"):
+            if settle is not None and str(k).startswith("torch"):
                 order[f"(settle after {k})"] = settle
         st = harness.interleaved(order, 1, warmup=0, clock=CLOCK)
         for k in names:
