@@ -246,6 +246,27 @@ cdef inline bint _interrupted(BaseException e):
     return not isinstance(e, Exception)
 
 
+cdef inline bint _hold_if_interrupted(BaseException e, const rl_record *rec, rl_record *held,
+                                      bint *has_held):
+    """An interrupt (see _interrupted): `rec` is held for the next read; True then."""
+    if _interrupted(e):
+        held[0] = rec[0]
+        has_held[0] = True
+        return True
+    return False
+
+
+cdef inline int _next_input(ReaderBase reader, rl_record *held, bint *has_held,
+                            rl_record *rec) except -1 nogil:
+    """*rec = the held input (an interrupted call's) if there is one, else the
+    reader's next; c_next's return."""
+    if has_held[0]:
+        rec[0] = held[0]
+        has_held[0] = False
+        return 1
+    return reader.c_next(rec)
+
+
 cdef class _CallPool:
     """The threaded map's workers: worker k calls the piece of a chunk posted
     to it.  The hand-offs are `_thread` locks, taken and given in compiled code:
@@ -748,9 +769,7 @@ cdef class MapReader(DecoratedReader):
         try:
             return self._one_call(rec, out, pos)
         except BaseException as e:
-            if _interrupted(e):
-                self.held_in = rec[0]
-                self.has_held_in = True
+            if _hold_if_interrupted(e, rec, &self.held_in, &self.has_held_in):
                 self.in_pos = pos
             else:
                 rl_record_consumed(rec)
@@ -850,13 +869,9 @@ cdef class MapReader(DecoratedReader):
         cdef int r
         cdef int64_t i
         if self.num_threads == 1:
-            if self.has_held_in:             # an interrupted call's input (see _one)
-                rec = self.held_in
-                self.has_held_in = False
-            else:
-                r = self.reader.c_next(&rec)
-                if r <= 0:
-                    return r
+            r = _next_input(self.reader, &self.held_in, &self.has_held_in, &rec)   # (see _one)
+            if r <= 0:
+                return r
             with gil:
                 return self._one(&rec, out)
         if self.ichunk < self.nchunk and not self.has_failures:
@@ -1063,9 +1078,7 @@ cdef class MapBatchesReader(DecoratedReader):
         try:
             r = self._apply(rec, out)
         except BaseException as e:
-            if _interrupted(e):
-                self.held_in = rec[0]
-                self.has_held_in = True
+            if _hold_if_interrupted(e, rec, &self.held_in, &self.has_held_in):
                 self.in_pos = pos
             raise
         self._probe = None                   # (batch 0's output came from the inference call)
@@ -1112,14 +1125,10 @@ cdef class MapBatchesReader(DecoratedReader):
                 if self.hold != NULL:
                     rl_block_decref(self.hold)
                     self.hold = NULL
-                if self.has_held_in:             # an interrupted call's input (see _interrupted)
-                    rec = self.held_in
-                    self.has_held_in = False
-                else:
-                    with nogil:
-                        r = self.reader.c_next(&rec)
-                    if r == 0:
-                        return None
+                with nogil:
+                    r = _next_input(self.reader, &self.held_in, &self.has_held_in, &rec)
+                if r == 0:
+                    return None
                 pos = self.in_pos
                 try:
                     res, batch = self._call(&rec)
@@ -1131,9 +1140,7 @@ cdef class MapBatchesReader(DecoratedReader):
                             raise
                         batch = keyed_of(self.schema, True, [_lod(d, [] if o is None else [o]) for d, o in parts])
                 except BaseException as e:
-                    if _interrupted(e):
-                        self.held_in = rec
-                        self.has_held_in = True
+                    if _hold_if_interrupted(e, &rec, &self.held_in, &self.has_held_in):
                         self.in_pos = pos
                     raise
                 self._probe = None
@@ -1151,13 +1158,9 @@ cdef class MapBatchesReader(DecoratedReader):
         if self.hold != NULL:
             rl_block_decref(self.hold)
             self.hold = NULL
-        if self.has_held_in:
-            rec = self.held_in
-            self.has_held_in = False
-        else:
-            r = self.reader.c_next(&rec)
-            if r <= 0:
-                return r
+        r = _next_input(self.reader, &self.held_in, &self.has_held_in, &rec)
+        if r <= 0:
+            return r
         with gil:
             return self._apply_or_hold(&rec, out)
 
@@ -1331,9 +1334,7 @@ cdef class FilterReader(DecoratedReader):
         try:
             return self._keep(rec)
         except BaseException as e:
-            if _interrupted(e):
-                self.held_in = rec[0]
-                self.has_held_in = True
+            if _hold_if_interrupted(e, rec, &self.held_in, &self.has_held_in):
                 self.in_pos = pos
             raise
 
@@ -1374,19 +1375,15 @@ cdef class FilterReader(DecoratedReader):
         if self.in_upstream:
             self.track_ok = False           # the reader below raised: its count no longer adds up
         while True:
-            if self.has_held_in:            # an interrupted predicate call's item
-                out[0] = self.held_in
-                self.has_held_in = False
-            else:
-                self.in_upstream = True
-                r = self.reader.c_next(out)
-                self.in_upstream = False
-                if r <= 0:
-                    if not self.at_end and self.track_ok:
-                        with gil:
-                            self._passed()
-                    self.at_end = True
-                    return r
+            self.in_upstream = True
+            r = _next_input(self.reader, &self.held_in, &self.has_held_in, out)
+            self.in_upstream = False
+            if r <= 0:
+                if not self.at_end and self.track_ok:
+                    with gil:
+                        self._passed()
+                self.at_end = True
+                return r
             with gil:
                 keep = self._keep_or_hold(out)
             if keep:

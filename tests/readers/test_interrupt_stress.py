@@ -19,7 +19,7 @@ import gc, os, random, signal, sys, tempfile, threading, time
 sys.path.insert(0, SUPPORT)
 import numpy as np
 import readerlib as rl
-from helpers import make_byte_files, open_fds
+from helpers import AlarmInterrupt, make_byte_files, open_fds
 
 from readerlib.readers import _shuffle
 
@@ -49,17 +49,8 @@ def items(it, limit=None):
     return out
 
 
-class Armed:
-    on = False
-
-
-def handler(sig, frame):
-    if Armed.on:
-        Armed.on = False
-        raise KeyboardInterrupt
-
-
-signal.signal(signal.SIGALRM, handler)
+Armed = AlarmInterrupt
+Armed.install()
 
 
 fds = open_fds

@@ -24,7 +24,7 @@ import gc, os, random, signal, sys, tempfile, time
 sys.path.insert(0, SUPPORT)
 import numpy as np
 import readerlib as rl
-from helpers import InjectedInterrupt, make_byte_files
+from helpers import AlarmInterrupt, InjectedInterrupt, call_tracer, make_byte_files
 
 d = tempfile.mkdtemp()
 paths, _ = make_byte_files(d, ["rio", "rio"], [700, 500], chunk_size=1024, rec_size=24)
@@ -86,14 +86,7 @@ _EACH_CALL = _PRELUDE + r'''
 def attempt(make, j, k, ref):
     c = make()
     got = [key(c.read_next()) for _ in range(j)]
-    seen = [0]
-
-    def tracer(frame, event, arg):
-        seen[0] += 1
-        if seen[0] == k:
-            raise InjectedInterrupt(k)
-        return None
-
+    tracer, seen = call_tracer(k)
     hit = False
     sys.settrace(tracer)
     try:
@@ -145,17 +138,8 @@ print("OK")
 # assignment), whatever the reader does; a for loop's next item is bound
 # before any handler runs.
 _SIGNALS = _PRELUDE + r'''
-class Armed:
-    on = False
-
-
-def handler(sig, frame):
-    if Armed.on:
-        Armed.on = False
-        raise KeyboardInterrupt
-
-
-signal.signal(signal.SIGALRM, handler)
+Armed = AlarmInterrupt
+Armed.install()
 rnd = random.Random(7)
 for name in NAMES:
     make = CHAINS[name]

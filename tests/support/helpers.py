@@ -406,6 +406,40 @@ class InjectedInterrupt(KeyboardInterrupt):
     """The KeyboardInterrupt `interrupt_each_call` injects."""
 
 
+def call_tracer(k):
+    """(tracer, seen): a sys.settrace function that raises InjectedInterrupt(k)
+    at the k-th call of a Python function it sees (calls only: see
+    interrupt_each_call); seen[0] counts the calls.  The caller sets and
+    clears it with sys.settrace itself (a helper's own frame would count)."""
+    seen = [0]
+
+    def tracer(frame, event, arg):
+        seen[0] += 1
+        if seen[0] == k:
+            raise InjectedInterrupt(k)
+        return None
+
+    return tracer, seen
+
+
+class AlarmInterrupt:
+    """SIGALRM raises KeyboardInterrupt while `on` is set, once (the handler
+    clears it): install(), then `AlarmInterrupt.on = True` and
+    signal.setitimer(signal.ITIMER_REAL, delay)."""
+    on = False
+
+    @classmethod
+    def handler(cls, sig, frame):
+        if cls.on:
+            cls.on = False
+            raise KeyboardInterrupt
+
+    @classmethod
+    def install(cls):
+        import signal
+        signal.signal(signal.SIGALRM, cls.handler)
+
+
 def interrupt_each_call(build, what, settle_s=10):
     """Make `build()` once uninterrupted (the warm-up: imports, first-use
     set-up) and count its items; then call it once for each k = 1, 2, ...
@@ -436,14 +470,7 @@ def interrupt_each_call(build, what, settle_s=10):
     before = open_fds()
     k, hits = 1, 0
     while True:
-        seen = [0]
-
-        def tracer(frame, event, arg):
-            seen[0] += 1
-            if seen[0] == k:
-                raise InjectedInterrupt(k)
-            return None
-
+        tracer, seen = call_tracer(k)
         r = None
         sys.settrace(tracer)
         try:
