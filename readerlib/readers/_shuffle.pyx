@@ -2147,7 +2147,6 @@ cdef class ShuffleReader(DecoratedReader):
                         _par_fill_body(&c, i, i + 1, <int>(i % T))
                 else:
                     parallel_for(T, P, _par_fill_body, &c)
-            self._par_loads = sum((<object>caches[t]).chunk_loads for t in range(T)) - loads0
         finally:
             _close_all(extra)
         if c.fatal != NULL:
@@ -2155,6 +2154,7 @@ cdef class ShuffleReader(DecoratedReader):
             Py_DECREF(err)
             raise err
         self._par_tids = tid_a
+        self._par_loads = ra.chunk_loads + sum(e.chunk_loads for e in extra) - loads0
         self._par_times = times_a.reshape(P, 2) - _phase_t[4]
         self._par_bounds = bounds_a
         # what the pieces left (a record of another size, a deferred one, an
