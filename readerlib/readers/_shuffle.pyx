@@ -351,6 +351,139 @@ def _file_order_py(positions):
     return b if _file_order(&p[0], n, &ka[0], &kb[0]) else a
 
 
+DEF CHUNK_ORDER_MAX_BUCKETS = 1024         # chunks a chunk order scatters to (else the radix sort)
+DEF CHUNK_ORDER_TABLE = 65536               # granules of the position -> chunk table, at most
+DEF CHUNK_ORDER_MAX_BITS = 1 << 26          # the duplicate check's bitmap: one chunk's records
+
+
+cdef inline int64_t _chunk_at(int64_t p, int64_t lo, int s, const int64_t *tab,
+                              const int64_t *starts) noexcept nogil:
+    # the chunk holding position p: its granule's first chunk, then on past the
+    # chunks that end at or before p (empty ones share their start)
+    cdef int64_t c = tab[(p - lo) >> s]
+    while starts[c + 1] <= p:
+        c += 1
+    return c
+
+
+cdef int _chunk_order(const int64_t *pos, int64_t n, const int64_t *starts, int64_t nchunks,
+                      uint64_t *keys, int64_t *lo_hi) except -2 nogil:
+    """keys[:n] <- ((pos[s] - lo) << 32) | s, lo = min(pos), grouped by the
+    chunk (starts[c] <= position < starts[c + 1]) in chunk order, slots in
+    increasing order within a chunk; lo_hi <- (lo, max(pos)).  Returns 0; 1
+    when a position is in two slots (keys unusable: the caller's radix sort
+    finds the pair for the message); -1 when it does not apply (a position
+    outside the chunks, more than CHUNK_ORDER_MAX_BUCKETS chunks in the span,
+    a chunk too long for the duplicate check, no memory): the radix sort then.
+
+    Design: the fill needs each chunk's records together (a chunk cache of
+    two slots loads each chunk once), not the records in position order
+    within a chunk (the chunk is in cache while its records are read): one
+    counting-sort pass by chunk where _file_order makes three of the
+    position's 8-bit digits (1M keys: 3 scatters and a second 8 MB array).
+    The chunk of a position is a table lookup (granules of 2^s records, at
+    most CHUNK_ORDER_TABLE of them over the span) and a step or two.  Two
+    passes over pos (count, scatter; the chunk recomputed: an L1 table),
+    then the duplicate check a bucket at a time against a bitmap of that
+    chunk's records (L1-resident for RecordIO's 1 MiB chunks), which the
+    full sort got from adjacency."""
+    cdef int64_t i, c, c_lo, c_hi, nb, lo, hi, span, ntab, g, b, maxlen, k
+    cdef int s = 0
+    cdef int64_t *tab
+    cdef int64_t *cnt
+    cdef uint64_t *bits
+    cdef uint64_t m, r
+    if n <= 0 or nchunks <= 0:
+        return -1
+    lo = pos[0]
+    hi = pos[0]
+    for i in range(1, n):
+        if pos[i] < lo:
+            lo = pos[i]
+        if pos[i] > hi:
+            hi = pos[i]
+    lo_hi[0] = lo
+    lo_hi[1] = hi
+    if lo < 0 or hi >= starts[nchunks] or hi - lo >= (<int64_t>1 << 32):
+        return -1
+    # the chunks of lo and hi (the last chunk starting at or before each)
+    c_lo = 0
+    while c_lo + 1 < nchunks and starts[c_lo + 1] <= lo:
+        c_lo += 1
+    c_hi = c_lo
+    while c_hi + 1 < nchunks and starts[c_hi + 1] <= hi:
+        c_hi += 1
+    nb = c_hi - c_lo + 1
+    if nb > CHUNK_ORDER_MAX_BUCKETS:
+        return -1
+    maxlen = 0
+    for c in range(c_lo, c_hi + 1):
+        if starts[c + 1] - starts[c] > maxlen:
+            maxlen = starts[c + 1] - starts[c]
+    if maxlen > CHUNK_ORDER_MAX_BITS:
+        return -1
+    span = hi - lo + 1
+    while (span >> s) >= CHUNK_ORDER_TABLE:
+        s += 1
+    ntab = ((span - 1) >> s) + 1
+    tab = <int64_t *>malloc(ntab * sizeof(int64_t))
+    cnt = <int64_t *>calloc(nb + 1, sizeof(int64_t))
+    bits = <uint64_t *>malloc(((maxlen + 63) >> 6) * sizeof(uint64_t) + 8)
+    if tab == NULL or cnt == NULL or bits == NULL:
+        free(tab)
+        free(cnt)
+        free(bits)
+        return -1
+    c = c_lo
+    for g in range(ntab):                   # the chunk of each granule's first position
+        while starts[c + 1] <= lo + (g << s):
+            c += 1
+        tab[g] = c
+    for i in range(n):
+        cnt[_chunk_at(pos[i], lo, s, tab, starts) - c_lo + 1] += 1
+    for b in range(nb):
+        cnt[b + 1] += cnt[b]
+    for i in range(n):
+        c = _chunk_at(pos[i], lo, s, tab, starts) - c_lo
+        keys[cnt[c]] = ((<uint64_t>(pos[i] - lo)) << 32) | <uint64_t>i
+        cnt[c] += 1
+    # cnt[b] is now bucket b's end
+    k = 0
+    r = 0
+    for b in range(nb):
+        c = c_lo + b
+        memset(bits, 0, ((starts[c + 1] - starts[c] + 63) >> 6) * sizeof(uint64_t))
+        while k < cnt[b]:
+            i = lo + <int64_t>(keys[k] >> 32) - starts[c]
+            m = (<uint64_t>1) << (i & 63)
+            r |= bits[i >> 6] & m
+            bits[i >> 6] |= m
+            k += 1
+        if r:
+            break
+    free(tab)
+    free(cnt)
+    free(bits)
+    return 1 if r else 0
+
+
+def _chunk_order_py(positions, starts):
+    """Test hook: _chunk_order's keys for these positions and chunk starts
+    (uint64 array), or None (1: a duplicate; -1: not applicable)."""
+    cdef int64_t[::1] p = np.ascontiguousarray(positions, dtype=np.int64)
+    cdef int64_t[::1] st = np.ascontiguousarray(starts, dtype=np.int64)
+    cdef int64_t n = p.shape[0]
+    cdef int64_t lo_hi[2]
+    cdef int r
+    if n == 0 or st.shape[0] < 2:
+        return None
+    a = np.empty(n, np.uint64)
+    cdef uint64_t[::1] ka = a
+    with nogil:
+        r = _chunk_order(&p[0], n, &st[0], st.shape[0] - 1, &ka[0], lo_hi)
+    return a if r == 0 else r
+
+
 cdef str _pack_ages(const uint32_t *vals, int64_t n, int64_t src):
     """Positions vals[:n] (< src) as a short string: their distances back from
     src - 1 (small: the buffer holds recent records), bit-packed at the width
@@ -598,6 +731,8 @@ cdef bint _POOL_CONCURRENT = _threads_enabled()
 # faulting thread, and the restore measured 155-191 ms against ~60 in 2 of 8 runs
 # for a 10-20% lower median (results/resume.md); _restore_parallel_settings(hugepages=True)
 cdef bint _HUGE_ON = False
+# the fill's order: grouped by chunk (_chunk_order) where the source's chunks are known
+cdef bint _CHUNK_ORDER_ON = True
 DEF PAR_MAX_THREADS = 4                     # chunk caches opened at most (one a thread)
 DEF PAR_PIECES_PER_THREAD = 8
 DEF PAR_LOAD_COST = 4096                    # a chunk load, in record writes (0.13 ms / ~30 ns)
@@ -627,17 +762,21 @@ def _restore_phases():
     return {k: _phase_t[i + 1] - _phase_t[i] for i, k in enumerate(names)}
 
 
-def _restore_parallel_settings(min_records=None, threads=None, emulate=None, hugepages=None):
+def _restore_parallel_settings(min_records=None, threads=None, emulate=None, hugepages=None,
+                               chunk_order=None):
     """Test/benchmark hook: the restore's parallel fill (`min_records`: records
     left after the probe from which it splits; `threads`: 0 readerlib's thread
     count, 1 serial, n at most n (pooled only while readerlib has 2 threads or
     more and its build has threads: see _restore_pool_concurrent); `emulate`: run the pieces one after another on
     the calling thread, piece p as thread p % threads, each with its own chunk
     cache; `hugepages`: advise huge pages for a restore's fresh slots and
-    cells).  Returns the previous settings as a dict."""
-    global _PAR_MIN_RECORDS, _PAR_THREADS, _PAR_EMULATE, _HUGE_ON
+    cells; `chunk_order`: the fill's order grouped by chunk where the
+    source's chunks are known (_chunk_order), else sorted by position).
+    Returns the previous settings as a dict."""
+    global _PAR_MIN_RECORDS, _PAR_THREADS, _PAR_EMULATE, _HUGE_ON, _CHUNK_ORDER_ON
     old = {"min_records": int(_PAR_MIN_RECORDS), "threads": int(_PAR_THREADS),
-           "emulate": bool(_PAR_EMULATE), "hugepages": bool(_HUGE_ON)}
+           "emulate": bool(_PAR_EMULATE), "hugepages": bool(_HUGE_ON),
+           "chunk_order": bool(_CHUNK_ORDER_ON)}
     if min_records is not None and int(min_records) < 0:
         raise ValueError(f"min_records must be >= 0, got {min_records}")
     if threads is not None and not 0 <= int(threads) <= PAR_MAX_THREADS:
@@ -650,6 +789,8 @@ def _restore_parallel_settings(min_records=None, threads=None, emulate=None, hug
         _PAR_EMULATE = bool(emulate)
     if hugepages is not None:
         _HUGE_ON = bool(hugepages)
+    if chunk_order is not None:
+        _CHUNK_ORDER_ON = bool(chunk_order)
     return old
 
 
@@ -709,6 +850,47 @@ cdef int _par_fill_piece(_par_fill *c, int64_t p, ReaderBase cache) except -1 no
         rl_shuffle_copy_small(c.cells + s_ * c.cell, rec.data, <size_t>rec.size)
     c.stop[p] = end
     return 0
+
+
+cdef inline int64_t _chunk_index(const int64_t *st, int64_t nchunks, int64_t p) noexcept nogil:
+    # the chunk holding position p (the last one starting at or before it)
+    cdef int64_t a = 0, b = nchunks - 1, m
+    while a < b:
+        m = (a + b + 1) >> 1
+        if st[m] <= p:
+            a = m
+        else:
+            b = m - 1
+    return a
+
+
+cdef int64_t _chunk_edge(const uint64_t *keys, int64_t lo, const int64_t *st, int64_t nchunks,
+                         int64_t k, int64_t first, int64_t last) noexcept nogil:
+    """The chunk boundary in keys[first:last] (in chunk order) nearest to k: the
+    first key of key k's chunk or of the chunk after it."""
+    cdef int64_t c, a, b, m, down, up
+    if k <= first or k >= last:
+        return k
+    c = _chunk_index(st, nchunks, lo + <int64_t>(keys[k] >> 32))
+    a = first                               # down: the first key in chunk c
+    b = k
+    while a < b:
+        m = (a + b) >> 1
+        if _chunk_index(st, nchunks, lo + <int64_t>(keys[m] >> 32)) < c:
+            a = m + 1
+        else:
+            b = m
+    down = a
+    a = k                                   # up: the first key past chunk c
+    b = last
+    while a < b:
+        m = (a + b) >> 1
+        if _chunk_index(st, nchunks, lo + <int64_t>(keys[m] >> 32)) <= c:
+            a = m + 1
+        else:
+            b = m
+    up = a
+    return down if k - down <= up - k else up
 
 
 cdef void _par_fill_pieces(_par_fill *c, int64_t begin, int64_t end, int tid) noexcept:
@@ -944,6 +1126,8 @@ cdef class ShuffleReader(DecoratedReader):
     cdef readonly object _par_tids   # the last parallel fill: the thread of each piece (a test hook)
     cdef readonly object _par_bounds # ... and the pieces' bounds in the file order
     cdef readonly object _par_times  # ... and their start and end (s, from the probe's end)
+    cdef readonly int64_t _par_loads # ... and the chunk loads its pieces made (all threads)
+    cdef readonly str _fill_order    # the last restore's fill order: "chunk" or "position" (a test hook)
     # Restore through filters (see the design note): slot_pos holds positions in
     # ra_src, the source below the filters, not counts of the filters' outputs
     cdef ReaderBase ra_src       # the reader the restore reads the buffer from (c_read_at)
@@ -1642,7 +1826,10 @@ cdef class ShuffleReader(DecoratedReader):
         cdef uint64_t[::1] keys
         cdef uint64_t[::1] tmpk
         cdef int64_t[::1] order
-        cdef int64_t which, lo
+        cdef int64_t which, lo, hi
+        cdef int64_t lo_hi[2]
+        cdef int by_chunk
+        cdef int64_t[::1] starts
         cdef int64_t B = src, last_b, nrec, dup
         if n > E or n < t_a or E <= 0 or cnt < 0 or cnt > self.cap or t_a < 0:
             return -1
@@ -1722,22 +1909,38 @@ cdef class ShuffleReader(DecoratedReader):
         order_a = np.empty(max(min(cn, RESTORE_PROBE), 1), np.int64)  # the first slots filled (_decide)
         order = order_a
         keys_a = np.empty(max(cn, 1), np.uint64)        # file order: each chunk loaded once
-        tmp_a = np.empty(max(cn, 1), np.uint64)
         keys = keys_a
-        tmpk = tmp_a
-        which = _file_order(&pos[0], cn, &keys[0], &tmpk[0]) if cn > 0 else 0
-        if which:
-            keys = tmpk
+        # grouped by chunk where the source says where its chunks start
+        # (_chunk_order); else, or for the message on a duplicate, sorted
+        starts_a = self._order_chunk_starts() if cn > 0 and _CHUNK_ORDER_ON else None
+        by_chunk = -1
+        if starts_a is not None:
+            starts = starts_a
+            with nogil:
+                by_chunk = _chunk_order(&pos[0], cn, &starts[0], starts.shape[0] - 1, &keys[0], lo_hi)
+        if by_chunk != 0:
+            tmp_a = np.empty(max(cn, 1), np.uint64)
+            tmpk = tmp_a
+            which = _file_order(&pos[0], cn, &keys[0], &tmpk[0]) if cn > 0 else 0
+            if which:
+                keys = tmpk
+        self._fill_order = "chunk" if by_chunk == 0 else "position"
         _phase_t[3] = rl_shuffle_now()
         lo = 0
-        if cn > 0:
+        hi = -1
+        if by_chunk == 0:
+            lo = lo_hi[0]
+            hi = lo_hi[1]
+        elif cn > 0:
             lo = pos[<int64_t><uint32_t>keys[0]] - <int64_t>(keys[0] >> 32)
+            hi = lo + <int64_t>(keys[cn - 1] >> 32)
         dup = -1
-        with nogil:                         # (sorted: one record in two slots is adjacent)
-            for i in range(1, cn):
-                if (keys[i] >> 32) == (keys[i - 1] >> 32):
-                    dup = i
-                    break
+        if by_chunk != 0:
+            with nogil:                     # (sorted: one record in two slots is adjacent)
+                for i in range(1, cn):
+                    if (keys[i] >> 32) == (keys[i - 1] >> 32):
+                        dup = i
+                        break
         if dup >= 0:
             raise ValueError(f"{where} (slot positions: position "
                              f"{lo + <int64_t>(keys[dup] >> 32)} is in slots "
@@ -1745,7 +1948,7 @@ cdef class ShuffleReader(DecoratedReader):
         if self.f_in != NULL:
             # the filters, positioned by their counts, are past every buffered record
             # and not past the next one to come (the last refill undone)
-            if (cn > 0 and lo + <int64_t>(keys[cn - 1] >> 32) >= self.f_in[0]) or \
+            if (cn > 0 and hi >= self.f_in[0]) or \
                     (last_b < B and self.f_in[0] > last_b) or self.f_in[0] > B:
                 raise ValueError(f"{where} (base_position {B} and the positions do not fit the "
                                  f"filter's saved counts: it is at {self.f_in[0]})")
@@ -1904,7 +2107,10 @@ cdef class ShuffleReader(DecoratedReader):
             for i in range(1, P):
                 while b < nb and cost[b] * P < total * i:
                     b += 1
-                bounds[i] = min(first + b * PAR_BLOCK, last)
+                # on the nearest chunk boundary (the keys are in chunk order):
+                # a chunk cut between two pieces was loaded by both
+                bounds[i] = max(_chunk_edge(keys, lo, st, nchunks, min(first + b * PAR_BLOCK, last),
+                                            first, last), bounds[i - 1])
             bounds[P] = last
         extra = []
         try:
@@ -1934,6 +2140,7 @@ cdef class ShuffleReader(DecoratedReader):
             c.fatal = NULL
             for i in range(P):
                 stop[i] = bounds[i]
+            loads0 = sum((<object>caches[t]).chunk_loads for t in range(T))
             with nogil:
                 if _PAR_EMULATE:
                     for i in range(P):
@@ -1947,6 +2154,7 @@ cdef class ShuffleReader(DecoratedReader):
             Py_DECREF(err)
             raise err
         self._par_tids = tid_a
+        self._par_loads = ra.chunk_loads + sum(e.chunk_loads for e in extra) - loads0
         self._par_times = times_a.reshape(P, 2) - _phase_t[4]
         self._par_bounds = bounds_a
         # what the pieces left (a record of another size, a deferred one, an
@@ -2057,6 +2265,23 @@ cdef class ShuffleReader(DecoratedReader):
             self.slots[<int64_t><uint32_t>keys[j]] = saved[j]
         free(saved)
         return u
+
+    def _order_chunk_starts(self):
+        """Where the restore's source's chunks start (int64, one past the last
+        at the end), for the fill's chunk order (_chunk_order); None when it
+        does not say (the fill's order is then sorted by position)."""
+        from readerlib.formats._recordio import RecordIOReader
+        from readerlib.readers._random_access import ChunkCache
+        src = self.ra_src
+        while type(src).__name__ == "MapReader":    # (reads through it: its source's)
+            src = src.reader
+        ra = (<ReaderBase>src)._random_access
+        if type(ra) is ChunkCache:
+            return np.ascontiguousarray(ra.chunk_starts(), dtype=np.int64)
+        if type(src) is RecordIOReader:
+            _, nrec = src.chunk_table()
+            return np.concatenate([[0], np.cumsum(np.asarray(nrec, dtype=np.int64))]).astype(np.int64)
+        return None
 
     def _in_memory(self):
         # the source's random access is a view of an array in memory

@@ -156,7 +156,7 @@ def test_huge_pages_are_a_hint_only(fixed):
 
 def test_the_parallel_settings_hook_checks_its_arguments():
     old = _shuffle._restore_parallel_settings()
-    assert set(old) == {"min_records", "threads", "emulate", "hugepages"}
+    assert set(old) == {"min_records", "threads", "emulate", "hugepages", "chunk_order"}
     with pytest.raises(ValueError, match="threads"):
         _shuffle._restore_parallel_settings(threads=99)
     with pytest.raises(ValueError, match="min_records"):
