@@ -282,13 +282,20 @@ cdef class _CallPool:
         self.done[k].acquire()
 
     def shutdown(self, bint wait):
-        """Workers end after their piece in hand; `wait`: join them."""
+        """Workers end after their piece in hand (a piece posted but not yet
+        taken is not called); `wait`: join them."""
         cdef int k
         if not self.stop:
             self.stop = True
             for k in range(len(self.go)):
                 self.jobs[k] = None
-                self.go[k].release()
+                # unlocked: a piece was posted and its worker has not taken it
+                # yet; it will, see `stop` and end.  (Releasing it again raised
+                # "release unlocked lock": a reset() right after an interrupt
+                # in the caller's piece left the chunk held, and the next read
+                # waited forever on the retired pool.)
+                if self.go[k].locked():
+                    self.go[k].release()
         if wait and os.getpid() == self.pid:
             for t in self.threads:
                 if t.is_alive() and t is not threading.current_thread():
@@ -457,14 +464,15 @@ cdef class MapReader(DecoratedReader):
         self.failures = None
         self.has_failures = False
         held = self._held_chunk
-        if held is not None and held[3]:
+        self._held_chunk = None           # (first: nothing below may leave it held)
+        self.has_held_in = False
+        if held is not None and held[3] and self._pool is not None:
             # an interrupted chunk dropped with pieces still out: their workers
             # would signal "done" into the next chunk's wait; this pool retires
-            # (its workers end after those pieces) and the next chunk makes one
-            self._pool.shutdown(False)
-            self._pool = None
-        self._held_chunk = None
-        self.has_held_in = False
+            # (its workers end after those pieces; close() joins them) and the
+            # next chunk makes one
+            pool, self._pool = self._pool, None
+            pool.shutdown(False)
 
     cdef void _drop_arena(self) noexcept:
         if self.arena != NULL:
@@ -880,14 +888,15 @@ cdef class MapReader(DecoratedReader):
         return self.reader.c_reset()
 
     cdef int c_close(self) except -1:
+        pool = self._pool                    # (a pool _drop_chunk retires is joined too)
         self._drop_chunk()
         self._drop_arena()
         self._spare = None
         self._spares = None
         self._probe = None
-        if self._pool is not None:
-            self._pool.shutdown(True)
-            self._pool = None
+        self._pool = None
+        if pool is not None:
+            pool.shutdown(True)
         self.reader.close()
         return 0
 
