@@ -256,6 +256,7 @@ cdef class _CallPool:
     cdef list go          # worker k's lock: held until a piece (or the stop) is posted
     cdef list done        # worker k's lock: held until its piece is done
     cdef list jobs
+    cdef list raised      # worker k: what interrupted its last piece (not an Exception), or None
     cdef list threads
     cdef readonly object pid
     cdef bint stop
@@ -268,6 +269,7 @@ cdef class _CallPool:
             self.go[k].acquire()
             self.done[k].acquire()
         self.jobs = [None] * n
+        self.raised = [None] * n
         self.pid = os.getpid()
         self.threads = [threading.Thread(target=_call_pool_worker, args=(self, k), daemon=True,
                                          name=f"{name}-{k}") for k in range(n)]
@@ -279,7 +281,11 @@ cdef class _CallPool:
         self.go[k].release()
 
     cdef wait(self, int k):
+        """Worker k's piece is done: what interrupted it (the caller raises it), or None."""
         self.done[k].acquire()
+        e = self.raised[k]
+        self.raised[k] = None
+        return e
 
     def shutdown(self, bint wait):
         """Workers end after their piece in hand (a piece posted but not yet
@@ -313,8 +319,12 @@ def _call_pool_worker(_CallPool pool, int k):
             return
         try:
             job[0](*job[1:])
-        except BaseException:
-            pass                 # (not on this thread: the caller calls what is left)
+        except BaseException as e:
+            # (an Exception is caught per input by _call_slice: this is the
+            # function's SystemExit, KeyboardInterrupt...) raised from the
+            # read by the caller, which calls the piece's rest next time
+            pool.raised[k] = e
+            e = None
         finally:
             job = None
             done.release()
@@ -633,6 +643,35 @@ cdef class MapReader(DecoratedReader):
             inputs[0] = None           # its output is the inference call's
         return [inputs, outputs, failures, None, probe]
 
+    cdef int _wait_pieces(self, list held) except -1:
+        """Wait for the workers' pieces of the held chunk still out (held[3]).
+        What interrupted a piece (the function's SystemExit on a worker) is
+        raised here, as on the calling thread: the chunk stays held and the
+        next read calls the piece's rest.  In a fork()ed child the parent's
+        workers are gone: a call one of them had in progress counts as not
+        made, and the caller calls what is left."""
+        cdef _CallPool pool = <_CallPool>self._pool
+        futs = held[3]
+        if pool is None or pool.pid != os.getpid():
+            inputs, outputs = held[0], held[1]
+            for i in range(len(outputs)):
+                if outputs[i] is _IN_CALL:
+                    outputs[i] = _NOT_CALLED
+                    inputs[i] = _REDECODE
+            held[3] = None
+            self._pool = None                # (_get_pool makes this process's own)
+            return 0
+        err = None
+        while futs:
+            e = pool.wait(futs[len(futs) - 1])
+            futs.pop()
+            if err is None:
+                err = e
+        held[3] = None
+        if err is not None:
+            raise err
+        return 0
+
     cdef int _fill_finish(self, list held) except -1:
         """Call the function on the held chunk's inputs not yet called, encode the outputs."""
         cdef int64_t i, n, size, pos
@@ -641,11 +680,7 @@ cdef class MapReader(DecoratedReader):
         if futs is not None:
             # an interrupted chunk: the workers' pieces finish first, then the
             # calls left run here
-            pool = self._pool
-            while futs:
-                (<_CallPool>pool).wait(futs[len(futs) - 1])
-                futs.pop()
-            held[3] = None
+            self._wait_pieces(held)
             futs = None
             for i in range(n):
                 if inputs[i] is _REDECODE:
@@ -671,10 +706,8 @@ cdef class MapReader(DecoratedReader):
                                                    bounds[k], bounds[k + 1]))
                     futs.append(k - 1)
                 self._call_slice(inputs, outputs, failures, bounds[0], bounds[1])
-                while futs:
-                    (<_CallPool>pool).wait(futs[len(futs) - 1])
-                    futs.pop()
-                held[3] = futs = None
+                self._wait_pieces(held)
+                futs = None
             if self.num_threads > 1 and n > 1:
                 self._timed(nt > 1, (_perf_counter() - t0) / n)
         if self.nrecs:
