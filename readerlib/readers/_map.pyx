@@ -406,6 +406,7 @@ cdef class MapReader(DecoratedReader):
     cdef readonly int64_t threaded_chunks   # chunks whose calls ran on the threads (a test hook)
     cdef rl_record held_in        # num_threads=1: the input whose call was interrupted (see _interrupted)
     cdef bint has_held_in
+    cdef bint pulled              # num_threads>1: recs[:nrecs] pulled and counted, their chunk not made yet
     cdef object _held_chunk       # num_threads>1: [inputs, outputs, failures, futures, probe] of a chunk
                                   # whose calls were interrupted (its records stay in recs[:nrecs])
 
@@ -476,6 +477,7 @@ cdef class MapReader(DecoratedReader):
         held = self._held_chunk
         self._held_chunk = None           # (first: nothing below may leave it held)
         self.has_held_in = False
+        self.pulled = False
         if held is not None and held[3] and self._pool is not None:
             # an interrupted chunk dropped with pieces still out: their workers
             # would signal "done" into the next chunk's wait; this pool retires
@@ -577,8 +579,9 @@ cdef class MapReader(DecoratedReader):
 
     cdef int _fill(self) except -1:
         """Read, decode, call, encode the next chunk.  0: nothing left.  An
-        interrupt (see _interrupted) during the calls or the encoding leaves
-        the chunk held: the next _fill finishes it."""
+        interrupt (see _interrupted) or a MemoryError of this reader's while
+        decoding, calling or encoding leaves the chunk held: the next _fill
+        finishes it."""
         cdef int64_t i, n, size, pos
         cdef int r = 1
         held = self._held_chunk
@@ -590,7 +593,9 @@ cdef class MapReader(DecoratedReader):
         try:
             return self._fill_finish(held)
         except BaseException as e:
-            if _interrupted(e):
+            # (the function's own exceptions are the items' outcomes, caught
+            # per input: a MemoryError here is this reader's, as in _fill_read)
+            if _interrupted(e) or isinstance(e, MemoryError):
                 self._held_chunk = held
             raise
 
@@ -600,48 +605,75 @@ cdef class MapReader(DecoratedReader):
         calls complete."""
         cdef int64_t i, n
         cdef int r = 1
-        self._drop_chunk()
-        try:
-            with nogil:
-                r = self._pull()
-        except BaseException as e:
-            self.upstream_error = e
+        if not self.pulled:
+            self._drop_chunk()
+            try:
+                with nogil:
+                    r = self._pull()
+            except BaseException as e:
+                self.upstream_error = e
+            n = self.nrecs
+            if n == 0:
+                if self.upstream_error is not None:
+                    e = self.upstream_error
+                    self.upstream_error = None
+                    raise e
+                return None
+            self.chunk_pos = self.in_pos
+            self.in_pos += n
+            # from here a MemoryError making the chunk's lists leaves the
+            # records for the next read (they were dropped with the chunk)
+            self.pulled = True
         n = self.nrecs
-        if n == 0:
-            if self.upstream_error is not None:
-                e = self.upstream_error
-                self.upstream_error = None
-                raise e
-            return None
-        self.chunk_pos = self.in_pos
-        self.in_pos += n
-        inputs = [None] * n
+        probe = self._probe if self.chunk_pos == 0 else None
+        inputs = [_REDECODE] * n       # decoded below
+        if probe is not None:
+            inputs[0] = None           # its output is the inference call's
         failures = [None] * n          # None, or (exception, raised by fn?)
+        held = [inputs, [_NOT_CALLED] * n, failures, None, probe]
+        self.pulled = False
+        self._probe = None
         spares = self._spares            # the last chunk's inputs, refilled where unshared
         self._spares = None
         nspare = len(spares) if spares is not None else 0
-        for i in range(n):
-            x = None
-            if i < nspare:
-                x = spares[i]
-                spares[i] = None
-            if x is not None and self.incodec.refill(<tuple>x, self.recs[i].data, self.recs[i].size):
-                self.reused += 1
-            else:
+        try:
+            for i in range(1 if probe is not None else 0, n):
                 x = None
+                if i < nspare:
+                    x = spares[i]
+                    spares[i] = None
+                if x is not None and self.incodec.refill(<tuple>x, self.recs[i].data, self.recs[i].size):
+                    self.reused += 1
+                else:
+                    x = None
+                    try:
+                        x = self.incodec.decode(self.recs[i].data, self.recs[i].size)
+                    except ValueError as e:
+                        failures[i] = (e, False)
+                inputs[i] = x
+                x = None
+        except BaseException as e:
+            if _interrupted(e) or isinstance(e, MemoryError):
+                # this reader's own allocation failed (not the record's fault,
+                # nor the function's): the chunk is held, the inputs not made
+                # yet are decoded on the next read (the next read dropped the
+                # chunk: one MemoryError lost all of it)
+                self._held_chunk = held
+            raise
+        return held
+
+    cdef int _redecode(self, list inputs, list failures) except -1:
+        """Decode the inputs marked _REDECODE (an interrupted call's, or not
+        decoded yet when the chunk was held) from their records."""
+        cdef Py_ssize_t i
+        for i in range(len(inputs)):
+            if inputs[i] is _REDECODE:
                 try:
-                    x = self.incodec.decode(self.recs[i].data, self.recs[i].size)
+                    inputs[i] = self.incodec.decode(self.recs[i].data, self.recs[i].size)
                 except ValueError as e:
                     failures[i] = (e, False)
-            inputs[i] = x
-            x = None
-        spares = None
-        outputs = [_NOT_CALLED] * n
-        probe = self._probe if self.chunk_pos == 0 else None
-        self._probe = None
-        if probe is not None:
-            inputs[0] = None           # its output is the inference call's
-        return [inputs, outputs, failures, None, probe]
+                    inputs[i] = None
+        return 0
 
     cdef int _wait_pieces(self, list held) except -1:
         """Wait for the workers' pieces of the held chunk still out (held[3]).
@@ -682,14 +714,10 @@ cdef class MapReader(DecoratedReader):
             # calls left run here
             self._wait_pieces(held)
             futs = None
-            for i in range(n):
-                if inputs[i] is _REDECODE:
-                    inputs[i] = self.incodec.decode(self.recs[i].data, self.recs[i].size)
+            self._redecode(inputs, failures)
             self._call_slice(inputs, outputs, failures, 0, n)
         elif self.nrecs == n:
-            for i in range(n):
-                if inputs[i] is _REDECODE:
-                    inputs[i] = self.incodec.decode(self.recs[i].data, self.recs[i].size)
+            self._redecode(inputs, failures)
             nt = self.num_threads if n > 1 else 1
             if nt > 1 and not self._threads_pay():
                 nt = 1
@@ -760,7 +788,7 @@ cdef class MapReader(DecoratedReader):
         cdef int64_t i
         while True:
             if self.ichunk >= self.nchunk:
-                if self._held_chunk is None and self.upstream_error is not None:
+                if self._held_chunk is None and not self.pulled and self.upstream_error is not None:
                     e = self.upstream_error
                     self.upstream_error = None
                     self._drop_chunk()
@@ -955,7 +983,7 @@ cdef class MapReader(DecoratedReader):
             self.in_pos += got
             return done + got
         with gil:
-            pending = self._held_chunk is not None
+            pending = self._held_chunk is not None or self.pulled
             if pending:                      # an interrupted chunk's calls are finished first
                 self._fill()
         while done < n and self.ichunk < self.nchunk:

@@ -380,3 +380,44 @@ print("OK")
 
 def test_a_fork_after_an_interrupt_in_a_threaded_map_reads_on_in_the_child():
     run_ok_script(f"SUPPORT = {SUPPORT_DIR!r}\n" + _FORK_AFTER_INTERRUPT, timeout=180)
+
+
+# A MemoryError of the threaded map's own (making a chunk's lists, decoding
+# its inputs, its output block; at each allocation of the read that fills the
+# second chunk in turn) leaves the chunk held, as an interrupt does: one
+# MemoryError lost the whole chunk (1024 items), the next read dropping it.
+_NOMEMORY_THREADED_MAP = _PRELUDE + r'''
+import _testcapi
+big, _ = make_byte_files(d, ["rio"], [2500], chunk_size=1024, rec_size=24)
+schema = rl.RecordIOReader(big[0]).schema
+
+
+def make():
+    return rl.RecordIOReader(big[0]).map(_same, num_threads=2, output_schema=schema)
+
+
+ref = rest(make())
+hits = 0
+for n in range(1, 40):
+    c = make()
+    got = [key(c.read_next()) for _ in range(1024)]     # the first chunk's
+    _testcapi.set_nomemory(n, n + 1)
+    try:
+        item = c.read_next()
+    except MemoryError:
+        item = None
+        hits += 1
+    finally:
+        _testcapi.remove_mem_hooks()
+    if item is not None:
+        got.append(key(item))
+    got += rest(c)
+    c.close()
+    assert got == ref, (n, len(ref) - len(got))
+assert hits > 0
+print("OK")
+'''
+
+
+def test_a_memory_error_filling_a_threaded_maps_chunk_loses_nothing():
+    run_ok_script(f"SUPPORT = {SUPPORT_DIR!r}\n" + _NOMEMORY_THREADED_MAP, timeout=180)
