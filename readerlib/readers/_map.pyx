@@ -246,6 +246,13 @@ cdef inline bint _interrupted(BaseException e):
     return not isinstance(e, Exception)
 
 
+cdef inline bint _own_failure(BaseException e, bint fn_raised):
+    """An exception that leaves the input held: an interrupt, or a MemoryError
+    of the reader's own (making the input's objects, encoding the output) --
+    not the function's, which is its item's outcome."""
+    return _interrupted(e) or (isinstance(e, MemoryError) and not fn_raised)
+
+
 cdef class _CallPool:
     """The threaded map's workers: worker k calls the piece of a chunk posted
     to it.  The hand-offs are `_thread` locks, taken and given in compiled code:
@@ -406,6 +413,7 @@ cdef class MapReader(DecoratedReader):
     cdef readonly int64_t threaded_chunks   # chunks whose calls ran on the threads (a test hook)
     cdef rl_record held_in        # num_threads=1: the input whose call was interrupted (see _interrupted)
     cdef bint has_held_in
+    cdef bint fn_raised           # the last call of the function raised (its item's outcome: see _own_failure)
     cdef bint pulled              # num_threads>1: recs[:nrecs] pulled and counted, their chunk not made yet
     cdef object _held_chunk       # num_threads>1: [inputs, outputs, failures, futures, probe] of a chunk
                                   # whose calls were interrupted (its records stay in recs[:nrecs])
@@ -814,10 +822,11 @@ cdef class MapReader(DecoratedReader):
         next c_next calls the function on it again."""
         cdef int64_t pos = self.in_pos
         self.in_pos += 1
+        self.fn_raised = False
         try:
             return self._one_call(rec, out, pos)
         except BaseException as e:
-            if _interrupted(e):
+            if _own_failure(e, self.fn_raised):
                 self.held_in = rec[0]
                 self.has_held_in = True
                 self.in_pos = pos
@@ -869,6 +878,7 @@ cdef class MapReader(DecoratedReader):
         try:
             y = self.fn(x)
         except Exception as e:
+            self.fn_raised = True
             _note(e, f"raised by the function of MapReader on {self._where_item(pos, at_index)}")
             raise
         try:
@@ -1057,6 +1067,7 @@ cdef class MapBatchesReader(DecoratedReader):
     cdef object _source
     cdef rl_record held_in        # the input batch whose call was interrupted (see _interrupted)
     cdef bint has_held_in
+    cdef bint fn_raised           # the last call of the function raised (its item's outcome: see _own_failure)
 
     def __init__(self, reader, fn, output_schema=None):
         _check_reader(reader, "MapBatchesReader")
@@ -1107,6 +1118,7 @@ cdef class MapBatchesReader(DecoratedReader):
         try:
             res = self.fn(batch)
         except Exception as e:
+            self.fn_raised = True
             src = f", reading {self._source!r}" if self._source is not None else ""
             _note(e, f"raised by the function of MapBatchesReader on batch {pos} of this "
                      f"epoch{src}")
@@ -1130,10 +1142,11 @@ cdef class MapBatchesReader(DecoratedReader):
         """_apply; interrupted (see _interrupted), the input is held for the next c_next."""
         cdef int64_t pos = self.in_pos
         cdef int r
+        self.fn_raised = False
         try:
             r = self._apply(rec, out)
         except BaseException as e:
-            if _interrupted(e):
+            if _own_failure(e, self.fn_raised):
                 self.held_in = rec[0]
                 self.has_held_in = True
                 self.in_pos = pos
@@ -1191,6 +1204,7 @@ cdef class MapBatchesReader(DecoratedReader):
                     if r == 0:
                         return None
                 pos = self.in_pos
+                self.fn_raised = False
                 try:
                     res, batch = self._call(&rec)
                     if not self._unchanged(res, batch):
@@ -1201,7 +1215,7 @@ cdef class MapBatchesReader(DecoratedReader):
                             raise
                         batch = keyed_of(self.schema, True, [_lod(d, [] if o is None else [o]) for d, o in parts])
                 except BaseException as e:
-                    if _interrupted(e):
+                    if _own_failure(e, self.fn_raised):
                         self.held_in = rec
                         self.has_held_in = True
                         self.in_pos = pos
@@ -1363,6 +1377,7 @@ cdef class FilterReader(DecoratedReader):
     cdef readonly int64_t restores   # positioned without the predicate (a test hook)
     cdef rl_record held_in           # the item whose predicate call was interrupted (see _interrupted)
     cdef bint has_held_in
+    cdef bint fn_raised           # the last call of the function raised (its item's outcome: see _own_failure)
 
     def __cinit__(self, *args, **kwargs):
         self.ring = <int64_t *>malloc(F_RING * sizeof(int64_t))
@@ -1398,10 +1413,11 @@ cdef class FilterReader(DecoratedReader):
     cdef int _keep_or_hold(self, rl_record *rec) except -1:
         """_keep; interrupted (see _interrupted), the item is held for the next c_next."""
         cdef int64_t pos = self.in_pos
+        self.fn_raised = False
         try:
             return self._keep(rec)
         except BaseException as e:
-            if _interrupted(e):
+            if _own_failure(e, self.fn_raised):
                 self.held_in = rec[0]
                 self.has_held_in = True
                 self.in_pos = pos
@@ -1422,6 +1438,7 @@ cdef class FilterReader(DecoratedReader):
         try:
             k = self.predicate(item)
         except Exception as e:
+            self.fn_raised = True
             src = f", reading {self._source!r}" if self._source is not None else ""
             _note(e, f"raised by the predicate of FilterReader on item {pos} of this epoch{src}")
             raise

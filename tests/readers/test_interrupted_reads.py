@@ -421,3 +421,48 @@ print("OK")
 
 def test_a_memory_error_filling_a_threaded_maps_chunk_loses_nothing():
     run_ok_script(f"SUPPORT = {SUPPORT_DIR!r}\n" + _NOMEMORY_THREADED_MAP, timeout=180)
+
+
+# Likewise one item at a time: a MemoryError of the reader's own (decoding the
+# input for the function or predicate, encoding the output) leaves the input
+# held -- it was lost; a MemoryError the function raises stays its item's
+# outcome (raised, dropped: tests/readers/test_transforms.py).  The functions
+# here allocate nothing (a MemoryError in them would be theirs).
+_NOMEMORY_ONE_AT_A_TIME = _PRELUDE + r'''
+import _testcapi
+SOURCES = {
+    "map": lambda: rl.RecordIOReader(rio0).map(_same),
+    "map_batch": lambda: rl.RecordIOReader(rio0).map(_same).batch(8),
+    "filter": lambda: rl.RecordIOReader(rio0).filter(bool),
+    "filter_batches": lambda: rl.RecordIOReader(rio0).batch(4).filter(bool),
+    "map_batches": lambda: rl.RecordIOReader(rio0).batch(8).map_batches(_same),
+    "map_batches_inner": lambda: rl.RecordIOReader(rio0).batch(8).map_batches(_same).take(10 ** 6),
+}
+for name, make in SOURCES.items():
+    c = make()
+    ref = rest(c)
+    c.close()
+    hits = 0
+    for n in range(1, 40):
+        c = make()
+        got = [key(c.read_next()) for _ in range(3)]
+        _testcapi.set_nomemory(n, n + 1)
+        try:
+            item = c.read_next()
+        except MemoryError:
+            item = None
+            hits += 1
+        finally:
+            _testcapi.remove_mem_hooks()
+        if item is not None:
+            got.append(key(item))
+        got += rest(c)
+        c.close()
+        assert got == ref, (name, n, len(ref) - len(got))
+    assert hits > 0, name
+print("OK")
+'''
+
+
+def test_a_memory_error_of_a_map_or_filter_of_its_own_loses_nothing():
+    run_ok_script(f"SUPPORT = {SUPPORT_DIR!r}\n" + _NOMEMORY_ONE_AT_A_TIME, timeout=180)
