@@ -246,10 +246,17 @@ cdef inline bint _interrupted(BaseException e):
     return not isinstance(e, Exception)
 
 
-cdef inline bint _hold_if_interrupted(BaseException e, const rl_record *rec, rl_record *held,
-                                      bint *has_held):
-    """An interrupt (see _interrupted): `rec` is held for the next read; True then."""
-    if _interrupted(e):
+cdef inline bint _own_failure(BaseException e, bint fn_raised):
+    """An exception that leaves the input held: an interrupt, or a MemoryError
+    of the reader's own (making the input's objects, encoding the output) --
+    not the function's, which is its item's outcome."""
+    return _interrupted(e) or (isinstance(e, MemoryError) and not fn_raised)
+
+
+cdef inline bint _hold_if_own_failure(BaseException e, bint fn_raised, const rl_record *rec,
+                                      rl_record *held, bint *has_held):
+    """An own failure (see _own_failure): `rec` is held for the next read; True then."""
+    if _own_failure(e, fn_raised):
         held[0] = rec[0]
         has_held[0] = True
         return True
@@ -277,6 +284,7 @@ cdef class _CallPool:
     cdef list go          # worker k's lock: held until a piece (or the stop) is posted
     cdef list done        # worker k's lock: held until its piece is done
     cdef list jobs
+    cdef list raised      # worker k: what interrupted its last piece (not an Exception), or None
     cdef list threads
     cdef readonly object pid
     cdef bint stop
@@ -289,6 +297,7 @@ cdef class _CallPool:
             self.go[k].acquire()
             self.done[k].acquire()
         self.jobs = [None] * n
+        self.raised = [None] * n
         self.pid = os.getpid()
         self.threads = [threading.Thread(target=_call_pool_worker, args=(self, k), daemon=True,
                                          name=f"{name}-{k}") for k in range(n)]
@@ -300,16 +309,27 @@ cdef class _CallPool:
         self.go[k].release()
 
     cdef wait(self, int k):
+        """Worker k's piece is done: what interrupted it (the caller raises it), or None."""
         self.done[k].acquire()
+        e = self.raised[k]
+        self.raised[k] = None
+        return e
 
     def shutdown(self, bint wait):
-        """Workers end after their piece in hand; `wait`: join them."""
+        """Workers end after their piece in hand (a piece posted but not yet
+        taken is not called); `wait`: join them."""
         cdef int k
         if not self.stop:
             self.stop = True
             for k in range(len(self.go)):
                 self.jobs[k] = None
-                self.go[k].release()
+                # unlocked: a piece was posted and its worker has not taken it
+                # yet; it will, see `stop` and end.  (Releasing it again raised
+                # "release unlocked lock": a reset() right after an interrupt
+                # in the caller's piece left the chunk held, and the next read
+                # waited forever on the retired pool.)
+                if self.go[k].locked():
+                    self.go[k].release()
         if wait and os.getpid() == self.pid:
             for t in self.threads:
                 if t.is_alive() and t is not threading.current_thread():
@@ -327,8 +347,12 @@ def _call_pool_worker(_CallPool pool, int k):
             return
         try:
             job[0](*job[1:])
-        except BaseException:
-            pass                 # (not on this thread: the caller calls what is left)
+        except BaseException as e:
+            # (an Exception is caught per input by _call_slice: this is the
+            # function's SystemExit, KeyboardInterrupt...) raised from the
+            # read by the caller, which calls the piece's rest next time
+            pool.raised[k] = e
+            e = None
         finally:
             job = None
             done.release()
@@ -410,6 +434,8 @@ cdef class MapReader(DecoratedReader):
     cdef readonly int64_t threaded_chunks   # chunks whose calls ran on the threads (a test hook)
     cdef rl_record held_in        # num_threads=1: the input whose call was interrupted (see _interrupted)
     cdef bint has_held_in
+    cdef bint fn_raised           # the last call of the function raised (its item's outcome: see _own_failure)
+    cdef bint pulled              # num_threads>1: recs[:nrecs] pulled and counted, their chunk not made yet
     cdef object _held_chunk       # num_threads>1: [inputs, outputs, failures, futures, probe] of a chunk
                                   # whose calls were interrupted (its records stay in recs[:nrecs])
 
@@ -478,14 +504,16 @@ cdef class MapReader(DecoratedReader):
         self.failures = None
         self.has_failures = False
         held = self._held_chunk
-        if held is not None and held[3]:
+        self._held_chunk = None           # (first: nothing below may leave it held)
+        self.has_held_in = False
+        self.pulled = False
+        if held is not None and held[3] and self._pool is not None:
             # an interrupted chunk dropped with pieces still out: their workers
             # would signal "done" into the next chunk's wait; this pool retires
-            # (its workers end after those pieces) and the next chunk makes one
-            self._pool.shutdown(False)
-            self._pool = None
-        self._held_chunk = None
-        self.has_held_in = False
+            # (its workers end after those pieces; close() joins them) and the
+            # next chunk makes one
+            pool, self._pool = self._pool, None
+            pool.shutdown(False)
 
     cdef void _drop_arena(self) noexcept:
         if self.arena != NULL:
@@ -580,8 +608,9 @@ cdef class MapReader(DecoratedReader):
 
     cdef int _fill(self) except -1:
         """Read, decode, call, encode the next chunk.  0: nothing left.  An
-        interrupt (see _interrupted) during the calls or the encoding leaves
-        the chunk held: the next _fill finishes it."""
+        interrupt (see _interrupted) or a MemoryError of this reader's while
+        decoding, calling or encoding leaves the chunk held: the next _fill
+        finishes it."""
         cdef int64_t i, n, size, pos
         cdef int r = 1
         held = self._held_chunk
@@ -593,7 +622,9 @@ cdef class MapReader(DecoratedReader):
         try:
             return self._fill_finish(held)
         except BaseException as e:
-            if _interrupted(e):
+            # (the function's own exceptions are the items' outcomes, caught
+            # per input: a MemoryError here is this reader's, as in _fill_read)
+            if _interrupted(e) or isinstance(e, MemoryError):
                 self._held_chunk = held
             raise
 
@@ -603,48 +634,104 @@ cdef class MapReader(DecoratedReader):
         calls complete."""
         cdef int64_t i, n
         cdef int r = 1
-        self._drop_chunk()
-        try:
-            with nogil:
-                r = self._pull()
-        except BaseException as e:
-            self.upstream_error = e
+        if not self.pulled:
+            self._drop_chunk()
+            try:
+                with nogil:
+                    r = self._pull()
+            except BaseException as e:
+                self.upstream_error = e
+            n = self.nrecs
+            if n == 0:
+                if self.upstream_error is not None:
+                    e = self.upstream_error
+                    self.upstream_error = None
+                    raise e
+                return None
+            self.chunk_pos = self.in_pos
+            self.in_pos += n
+            # from here a MemoryError making the chunk's lists leaves the
+            # records for the next read (they were dropped with the chunk)
+            self.pulled = True
         n = self.nrecs
-        if n == 0:
-            if self.upstream_error is not None:
-                e = self.upstream_error
-                self.upstream_error = None
-                raise e
-            return None
-        self.chunk_pos = self.in_pos
-        self.in_pos += n
-        inputs = [None] * n
+        probe = self._probe if self.chunk_pos == 0 else None
+        inputs = [_REDECODE] * n       # decoded below
+        if probe is not None:
+            inputs[0] = None           # its output is the inference call's
         failures = [None] * n          # None, or (exception, raised by fn?)
+        held = [inputs, [_NOT_CALLED] * n, failures, None, probe]
+        self.pulled = False
+        self._probe = None
         spares = self._spares            # the last chunk's inputs, refilled where unshared
         self._spares = None
         nspare = len(spares) if spares is not None else 0
-        for i in range(n):
-            x = None
-            if i < nspare:
-                x = spares[i]
-                spares[i] = None
-            if x is not None and self.incodec.refill(<tuple>x, self.recs[i].data, self.recs[i].size):
-                self.reused += 1
-            else:
+        try:
+            for i in range(1 if probe is not None else 0, n):
                 x = None
+                if i < nspare:
+                    x = spares[i]
+                    spares[i] = None
+                if x is not None and self.incodec.refill(<tuple>x, self.recs[i].data, self.recs[i].size):
+                    self.reused += 1
+                else:
+                    x = None
+                    try:
+                        x = self.incodec.decode(self.recs[i].data, self.recs[i].size)
+                    except ValueError as e:
+                        failures[i] = (e, False)
+                inputs[i] = x
+                x = None
+        except BaseException as e:
+            if _interrupted(e) or isinstance(e, MemoryError):
+                # this reader's own allocation failed (not the record's fault,
+                # nor the function's): the chunk is held, the inputs not made
+                # yet are decoded on the next read (the next read dropped the
+                # chunk: one MemoryError lost all of it)
+                self._held_chunk = held
+            raise
+        return held
+
+    cdef int _redecode(self, list inputs, list failures) except -1:
+        """Decode the inputs marked _REDECODE (an interrupted call's, or not
+        decoded yet when the chunk was held) from their records."""
+        cdef Py_ssize_t i
+        for i in range(len(inputs)):
+            if inputs[i] is _REDECODE:
                 try:
-                    x = self.incodec.decode(self.recs[i].data, self.recs[i].size)
+                    inputs[i] = self.incodec.decode(self.recs[i].data, self.recs[i].size)
                 except ValueError as e:
                     failures[i] = (e, False)
-            inputs[i] = x
-            x = None
-        spares = None
-        outputs = [_NOT_CALLED] * n
-        probe = self._probe if self.chunk_pos == 0 else None
-        self._probe = None
-        if probe is not None:
-            inputs[0] = None           # its output is the inference call's
-        return [inputs, outputs, failures, None, probe]
+                    inputs[i] = None
+        return 0
+
+    cdef int _wait_pieces(self, list held) except -1:
+        """Wait for the workers' pieces of the held chunk still out (held[3]).
+        What interrupted a piece (the function's SystemExit on a worker) is
+        raised here, as on the calling thread: the chunk stays held and the
+        next read calls the piece's rest.  In a fork()ed child the parent's
+        workers are gone: a call one of them had in progress counts as not
+        made, and the caller calls what is left."""
+        cdef _CallPool pool = <_CallPool>self._pool
+        futs = held[3]
+        if pool is None or pool.pid != os.getpid():
+            inputs, outputs = held[0], held[1]
+            for i in range(len(outputs)):
+                if outputs[i] is _IN_CALL:
+                    outputs[i] = _NOT_CALLED
+                    inputs[i] = _REDECODE
+            held[3] = None
+            self._pool = None                # (_get_pool makes this process's own)
+            return 0
+        err = None
+        while futs:
+            e = pool.wait(futs[len(futs) - 1])
+            futs.pop()
+            if err is None:
+                err = e
+        held[3] = None
+        if err is not None:
+            raise err
+        return 0
 
     cdef int _fill_finish(self, list held) except -1:
         """Call the function on the held chunk's inputs not yet called, encode the outputs."""
@@ -654,20 +741,12 @@ cdef class MapReader(DecoratedReader):
         if futs is not None:
             # an interrupted chunk: the workers' pieces finish first, then the
             # calls left run here
-            pool = self._pool
-            while futs:
-                (<_CallPool>pool).wait(futs[len(futs) - 1])
-                futs.pop()
-            held[3] = None
+            self._wait_pieces(held)
             futs = None
-            for i in range(n):
-                if inputs[i] is _REDECODE:
-                    inputs[i] = self.incodec.decode(self.recs[i].data, self.recs[i].size)
+            self._redecode(inputs, failures)
             self._call_slice(inputs, outputs, failures, 0, n)
         elif self.nrecs == n:
-            for i in range(n):
-                if inputs[i] is _REDECODE:
-                    inputs[i] = self.incodec.decode(self.recs[i].data, self.recs[i].size)
+            self._redecode(inputs, failures)
             nt = self.num_threads if n > 1 else 1
             if nt > 1 and not self._threads_pay():
                 nt = 1
@@ -684,10 +763,8 @@ cdef class MapReader(DecoratedReader):
                                                    bounds[k], bounds[k + 1]))
                     futs.append(k - 1)
                 self._call_slice(inputs, outputs, failures, bounds[0], bounds[1])
-                while futs:
-                    (<_CallPool>pool).wait(futs[len(futs) - 1])
-                    futs.pop()
-                held[3] = futs = None
+                self._wait_pieces(held)
+                futs = None
             if self.num_threads > 1 and n > 1:
                 self._timed(nt > 1, (_perf_counter() - t0) / n)
         if self.nrecs:
@@ -740,7 +817,7 @@ cdef class MapReader(DecoratedReader):
         cdef int64_t i
         while True:
             if self.ichunk >= self.nchunk:
-                if self._held_chunk is None and self.upstream_error is not None:
+                if self._held_chunk is None and not self.pulled and self.upstream_error is not None:
                     e = self.upstream_error
                     self.upstream_error = None
                     self._drop_chunk()
@@ -766,10 +843,11 @@ cdef class MapReader(DecoratedReader):
         next c_next calls the function on it again."""
         cdef int64_t pos = self.in_pos
         self.in_pos += 1
+        self.fn_raised = False
         try:
             return self._one_call(rec, out, pos)
         except BaseException as e:
-            if _hold_if_interrupted(e, rec, &self.held_in, &self.has_held_in):
+            if _hold_if_own_failure(e, self.fn_raised, rec, &self.held_in, &self.has_held_in):
                 self.in_pos = pos
             else:
                 rl_record_consumed(rec)
@@ -819,6 +897,7 @@ cdef class MapReader(DecoratedReader):
         try:
             y = self.fn(x)
         except Exception as e:
+            self.fn_raised = True
             _note(e, f"raised by the function of MapReader on {self._where_item(pos, at_index)}")
             raise
         try:
@@ -895,14 +974,15 @@ cdef class MapReader(DecoratedReader):
         return self.reader.c_reset()
 
     cdef int c_close(self) except -1:
+        pool = self._pool                    # (a pool _drop_chunk retires is joined too)
         self._drop_chunk()
         self._drop_arena()
         self._spare = None
         self._spares = None
         self._probe = None
-        if self._pool is not None:
-            self._pool.shutdown(True)
-            self._pool = None
+        self._pool = None
+        if pool is not None:
+            pool.shutdown(True)
         self.reader.close()
         return 0
 
@@ -928,7 +1008,7 @@ cdef class MapReader(DecoratedReader):
             self.in_pos += got
             return done + got
         with gil:
-            pending = self._held_chunk is not None
+            pending = self._held_chunk is not None or self.pulled
             if pending:                      # an interrupted chunk's calls are finished first
                 self._fill()
         while done < n and self.ichunk < self.nchunk:
@@ -1002,6 +1082,7 @@ cdef class MapBatchesReader(DecoratedReader):
     cdef object _source
     cdef rl_record held_in        # the input batch whose call was interrupted (see _interrupted)
     cdef bint has_held_in
+    cdef bint fn_raised           # the last call of the function raised (its item's outcome: see _own_failure)
 
     def __init__(self, reader, fn, output_schema=None):
         _check_reader(reader, "MapBatchesReader")
@@ -1052,6 +1133,7 @@ cdef class MapBatchesReader(DecoratedReader):
         try:
             res = self.fn(batch)
         except Exception as e:
+            self.fn_raised = True
             src = f", reading {self._source!r}" if self._source is not None else ""
             _note(e, f"raised by the function of MapBatchesReader on batch {pos} of this "
                      f"epoch{src}")
@@ -1075,10 +1157,11 @@ cdef class MapBatchesReader(DecoratedReader):
         """_apply; interrupted (see _interrupted), the input is held for the next c_next."""
         cdef int64_t pos = self.in_pos
         cdef int r
+        self.fn_raised = False
         try:
             r = self._apply(rec, out)
         except BaseException as e:
-            if _hold_if_interrupted(e, rec, &self.held_in, &self.has_held_in):
+            if _hold_if_own_failure(e, self.fn_raised, rec, &self.held_in, &self.has_held_in):
                 self.in_pos = pos
             raise
         self._probe = None                   # (batch 0's output came from the inference call)
@@ -1130,6 +1213,7 @@ cdef class MapBatchesReader(DecoratedReader):
                 if r == 0:
                     return None
                 pos = self.in_pos
+                self.fn_raised = False
                 try:
                     res, batch = self._call(&rec)
                     if not self._unchanged(res, batch):
@@ -1140,7 +1224,7 @@ cdef class MapBatchesReader(DecoratedReader):
                             raise
                         batch = keyed_of(self.schema, True, [_lod(d, [] if o is None else [o]) for d, o in parts])
                 except BaseException as e:
-                    if _hold_if_interrupted(e, &rec, &self.held_in, &self.has_held_in):
+                    if _hold_if_own_failure(e, self.fn_raised, &rec, &self.held_in, &self.has_held_in):
                         self.in_pos = pos
                     raise
                 self._probe = None
@@ -1296,6 +1380,7 @@ cdef class FilterReader(DecoratedReader):
     cdef readonly int64_t restores   # positioned without the predicate (a test hook)
     cdef rl_record held_in           # the item whose predicate call was interrupted (see _interrupted)
     cdef bint has_held_in
+    cdef bint fn_raised           # the last call of the function raised (its item's outcome: see _own_failure)
 
     def __cinit__(self, *args, **kwargs):
         self.ring = <int64_t *>malloc(F_RING * sizeof(int64_t))
@@ -1331,10 +1416,11 @@ cdef class FilterReader(DecoratedReader):
     cdef int _keep_or_hold(self, rl_record *rec) except -1:
         """_keep; interrupted (see _interrupted), the item is held for the next c_next."""
         cdef int64_t pos = self.in_pos
+        self.fn_raised = False
         try:
             return self._keep(rec)
         except BaseException as e:
-            if _hold_if_interrupted(e, rec, &self.held_in, &self.has_held_in):
+            if _hold_if_own_failure(e, self.fn_raised, rec, &self.held_in, &self.has_held_in):
                 self.in_pos = pos
             raise
 
@@ -1353,6 +1439,7 @@ cdef class FilterReader(DecoratedReader):
         try:
             k = self.predicate(item)
         except Exception as e:
+            self.fn_raised = True
             src = f", reading {self._source!r}" if self._source is not None else ""
             _note(e, f"raised by the predicate of FilterReader on item {pos} of this epoch{src}")
             raise

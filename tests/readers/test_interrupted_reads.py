@@ -235,3 +235,218 @@ def test_a_memory_error_while_an_item_is_handed_over_loses_nothing():
     counts = dict(line.split() for line in p.stdout.splitlines() if line != "OK")
     # the failures did land in the reads (an allocation made after the item was taken)
     assert all(int(v) > 0 for v in counts.values()), counts
+
+
+# The threaded map's workers.  An exception that is not an Exception raised by
+# the function on a worker thread (a SystemExit: sys.exit() in the function)
+# is that of an interrupted call, as on the calling thread: raised from the
+# read, and reading on calls the function again on the rest of that worker's
+# piece -- not swallowed with the piece's later inputs reported as outputs of
+# the wrong type.
+_WORKER_RAISES = _PRELUDE + r'''
+import threading
+ref = rest(rl.RecordIOReader(rio0).map(ident, num_threads=2))
+fired = []
+
+
+def exits_once_on_a_worker(x):
+    if not fired and threading.current_thread() is not threading.main_thread():
+        fired.append(1)
+        sys.exit(3)
+    return x
+
+
+c = rl.RecordIOReader(rio0).map(exits_once_on_a_worker, num_threads=2)
+got, raised = [], []
+while True:
+    try:
+        item = c.read_next()
+    except SystemExit as e:
+        raised.append(e.code)
+        continue
+    if item is None:
+        break
+    got.append(key(item))
+c.close()
+assert fired and raised == [3], (fired, raised)
+assert got == ref, (len(got), len(ref))
+print("OK")
+'''
+
+
+def test_a_system_exit_raised_by_the_function_on_a_worker_thread_is_raised_and_loses_nothing():
+    run_ok_script(f"SUPPORT = {SUPPORT_DIR!r}\n" + _WORKER_RAISES, timeout=120)
+
+
+# reset() or close() right after an interrupt in the calling thread's piece,
+# while a worker has not yet taken the piece posted to it: the interrupted
+# chunk is dropped (its pool retired) without an error ignored in the
+# dropping ("release unlocked lock" left the chunk held: the next read waited
+# forever for the retired pool), and the next epoch is exact.  The long
+# switch interval keeps the GIL on this thread until it blocks, so the worker
+# cannot have taken its piece by then.
+_DROP_AFTER_INTERRUPT = _PRELUDE + r'''
+import threading
+sys.setswitchinterval(30)
+unraisable = []
+sys.unraisablehook = lambda u: unraisable.append(repr(u.exc_value))
+ref = rest(rl.RecordIOReader(rio0).map(ident, num_threads=2))
+armed = []
+
+
+def interrupted_first_on_this_thread(x):
+    if armed and threading.current_thread() is threading.main_thread():
+        armed.clear()
+        raise KeyboardInterrupt
+    return x
+
+
+for how in ("reset", "close"):
+    c = rl.RecordIOReader(rio0).map(interrupted_first_on_this_thread, num_threads=2)
+    armed.append(1)
+    try:
+        c.read_next()
+        raise AssertionError("not interrupted")
+    except KeyboardInterrupt:
+        pass
+    if how == "reset":
+        c.reset()
+        assert rest(c) == ref, how
+    c.close()
+    assert not unraisable, (how, unraisable)
+    # close() leaves no worker behind, the retired pool's included
+    left = [t.name for t in threading.enumerate() if t.name.startswith("readerlib-map")]
+    assert not left, (how, left)
+print("OK")
+'''
+
+
+def test_reset_or_close_right_after_an_interrupt_in_a_threaded_map_drops_the_chunk_cleanly():
+    run_ok_script(f"SUPPORT = {SUPPORT_DIR!r}\n" + _DROP_AFTER_INTERRUPT, timeout=120)
+
+
+# fork() after an interrupt that left a threaded map's chunk held with pieces
+# out: the child has none of the parent's workers, so it calls what is left
+# itself (waiting for them hung the child).
+_FORK_AFTER_INTERRUPT = _PRELUDE + r'''
+import threading
+sys.setswitchinterval(30)          # (the workers are still on their pieces at the fork)
+ref = rest(rl.RecordIOReader(rio0).map(ident, num_threads=2))
+armed = []
+
+
+def interrupted_first_on_this_thread(x):
+    if armed and threading.current_thread() is threading.main_thread():
+        armed.clear()
+        raise KeyboardInterrupt
+    return x
+
+
+c = rl.RecordIOReader(rio0).map(interrupted_first_on_this_thread, num_threads=2)
+armed.append(1)
+try:
+    c.read_next()
+    raise AssertionError("not interrupted")
+except KeyboardInterrupt:
+    pass
+pid = os.fork()
+if pid == 0:
+    signal.alarm(60)                 # a hang fails the child, not the run
+    ok = rest(c) == ref
+    os._exit(0 if ok else 3)
+_, status = os.waitpid(pid, 0)
+assert status == 0, status
+assert rest(c) == ref
+c.close()
+print("OK")
+'''
+
+
+def test_a_fork_after_an_interrupt_in_a_threaded_map_reads_on_in_the_child():
+    run_ok_script(f"SUPPORT = {SUPPORT_DIR!r}\n" + _FORK_AFTER_INTERRUPT, timeout=180)
+
+
+# A MemoryError of the threaded map's own (making a chunk's lists, decoding
+# its inputs, its output block; at each allocation of the read that fills the
+# second chunk in turn) leaves the chunk held, as an interrupt does: one
+# MemoryError lost the whole chunk (1024 items), the next read dropping it.
+_NOMEMORY_THREADED_MAP = _PRELUDE + r'''
+import _testcapi
+big, _ = make_byte_files(d, ["rio"], [2500], chunk_size=1024, rec_size=24)
+schema = rl.RecordIOReader(big[0]).schema
+
+
+def make():
+    return rl.RecordIOReader(big[0]).map(_same, num_threads=2, output_schema=schema)
+
+
+ref = rest(make())
+hits = 0
+for n in range(1, 40):
+    c = make()
+    got = [key(c.read_next()) for _ in range(1024)]     # the first chunk's
+    _testcapi.set_nomemory(n, n + 1)
+    try:
+        item = c.read_next()
+    except MemoryError:
+        item = None
+        hits += 1
+    finally:
+        _testcapi.remove_mem_hooks()
+    if item is not None:
+        got.append(key(item))
+    got += rest(c)
+    c.close()
+    assert got == ref, (n, len(ref) - len(got))
+assert hits > 0
+print("OK")
+'''
+
+
+def test_a_memory_error_filling_a_threaded_maps_chunk_loses_nothing():
+    run_ok_script(f"SUPPORT = {SUPPORT_DIR!r}\n" + _NOMEMORY_THREADED_MAP, timeout=180)
+
+
+# Likewise one item at a time: a MemoryError of the reader's own (decoding the
+# input for the function or predicate, encoding the output) leaves the input
+# held -- it was lost; a MemoryError the function raises stays its item's
+# outcome (raised, dropped: tests/readers/test_transforms.py).  The functions
+# here allocate nothing (a MemoryError in them would be theirs).
+_NOMEMORY_ONE_AT_A_TIME = _PRELUDE + r'''
+import _testcapi
+SOURCES = {
+    "map": lambda: rl.RecordIOReader(rio0).map(_same),
+    "map_batch": lambda: rl.RecordIOReader(rio0).map(_same).batch(8),
+    "filter": lambda: rl.RecordIOReader(rio0).filter(bool),
+    "filter_batches": lambda: rl.RecordIOReader(rio0).batch(4).filter(bool),
+    "map_batches": lambda: rl.RecordIOReader(rio0).batch(8).map_batches(_same),
+    "map_batches_inner": lambda: rl.RecordIOReader(rio0).batch(8).map_batches(_same).take(10 ** 6),
+}
+for name, make in SOURCES.items():
+    c = make()
+    ref = rest(c)
+    c.close()
+    hits = 0
+    for n in range(1, 40):
+        c = make()
+        got = [key(c.read_next()) for _ in range(3)]
+        _testcapi.set_nomemory(n, n + 1)
+        try:
+            item = c.read_next()
+        except MemoryError:
+            item = None
+            hits += 1
+        finally:
+            _testcapi.remove_mem_hooks()
+        if item is not None:
+            got.append(key(item))
+        got += rest(c)
+        c.close()
+        assert got == ref, (name, n, len(ref) - len(got))
+    assert hits > 0, name
+print("OK")
+'''
+
+
+def test_a_memory_error_of_a_map_or_filter_of_its_own_loses_nothing():
+    run_ok_script(f"SUPPORT = {SUPPORT_DIR!r}\n" + _NOMEMORY_ONE_AT_A_TIME, timeout=180)
