@@ -266,6 +266,18 @@ cdef inline int64_t _count_at(int64_t t, int64_t E, int64_t cnt, int64_t D) noex
     return cnt + max(0, E - max(t, D))
 
 
+cdef inline void _min_max(const int64_t *pos, int64_t n, int64_t *lo, int64_t *hi) noexcept nogil:
+    # the least and greatest of pos[:n] (n >= 1)
+    cdef int64_t i
+    lo[0] = pos[0]
+    hi[0] = pos[0]
+    for i in range(1, n):
+        if pos[i] < lo[0]:
+            lo[0] = pos[i]
+        if pos[i] > hi[0]:
+            hi[0] = pos[i]
+
+
 cdef int64_t _file_order(const int64_t *pos, int64_t n, uint64_t *keys, uint64_t *tmp) except -1:
     """Sort slots 0..n-1 by pos: keys[:n] (returned 0) or tmp[:n] (returned 1)
     <- ((pos[s] - lo) << 32) | s in increasing order, lo = min(pos), by an LSD
@@ -289,13 +301,7 @@ cdef int64_t _file_order(const int64_t *pos, int64_t n, uint64_t *keys, uint64_t
     if cnt == NULL:
         raise MemoryError()
     with nogil:
-        lo = pos[0]
-        hi = pos[0]
-        for i in range(1, n):
-            if pos[i] < lo:
-                lo = pos[i]
-            if pos[i] > hi:
-                hi = pos[i]
+        _min_max(pos, n, &lo, &hi)
         while need < 40 and ((<uint64_t>(hi - lo)) >> need) != 0:
             need += 1
         npass = (need + 9) // 10
@@ -395,13 +401,7 @@ cdef int _chunk_order(const int64_t *pos, int64_t n, const int64_t *starts, int6
     cdef uint64_t m, r
     if n <= 0 or nchunks <= 0:
         return -1
-    lo = pos[0]
-    hi = pos[0]
-    for i in range(1, n):
-        if pos[i] < lo:
-            lo = pos[i]
-        if pos[i] > hi:
-            hi = pos[i]
+    _min_max(pos, n, &lo, &hi)
     lo_hi[0] = lo
     lo_hi[1] = hi
     if lo < 0 or hi >= starts[nchunks] or hi - lo >= (<int64_t>1 << 32):

@@ -20,7 +20,7 @@ import pytest
 from helpers import SUPPORT_DIR, run_ok_script
 
 _PRELUDE = r'''
-import gc, os, random, signal, sys, tempfile, time
+import gc, os, random, signal, sys, tempfile, threading, time
 sys.path.insert(0, SUPPORT)
 import numpy as np
 import readerlib as rl
@@ -77,6 +77,51 @@ def rest(r):
         if item is None:
             return out
         out.append(key(item))
+
+
+_ARMED = []
+
+
+def interrupted_first_on_this_thread(x):
+    if _ARMED and threading.current_thread() is threading.main_thread():
+        _ARMED.clear()
+        raise KeyboardInterrupt
+    return x
+
+
+def interrupted_threaded_map():
+    """A threaded map over rio0 whose first read was interrupted on this thread,
+    in its own piece of the chunk (the chunk held, the other piece posted)."""
+    c = rl.RecordIOReader(rio0).map(interrupted_first_on_this_thread, num_threads=2)
+    _ARMED.append(1)
+    try:
+        c.read_next()
+        raise AssertionError("not interrupted")
+    except KeyboardInterrupt:
+        pass
+    return c
+
+
+def epoch_with_failed_allocation(make, before, n):
+    """A fresh chain's epoch when, after `before` items, the next read's n-th
+    allocation fails (_testcapi.set_nomemory) and reading goes on after the
+    MemoryError: (the items, whether that read raised)."""
+    import _testcapi
+    c = make()
+    got = [key(c.read_next()) for _ in range(before)]
+    raised = False
+    _testcapi.set_nomemory(n, n + 1)
+    try:
+        item = c.read_next()
+    except MemoryError:
+        raised = True
+    finally:
+        _testcapi.remove_mem_hooks()
+    if not raised and item is not None:
+        got.append(key(item))
+    got += rest(c)
+    c.close()
+    return got, raised
 '''
 
 # An interrupt at the k-th Python call of read number j, for every k until a
@@ -180,8 +225,6 @@ print("OK")
 # A MemoryError while a read makes the item's Python objects (every
 # allocation of one read in turn): the item stays, reading on is exact.
 _NOMEMORY = _PRELUDE + r'''
-import _testcapi
-
 SOURCES = {
     "rio_instances": lambda: rl.RecordIOReader(rio0),
     "rio_batches": lambda: rl.RecordIOReader(rio0).batch(8),
@@ -194,20 +237,8 @@ for name, make in SOURCES.items():
     c.close()
     hits = 0
     for n in range(1, 60):
-        c = make()
-        got = [key(c.read_next()) for _ in range(3)]
-        _testcapi.set_nomemory(n, n + 1)        # the n-th allocation from here fails
-        try:
-            item = c.read_next()
-        except MemoryError:
-            item = None
-            hits += 1
-        finally:
-            _testcapi.remove_mem_hooks()
-        if item is not None:
-            got.append(key(item))
-        got += rest(c)
-        c.close()
+        got, raised = epoch_with_failed_allocation(make, 3, n)
+        hits += raised
         assert got == ref, (name, n, len(got), len(ref))
     print(name, hits)
 print("OK")
@@ -286,29 +317,12 @@ def test_a_system_exit_raised_by_the_function_on_a_worker_thread_is_raised_and_l
 # switch interval keeps the GIL on this thread until it blocks, so the worker
 # cannot have taken its piece by then.
 _DROP_AFTER_INTERRUPT = _PRELUDE + r'''
-import threading
 sys.setswitchinterval(30)
 unraisable = []
 sys.unraisablehook = lambda u: unraisable.append(repr(u.exc_value))
 ref = rest(rl.RecordIOReader(rio0).map(ident, num_threads=2))
-armed = []
-
-
-def interrupted_first_on_this_thread(x):
-    if armed and threading.current_thread() is threading.main_thread():
-        armed.clear()
-        raise KeyboardInterrupt
-    return x
-
-
 for how in ("reset", "close"):
-    c = rl.RecordIOReader(rio0).map(interrupted_first_on_this_thread, num_threads=2)
-    armed.append(1)
-    try:
-        c.read_next()
-        raise AssertionError("not interrupted")
-    except KeyboardInterrupt:
-        pass
+    c = interrupted_threaded_map()
     if how == "reset":
         c.reset()
         assert rest(c) == ref, how
@@ -329,26 +343,9 @@ def test_reset_or_close_right_after_an_interrupt_in_a_threaded_map_drops_the_chu
 # out: the child has none of the parent's workers, so it calls what is left
 # itself (waiting for them hung the child).
 _FORK_AFTER_INTERRUPT = _PRELUDE + r'''
-import threading
 sys.setswitchinterval(30)          # (the workers are still on their pieces at the fork)
 ref = rest(rl.RecordIOReader(rio0).map(ident, num_threads=2))
-armed = []
-
-
-def interrupted_first_on_this_thread(x):
-    if armed and threading.current_thread() is threading.main_thread():
-        armed.clear()
-        raise KeyboardInterrupt
-    return x
-
-
-c = rl.RecordIOReader(rio0).map(interrupted_first_on_this_thread, num_threads=2)
-armed.append(1)
-try:
-    c.read_next()
-    raise AssertionError("not interrupted")
-except KeyboardInterrupt:
-    pass
+c = interrupted_threaded_map()
 pid = os.fork()
 if pid == 0:
     signal.alarm(60)                 # a hang fails the child, not the run
@@ -371,7 +368,6 @@ def test_a_fork_after_an_interrupt_in_a_threaded_map_reads_on_in_the_child():
 # second chunk in turn) leaves the chunk held, as an interrupt does: one
 # MemoryError lost the whole chunk (1024 items), the next read dropping it.
 _NOMEMORY_THREADED_MAP = _PRELUDE + r'''
-import _testcapi
 big, _ = make_byte_files(d, ["rio"], [2500], chunk_size=1024, rec_size=24)
 schema = rl.RecordIOReader(big[0]).schema
 
@@ -383,20 +379,8 @@ def make():
 ref = rest(make())
 hits = 0
 for n in range(1, 40):
-    c = make()
-    got = [key(c.read_next()) for _ in range(1024)]     # the first chunk's
-    _testcapi.set_nomemory(n, n + 1)
-    try:
-        item = c.read_next()
-    except MemoryError:
-        item = None
-        hits += 1
-    finally:
-        _testcapi.remove_mem_hooks()
-    if item is not None:
-        got.append(key(item))
-    got += rest(c)
-    c.close()
+    got, raised = epoch_with_failed_allocation(make, 1024, n)     # after the first chunk's items
+    hits += raised
     assert got == ref, (n, len(ref) - len(got))
 assert hits > 0
 print("OK")
@@ -413,7 +397,6 @@ def test_a_memory_error_filling_a_threaded_maps_chunk_loses_nothing():
 # outcome (raised, dropped: tests/readers/test_transforms.py).  The functions
 # here allocate nothing (a MemoryError in them would be theirs).
 _NOMEMORY_ONE_AT_A_TIME = _PRELUDE + r'''
-import _testcapi
 SOURCES = {
     "map": lambda: rl.RecordIOReader(rio0).map(_same),
     "map_batch": lambda: rl.RecordIOReader(rio0).map(_same).batch(8),
@@ -428,20 +411,8 @@ for name, make in SOURCES.items():
     c.close()
     hits = 0
     for n in range(1, 40):
-        c = make()
-        got = [key(c.read_next()) for _ in range(3)]
-        _testcapi.set_nomemory(n, n + 1)
-        try:
-            item = c.read_next()
-        except MemoryError:
-            item = None
-            hits += 1
-        finally:
-            _testcapi.remove_mem_hooks()
-        if item is not None:
-            got.append(key(item))
-        got += rest(c)
-        c.close()
+        got, raised = epoch_with_failed_allocation(make, 3, n)
+        hits += raised
         assert got == ref, (name, n, len(ref) - len(got))
     assert hits > 0, name
 print("OK")
