@@ -22,7 +22,16 @@ Design:
     int64 row-count prefix of the instance encoding, which a TFRecord record
     does not have (layout.bare; see readers/_base.pxd).  `_prefixed_instances()`
     switches to copying each record into a block behind a prefix instead, for
-    `open_files` streams that mix TFRecord with other formats.  ZLIB/GZIP
+    `open_files` streams that mix TFRecord with other formats.
+
+    Big records (>= 32 KiB) in one copy: under a negotiating BatchReader
+    (`_mapped_negotiate`, include/rl_mapped.h) a chunk loaded during the
+    batch's pull is scanned through windows (`_dget`): each big record's
+    header and data CRC are read (16 adjacent bytes), not its data, and it
+    goes out as a deferred record (file offset, size, unmasked data CRC)
+    that the batch reads straight into its row and checks there.  cur_off < 0
+    marks such a record (-1 - its file offset); one pulled by anyone else is
+    read and checked here (`_next_big`).  ZLIB/GZIP
     files are inflated (zlib, windowBits 15 / 31; concatenated gzip members
     are accepted) into a reused buffer and copied into blocks a chunk at a time;
     their input is pread too.
