@@ -346,12 +346,13 @@ cdef class TFRecordReader(FileReader):
     cdef uint32_t *cur_crc            # per record of the chunk: the data CRC (deferred ones)
     cdef bint defer_scan              # the scan under way defers big records
     cdef int64_t w_lo, w_hi, w_blk    # its window: chunk bytes [w_lo, w_hi) at pblk + w_blk
-    cdef int64_t w_next               # the size of its next window read
+    cdef int64_t w_next               # the size of the next window read (kept across chunks)
     cdef readonly int64_t _records_deferred   # test hook: records handed out deferred
 
     def __cinit__(self):
         self.fd = -1
         self.zs_init = False
+        self.w_next = _WIN0
 
     def __init__(self, path, schema=None, compression=None, index="auto"):
         self.path = os.fspath(path)
@@ -746,10 +747,11 @@ cdef class TFRecordReader(FileReader):
         (n <= fsize - pos - rel, checked by the caller), contiguous in `pblk`;
         NULL on error.  A miss reads one window into `pblk`, appended to what
         the chunk read so far: `ahead` bytes when > 0 (a deferred record's
-        data CRC and the next header), else a window of `w_next` bytes
-        (doubling while records keep being small, up to the chunk's end), so
-        that a chunk of small records costs a few reads and a big record's
-        data is read at most a window's worth here.  Returns a pointer that a
+        data CRC and the next header), else a window of `w_next` bytes, up
+        to the chunk's end.  `w_next` doubles with each window and goes back
+        to 4 KiB at every big record, across chunks: a file of small records
+        is read a chunk at a time after its first chunk (9 reads), and a big
+        record's data is read at most a window's worth here.  Returns a pointer that a
         later call may move (the block grows): offsets are what is kept."""
         cdef int64_t L, lim, cap, got
         cdef rl_block *nb
@@ -838,7 +840,6 @@ cdef class TFRecordReader(FileReader):
         self.err_code = E_OK
         self.phave = 0
         self.w_lo = self.w_hi = self.w_blk = 0
-        self.w_next = _WIN0
         if z and self._zseek(pos) != 0:
             return -1
         while True:
@@ -912,6 +913,8 @@ cdef class TFRecordReader(FileReader):
                 return -1
             if build:
                 if defer:
+                    if length >= RL_CONSUMED_MIN:
+                        self.w_next = _WIN0           # big records here: small windows again
                     if length >= RL_CONSUMED_MIN and not (rel + 12 >= self.w_lo and need <= self.w_hi):
                         # deferred: its data CRC (and the next header, 16 bytes in all)
                         p = self._dget(pos, need - 4, 4, 16)
@@ -921,7 +924,6 @@ cdef class TFRecordReader(FileReader):
                             return -1
                         self.cur_off[i] = -1 - (pos + rel + 12)       # < 0: a file offset
                         self.cur_crc[i] = rl_crc32c_unmask(rl_load_u32(p))
-                        self.w_next = _WIN0
                         ndef += 1
                     else:
                         p = self._dget(pos, rel + 12, length + 4, 0)
