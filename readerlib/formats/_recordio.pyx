@@ -83,6 +83,7 @@ cdef extern from "rl_mapped.h":
         char *path
         int fd
         int keep
+        int format
     ctypedef struct rl_dblock:
         rl_map *map
         int pad
@@ -105,6 +106,7 @@ cdef extern from "rl_mapped.h":
     int rl_map_all_zero(rl_map *m, const char *p, int64_t n, int64_t *fault_off) nogil
     void rl_map_incref(rl_map *m) nogil
     int RL_DEF_OK, RL_DEF_MISMATCH, RL_DEF_SHRUNK, RL_DEF_NOMEM, RL_DEF_LAYOUT, RL_DEF_PADDING, RL_DEF_IO
+    int RL_MAP_TFRECORD
 
 rl_mapped_import()
 
@@ -209,9 +211,13 @@ cdef object _deferred_error_of(const rl_record *r, int code, int64_t offset, sch
 
 def _deferred_error_py(size_t block, int code, int64_t offset, schema=None):
     """_deferred_error for a deferred record's block (its address), for the
-    modules that copy deferred records (the batch, the shuffle)."""
+    modules that copy deferred records (the batch, the shuffle).  A TFRecord
+    file's deferred record raises the TFRecord reader's own error."""
     cdef rl_record r
     r.block = <rl_block *>block
+    if (<rl_dblock *>r.block).map.format == RL_MAP_TFRECORD:
+        from readerlib.formats._tfrecord import _deferred_error_py as tfrecord_error
+        return tfrecord_error(block, code, offset, schema)
     return _deferred_error_of(&r, code, offset, schema)
 
 # Version-2 big records: (False, the default) read a group straight into the

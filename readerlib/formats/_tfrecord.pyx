@@ -22,7 +22,16 @@ Design:
     int64 row-count prefix of the instance encoding, which a TFRecord record
     does not have (layout.bare; see readers/_base.pxd).  `_prefixed_instances()`
     switches to copying each record into a block behind a prefix instead, for
-    `open_files` streams that mix TFRecord with other formats.  ZLIB/GZIP
+    `open_files` streams that mix TFRecord with other formats.
+
+    Big records (>= 32 KiB) in one copy: under a negotiating BatchReader
+    (`_mapped_negotiate`, include/rl_mapped.h) a chunk loaded during the
+    batch's pull is scanned through windows (`_dget`): each big record's
+    header and data CRC are read (16 adjacent bytes), not its data, and it
+    goes out as a deferred record (file offset, size, unmasked data CRC)
+    that the batch reads straight into its row and checks there.  cur_off < 0
+    marks such a record (-1 - its file offset); one pulled by anyone else is
+    read and checked here (`_next_big`).  ZLIB/GZIP
     files are inflated (zlib, windowBits 15 / 31; concatenated gzip members
     are accepted) into a reused buffer and copied into blocks a chunk at a time;
     their input is pread too.
@@ -44,7 +53,7 @@ import zlib as _pyzlib
 
 import numpy as np
 cimport numpy as cnp
-from libc.stdlib cimport malloc, free, realloc
+from libc.stdlib cimport malloc, free, realloc, calloc
 from libc.string cimport memcpy, memmove
 from libc.errno cimport errno
 import warnings
@@ -87,6 +96,84 @@ cdef extern from *:
 cdef extern from "rl_mmap.h":
     rl_block *rl_fileblock_new(int64_t file_off, int64_t size, int drop_pages) nogil
     int64_t rl_pread_full(int fd, char *dst, int64_t n, int64_t off) nogil
+
+# ---- big records in one copy (include/rl_mapped.h; TFRECORD.md "Big records in one copy")
+cdef extern from "rl_core.h":
+    int RL_CONSUMED_MIN
+
+cdef extern from "rl_mapped.h":
+    ctypedef struct rl_map:
+        int64_t refcnt
+        char *base
+        int64_t len
+        int pull
+        int64_t budget
+        char *path
+        int fd
+        int keep
+        int format
+    ctypedef struct rl_dblock:
+        rl_map *map
+        int64_t chunk
+        int64_t index
+        uint32_t crc
+    ctypedef struct rl_mapped_api:
+        void (*map_decref)(rl_map *m) noexcept nogil
+    rl_mapped_api *rl_mapped
+    int rl_mapped_import() except -1
+    ctypedef struct rl_dchunk:
+        pass
+    rl_dchunk *rl_dchunk_new(rl_map *m, const char *lo, const char *hi) nogil
+    void rl_dchunk_done(rl_dchunk *c) nogil
+    rl_block *rl_deferred_new(rl_dchunk *c, const char *data, int64_t size, uint32_t crc,
+                              int64_t chunk, int64_t index) nogil
+    void rl_map_incref(rl_map *m) nogil
+    int RL_DEF_MISMATCH, RL_DEF_SHRUNK, RL_DEF_NOMEM, RL_DEF_LAYOUT, RL_DEF_IO, RL_MAP_TFRECORD
+
+rl_mapped_import()
+
+# Big records (>= RL_CONSUMED_MIN, 32 KiB) of uncompressed files, read for a
+# negotiated BatchReader, go out deferred: the scan reads their headers and
+# data CRCs, the batch reads their bytes straight into its rows and checks
+# them there.  READERLIB_MAPPED_READS=0 or _set_deferred_reads(False): the
+# two-copy path (the A/B, and the tests' reference).
+cdef bint _deferred = os.environ.get("READERLIB_MAPPED_READS", "1") != "0"
+# the scan's first window at a chunk's start, and after a deferred record
+# (it doubles while records keep being small: see _dget)
+cdef int64_t _WIN0 = 4096
+
+
+def _set_deferred_reads(flag):
+    """Test / benchmark switch: deferred big records for chains that end in
+    a batch; returns the old setting.  Chains built (or reset) afterwards take it."""
+    global _deferred
+    old = bool(_deferred)
+    _deferred = bool(flag)
+    return old
+
+
+def _deferred_error_py(size_t block, int code, int64_t offset, schema=None):
+    """The error of a deferred TFRecord record that failed where it was read
+    (the batch, a shuffle's check): the reader's own messages, naming the file
+    and the record's offset.  Called through _recordio._deferred_error_py."""
+    cdef rl_dblock *d = <rl_dblock *>block
+    path = d.map.path.decode("utf-8", "surrogateescape")
+    cdef int64_t start = (<rl_block *>block).data - d.map.base - 12     # the record's header
+    if code == RL_DEF_NOMEM:
+        return MemoryError(f"{path}: out of memory reading the record at {start}")
+    if code == RL_DEF_MISMATCH:
+        return TFRecordError(f"{path}: corrupted record at {start} (data checksum mismatch)", path, start)
+    if code == RL_DEF_SHRUNK:
+        return TFRecordError(f"{path}: truncated record at {offset} (the file is shorter than when it "
+                             f"was opened: truncated while being read?)", path, offset)
+    if code >= RL_DEF_IO:
+        return TFRecordError(f"{path}: read error at byte offset {offset} ({os.strerror(code - RL_DEF_IO)})",
+                             path, offset)
+    # RL_DEF_LAYOUT: the reader checked the size at its scan, so only a
+    # consumer with another schema gets here
+    size = (<rl_block *>block).size
+    return RecordSchemaError(f"{path}: record at {start} has {size} bytes, which do not fit the "
+                             f"schema {schema}", path, start, None, None)
 
 __all__ = ["TFRecordReader", "TFRecordWriter", "build_index", "masked_crc32c",
            "CHUNK_BYTES", "CHUNK_RECORDS"]
@@ -252,10 +339,20 @@ cdef class TFRecordReader(FileReader):
     cdef int err_code
     cdef int64_t err_off, err_val
     cdef object _file_id              # name, size, checksum of head and tail (states)
+    # deferred big records (a negotiated batch; see _scan and c_next)
+    cdef rl_map *dmap                 # the file for the batch's reads (NULL: not negotiated)
+    cdef rl_dchunk *dchunk            # the current chunk's (its deferred records hold it)
+    cdef rl_block *dlast              # the last record c_next handed out in a block of its own
+    cdef uint32_t *cur_crc            # per record of the chunk: the data CRC (deferred ones)
+    cdef bint defer_scan              # the scan under way defers big records
+    cdef int64_t w_lo, w_hi, w_blk    # its window: chunk bytes [w_lo, w_hi) at pblk + w_blk
+    cdef int64_t w_next               # the size of the next window read (kept across chunks)
+    cdef readonly int64_t _records_deferred   # test hook: records handed out deferred
 
     def __cinit__(self):
         self.fd = -1
         self.zs_init = False
+        self.w_next = _WIN0
 
     def __init__(self, path, schema=None, compression=None, index="auto"):
         self.path = os.fspath(path)
@@ -300,6 +397,7 @@ cdef class TFRecordReader(FileReader):
         if self.zs_init:
             inflateEnd(&self.zs)
             self.zs_init = False
+        free(self.cur_crc); self.cur_crc = NULL
         free(self.dbuf); self.dbuf = NULL
         free(self.ck_pos); free(self.ck_first); free(self.ck_n); free(self.order)
         self.ck_pos = self.ck_first = self.ck_n = self.order = NULL
@@ -310,11 +408,20 @@ cdef class TFRecordReader(FileReader):
         if self.cur != NULL:
             rl_block_decref(self.cur)
             self.cur = NULL
+        if self.dlast != NULL:
+            rl_block_decref(self.dlast)
+            self.dlast = NULL
+        if self.dchunk != NULL:
+            rl_dchunk_done(self.dchunk)      # its deferred records still out hold it
+            self.dchunk = NULL
 
     cdef _release_file(self):
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self.dmap != NULL:                 # deferred records (and the batch) hold their own
+            rl_mapped.map_decref(self.dmap)
+            self.dmap = NULL
         if self.pblk != NULL:
             rl_block_decref(self.pblk)
             self.pblk = NULL
@@ -635,6 +742,54 @@ cdef class TFRecordReader(FileReader):
         self.hwin_len = got
         return self.hwin
 
+    cdef const char *_dget(self, int64_t pos, int64_t rel, int64_t n, int64_t ahead) noexcept nogil:
+        """A deferring scan's bytes [rel, rel + n) of the chunk at `pos`
+        (n <= fsize - pos - rel, checked by the caller), contiguous in `pblk`;
+        NULL on error.  A miss reads one window into `pblk`, appended to what
+        the chunk read so far: `ahead` bytes when > 0 (a deferred record's
+        data CRC and the next header), else a window of `w_next` bytes, up
+        to the chunk's end.  `w_next` doubles with each window and goes back
+        to 4 KiB at every big record, across chunks: a file of small records
+        is read a chunk at a time after its first chunk (9 reads), and a big
+        record's data is read at most a window's worth here.  Returns a pointer that a
+        later call may move (the block grows): offsets are what is kept."""
+        cdef int64_t L, lim, cap, got
+        cdef rl_block *nb
+        if rel >= self.w_lo and rel + n <= self.w_hi:
+            return self.pblk.data + self.w_blk + (rel - self.w_lo)
+        lim = self.pextent if self.pextent >= 0 else _CHUNK_BYTES
+        if ahead > 0:
+            L = ahead
+        else:
+            L = min64(self.w_next, lim - rel)
+            self.w_next = min64(2 * self.w_next, _CHUNK_BYTES)
+        L = min64(L if L > n else n, self.fsize - pos - rel)
+        if self.pblk == NULL or self.phave + L > self.pcap:
+            cap = self.phave + L
+            if self.phave == 0:
+                cap = max64(cap, min64(lim, self.fsize - pos) + 4096)    # one block for a chunk, usually
+            else:
+                cap = max64(cap, 2 * self.pcap)
+            nb = rl_fileblock_new(0, cap, 0)
+            if nb == NULL:
+                self.err_code = E_NOMEM
+                return NULL
+            if self.pblk != NULL:
+                if self.phave:
+                    memcpy(nb.data, self.pblk.data, self.phave)
+                rl_block_decref(self.pblk)
+            self.pblk = nb
+            self.pcap = cap
+        got = rl_pread_full(self.fd, self.pblk.data + self.phave, L, pos + rel)
+        if got < n:
+            self._read_failed(got, pos + rel)
+            return NULL
+        self.w_lo = rel
+        self.w_hi = rel + got
+        self.w_blk = self.phave
+        self.phave += got
+        return self.pblk.data + self.w_blk
+
     cdef int _zseek(self, int64_t pos) noexcept nogil:
         """Position the decompressed stream at `pos` (restarting if behind)."""
         cdef int64_t k, a
@@ -676,8 +831,15 @@ cdef class TFRecordReader(FileReader):
         cdef char *dst
         cdef bint z = self.ztype != 0
         cdef uint32_t crc
+        # deferring (a negotiated batch pulls, uncompressed): big records not
+        # in the window are not read, only their headers and data CRCs
+        cdef bint defer = build and not z and self.defer_scan
+        cdef int64_t ndef = 0
+        cdef rl_dchunk *dc = NULL
+        self.defer_scan = False
         self.err_code = E_OK
         self.phave = 0
+        self.w_lo = self.w_hi = self.w_blk = 0
         if z and self._zseek(pos) != 0:
             return -1
         while True:
@@ -709,6 +871,12 @@ cdef class TFRecordReader(FileReader):
                 return -1
             if z:
                 p = cb + rel
+            elif defer:
+                p = self._dget(pos, rel, 12, 0)
+                if p == NULL:
+                    if self._cut_short(want_n, i):
+                        break
+                    return -1
             elif build:
                 if self._pfill(pos, rel + 12) != 0:
                     if self._cut_short(want_n, i):
@@ -744,20 +912,42 @@ cdef class TFRecordReader(FileReader):
                 self.err_off = pos + rel
                 return -1
             if build:
-                if not z:
+                if defer:
+                    if length >= RL_CONSUMED_MIN:
+                        self.w_next = _WIN0           # big records here: small windows again
+                    if length >= RL_CONSUMED_MIN and not (rel + 12 >= self.w_lo and need <= self.w_hi):
+                        # deferred: its data CRC (and the next header, 16 bytes in all)
+                        p = self._dget(pos, need - 4, 4, 16)
+                        if p == NULL:
+                            if self._cut_short(want_n, i):
+                                break
+                            return -1
+                        self.cur_off[i] = -1 - (pos + rel + 12)       # < 0: a file offset
+                        self.cur_crc[i] = rl_crc32c_unmask(rl_load_u32(p))
+                        ndef += 1
+                    else:
+                        p = self._dget(pos, rel + 12, length + 4, 0)
+                        if p == NULL:
+                            if self._cut_short(want_n, i):
+                                break
+                            return -1
+                        self.cur_off[i] = p - self.pblk.data
+                elif not z:
                     if self._pfill(pos, need) != 0:
                         if self._cut_short(want_n, i):
                             break
                         return -1
-                # data CRCs are checked next to the copy that follows (below, or
-                # in c_next for zero-copy records), while the record is in cache
+                # data CRCs are checked next to the copy that follows (below, in
+                # c_next for zero-copy records, in the batch for deferred ones),
+                # while the record is in cache
                 if (self.lod_mode and length % self.row_bytes != 0) or (
                         not self.lod_mode and length != self.fixed_size):
                     self.err_code = E_SIZE
                     self.err_off = pos + rel
                     self.err_val = length
                     return -1
-                self.cur_off[i] = rel + 12
+                if not defer:
+                    self.cur_off[i] = rel + 12
                 self.cur_len[i] = length
             rel = need
             i += 1
@@ -782,9 +972,14 @@ cdef class TFRecordReader(FileReader):
             self.pcap = 0
         if not z:
             cb = self.pblk.data
+        if ndef:
+            dc = rl_dchunk_new(self.dmap, NULL, NULL)
+            if dc == NULL:
+                self.err_code = E_NOMEM
+                return -1
         if not z and not (self.lod_mode and self.prefix):
             blk = self.pblk                 # owned bytes, handed out as they are
-            blk.size = rel
+            blk.size = self.phave if defer else rel
             self.pblk = NULL
             self.pcap = self.phave = 0
         else:
@@ -819,6 +1014,7 @@ cdef class TFRecordReader(FileReader):
                 self.dlo += rel
                 self.spos += rel
         self._retire_cur()
+        self.dchunk = dc
         self.cur = blk
         self.cur_is_heap = z or (self.lod_mode and self.prefix)
         self.cur_is_view = not self.cur_is_heap
@@ -876,6 +1072,7 @@ cdef class TFRecordReader(FileReader):
                     return 0
                 pos = 0 if self.nck == 0 else self.ck_pos[self.nck - 1] + self.scan_end_of(self.nck - 1)
                 self.pextent = -1
+                self.defer_scan = self._may_defer()
                 r = self._scan(pos, -1, True)
                 if r != 0:
                     with gil:
@@ -896,12 +1093,18 @@ cdef class TFRecordReader(FileReader):
             self.pextent = self.ck_pos[k + 1] - self.ck_pos[k]
         else:
             self.pextent = (self.stream_end if self.complete else self.ck_pos[k] + self.last_bytes) - self.ck_pos[k]
+        self.defer_scan = self._may_defer()
         if self._scan(self.ck_pos[k], self.ck_n[k], True) != 0:
             with gil:
                 self._raise()
         self.iorder += 1
         self.cur_chunk = k
         return 1
+
+    cdef inline bint _may_defer(self) noexcept nogil:
+        # a chunk loaded during a pull of the negotiated batch defers its big records
+        return (self.dmap != NULL and self.dmap.pull and self.ztype == 0 and self.cur_crc != NULL
+                and not (self.lod_mode and self.prefix))
 
     cdef int64_t scan_end_of(self, int64_t k) noexcept nogil:
         # bytes of chunk k: up to the next chunk, or the last scan's length
@@ -920,9 +1123,16 @@ cdef class TFRecordReader(FileReader):
         return 0
 
     cdef int c_next(self, rl_record *out) except -1 nogil:
+        if self.dlast != NULL:
+            # the producer's reference to the last record goes now (a consumer
+            # that keeps a record past this call took its own)
+            rl_block_decref(self.dlast)
+            self.dlast = NULL
         while self.cur_i >= self.cur_n:
             if self._next_chunk() == 0:
                 return 0
+        if self.cur_off[self.cur_i] < 0:
+            return self._next_big(out)
         out.block = self.cur
         out.data = self.cur.data + self.cur_off[self.cur_i]
         out.size = self.cur_len[self.cur_i]
@@ -937,6 +1147,79 @@ cdef class TFRecordReader(FileReader):
                 self._raise()
         self.cur_i += 1
         return 1
+
+    cdef int _next_big(self, rl_record *out) except -1 nogil:
+        """A big record the scan did not read: deferred, for a pull of the
+        negotiated batch (which reads and checks it); else (the reader read
+        directly, a shuffle's other consumer ...) read and checked here, in a
+        block of its own.  A failure drops the rest of the chunk, as c_next does."""
+        cdef int64_t i = self.cur_i, n = self.cur_len[i], foff = -1 - self.cur_off[i], got
+        cdef rl_block *b
+        if self.dmap != NULL and self.dmap.pull and self.dchunk != NULL:
+            b = rl_deferred_new(self.dchunk, self.dmap.base + foff, n, self.cur_crc[i], self.cur_chunk, i)
+            if b == NULL:
+                with gil:
+                    raise MemoryError(f"{self.path}: out of memory at the record at {foff - 12}")
+            self._records_deferred += 1
+        else:
+            b = rl_block_new(n)
+            if b == NULL:
+                with gil:
+                    raise MemoryError(f"{self.path}: out of memory reading the record at {foff - 12}")
+            got = rl_pread_full(self.fd, b.data, n, foff)
+            if got != n or rl_crc32c(0, b.data, n) != self.cur_crc[i]:
+                rl_block_decref(b)
+                if got != n:
+                    self._read_failed(got, foff)
+                else:
+                    self.err_code = E_DATA_CRC
+                    self.err_off = foff - 12
+                self.cur_i = self.cur_n            # the rest of this chunk is not handed out
+                with gil:
+                    self._raise()
+        self.dlast = b
+        out.block = b
+        out.data = b.data
+        out.size = n
+        self.cur_i += 1
+        return 1
+
+    def _mapped_negotiate(self):
+        """A BatchReader over this reader (through decorators that only move
+        items) asks for deferred records: returns the address of the file's
+        rl_map (pread mode: a descriptor of its own) with a reference for the
+        caller, or 0 (no: deferral off, compressed, prefixed instances, closed)."""
+        cdef rl_map *m
+        if (not _deferred or self.ztype != 0 or (self.lod_mode and self.prefix) or self.fd < 0
+                or self.fsize <= 0):
+            return 0
+        if self.cur_crc == NULL:
+            self.cur_crc = <uint32_t *>malloc(_CHUNK_RECORDS * sizeof(uint32_t))
+            if self.cur_crc == NULL:
+                raise MemoryError()
+        if self.dmap == NULL:
+            path = self.path.encode("utf-8", "surrogateescape")
+            m = <rl_map *>calloc(1, sizeof(rl_map))
+            if m != NULL:
+                m.path = <char *>malloc(len(path) + 1)
+            if m == NULL or m.path == NULL:
+                free(m)
+                raise MemoryError()
+            try:
+                m.fd = os.dup(self.fd)       # deferred records outlive the reader's descriptor
+            except OSError:                  # out of descriptors (EMFILE): the reader's own path
+                free(m.path)
+                free(m)
+                return 0
+            memcpy(m.path, <const char *>path, len(path) + 1)
+            m.refcnt = 1
+            m.base = <char *>(<size_t>1 << 40)   # never dereferenced: offsets only
+            m.len = self.fsize
+            m.budget = 1 << 62
+            m.format = RL_MAP_TFRECORD
+            self.dmap = m
+        rl_map_incref(self.dmap)             # the caller's
+        return <size_t>self.dmap
 
     def _prefixed_instances(self):
         """Give sequence records with the int64 row-count prefix (one copy each)
@@ -1096,6 +1379,16 @@ cdef class TFRecordReader(FileReader):
 
 cdef inline int64_t min64(int64_t a, int64_t b) noexcept nogil:
     return a if a < b else b
+
+
+cdef inline int64_t max64(int64_t a, int64_t b) noexcept nogil:
+    return a if a > b else b
+
+
+cdef inline uint32_t rl_crc32c_unmask(uint32_t masked) noexcept nogil:
+    # the inverse of rl_crc32c_mask: ((c >> 15) | (c << 17)) + 0xa282ead8
+    cdef uint32_t r = masked - <uint32_t>0xa282ead8
+    return (r >> 17) | (r << 15)
 
 
 cdef inline void memset_zs(z_stream *zs) noexcept nogil:

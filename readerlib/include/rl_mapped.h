@@ -15,6 +15,11 @@
  *   batch) or, for a deferred record already buffered that reaches another
  *   consumer, a verified copy (rl_deferred_materialize).
  *
+ *   An uncompressed TFRecord reader under such a batch hands out deferred
+ *   records too (pread mode only: rl_map.fd >= 0, format RL_MAP_TFRECORD):
+ *   its scan reads and checks each big record's header and reads its data
+ *   CRC, not its data; the expected CRC is the unmasked data CRC.
+ *
  *   A file truncated while mapped makes an access past its new end raise
  *   SIGBUS.  Every read of a mapping is done inside a guard: a thread-local
  *   pointer (readerlib._core's, initial-exec TLS: no allocation in the
@@ -60,7 +65,12 @@ typedef struct rl_map {
     int64_t off0;
     int keep;                   /* 1: no page drops; the pages stay mapped until the map goes
                                    (low_memory=False: no refaults, the file's pages count in RSS) */
+    int format;                 /* whose file: RL_MAP_RECORDIO (0, calloc's) or RL_MAP_TFRECORD;
+                                   says whose error a deferred record that fails raises */
 } rl_map;
+
+#define RL_MAP_RECORDIO 0
+#define RL_MAP_TFRECORD 1
 
 /* The deferred records of one chunk: when the last is released, the chunk's
  * pages leave this process (one madvise; its records' pages were faulted in
