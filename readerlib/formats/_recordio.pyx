@@ -72,41 +72,11 @@ rl_cc_init()
 # ---- big records in one copy (include/rl_mapped.h, RECORDIO.md "Reading and the checks")
 from posix.mman cimport mmap, munmap, madvise, PROT_READ, MAP_SHARED, MAP_FAILED, MADV_DONTNEED
 
-cdef extern from "rl_mapped.h":
-    ctypedef struct rl_map:
-        int64_t refcnt
-        char *base
-        int64_t len
-        int pull
-        int64_t dirty
-        int64_t budget
-        char *path
-        int fd
-        int keep
-        int format
-    ctypedef struct rl_dblock:
-        rl_map *map
-        int pad
-        int64_t chunk
-        int64_t index
-        uint32_t crc
-    ctypedef struct rl_mapped_api:
-        void (*map_decref)(rl_map *m) noexcept nogil
-        int64_t live
-    rl_mapped_api *rl_mapped
-    int rl_mapped_import() except -1
-    bint rl_record_is_deferred(const rl_record *r) nogil
-    ctypedef struct rl_dchunk:
-        pass
-    rl_dchunk *rl_dchunk_new(rl_map *m, const char *lo, const char *hi) nogil
-    void rl_dchunk_done(rl_dchunk *c) nogil
-    rl_block *rl_deferred_new(rl_dchunk *c, const char *data, int64_t size, uint32_t crc,
-                              int64_t chunk, int64_t index) nogil
-    rl_block *rl_deferred_materialize(const rl_record *r, int *code, int64_t *off) nogil
-    int rl_map_all_zero(rl_map *m, const char *p, int64_t n, int64_t *fault_off) nogil
-    void rl_map_incref(rl_map *m) nogil
-    int RL_DEF_OK, RL_DEF_MISMATCH, RL_DEF_SHRUNK, RL_DEF_NOMEM, RL_DEF_LAYOUT, RL_DEF_PADDING, RL_DEF_IO
-    int RL_MAP_TFRECORD
+from readerlib._mapped cimport (
+    rl_map, rl_dblock, rl_dchunk, rl_mapped_api, rl_mapped, rl_mapped_import,
+    rl_record_is_deferred, rl_dchunk_new, rl_dchunk_done, rl_deferred_new, rl_deferred_materialize, rl_map_all_zero,
+    rl_map_incref, RL_DEF_OK, RL_DEF_MISMATCH, RL_DEF_SHRUNK, RL_DEF_NOMEM, RL_DEF_LAYOUT,
+    RL_DEF_PADDING, RL_DEF_IO, RL_MAP_TFRECORD)
 
 rl_mapped_import()
 

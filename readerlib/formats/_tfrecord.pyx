@@ -101,34 +101,10 @@ cdef extern from "rl_mmap.h":
 cdef extern from "rl_core.h":
     int RL_CONSUMED_MIN
 
-cdef extern from "rl_mapped.h":
-    ctypedef struct rl_map:
-        int64_t refcnt
-        char *base
-        int64_t len
-        int pull
-        int64_t budget
-        char *path
-        int fd
-        int keep
-        int format
-    ctypedef struct rl_dblock:
-        rl_map *map
-        int64_t chunk
-        int64_t index
-        uint32_t crc
-    ctypedef struct rl_mapped_api:
-        void (*map_decref)(rl_map *m) noexcept nogil
-    rl_mapped_api *rl_mapped
-    int rl_mapped_import() except -1
-    ctypedef struct rl_dchunk:
-        pass
-    rl_dchunk *rl_dchunk_new(rl_map *m, const char *lo, const char *hi) nogil
-    void rl_dchunk_done(rl_dchunk *c) nogil
-    rl_block *rl_deferred_new(rl_dchunk *c, const char *data, int64_t size, uint32_t crc,
-                              int64_t chunk, int64_t index) nogil
-    void rl_map_incref(rl_map *m) nogil
-    int RL_DEF_MISMATCH, RL_DEF_SHRUNK, RL_DEF_NOMEM, RL_DEF_LAYOUT, RL_DEF_IO, RL_MAP_TFRECORD
+from readerlib._mapped cimport (
+    rl_map, rl_dblock, rl_dchunk, rl_mapped_api, rl_mapped, rl_mapped_import,
+    rl_dchunk_new, rl_dchunk_done, rl_deferred_new, rl_map_incref, RL_DEF_MISMATCH, RL_DEF_SHRUNK,
+    RL_DEF_NOMEM, RL_DEF_LAYOUT, RL_DEF_IO, RL_MAP_TFRECORD)
 
 rl_mapped_import()
 

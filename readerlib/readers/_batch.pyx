@@ -21,26 +21,10 @@ rl_core_import()
 
 # ---- deferred records (include/rl_mapped.h): big records of a v2 RecordIO
 # file or an uncompressed TFRecord file, read and verified here, into the batch
-cdef extern from "rl_mapped.h":
-    ctypedef struct rl_map:
-        int pull
-        char *base
-    ctypedef struct rl_mapped_api:
-        void (*map_decref)(rl_map *m) noexcept nogil
-    ctypedef struct rl_dblock:
-        rl_map *map
-    rl_mapped_api *rl_mapped
-    int rl_mapped_import() except -1
-    bint rl_record_is_deferred(const rl_record *r) nogil
-    int rl_deferred_copy(const rl_record *r, int nf, char **dst, const int64_t *src_off,
-                         const int64_t *len, int nt, int64_t *fault_off) nogil
-    int rl_deferred_copy1(const rl_record *r, char *dst, int nt, int64_t *fault_off) nogil
-    int rl_deferred_peek(const rl_record *r, int64_t at, char *dst, int64_t n, int64_t *fault_off) nogil
-    rl_block *rl_deferred_materialize(const rl_record *r, int *code, int64_t *off) nogil
-    int RL_DEF_LAYOUT, RL_DEF_MAX_PIECES
-    void rl_map_copied(rl_map *m, const char *p, int64_t n) nogil
-    int rl_stage_reads
-    int rl_stage_nt
+from readerlib._mapped cimport (
+    rl_map, rl_mapped_api, rl_dblock, rl_mapped, rl_mapped_import, rl_record_is_deferred,
+    rl_deferred_copy, rl_deferred_copy1, rl_deferred_peek, rl_deferred_materialize, RL_DEF_LAYOUT, RL_DEF_MAX_PIECES,
+    rl_map_copied, rl_stage_reads, rl_stage_nt)
 
 
 def _set_staged_deferred_reads(flag):

@@ -27,12 +27,8 @@ rl_core_import()
 # that asked for them may copy, verifying them) are moved like any other; one
 # that would go to another consumer of this shuffle is verified first.  Compaction
 # never copies one: a deferred record is alone in its block (bytes == block size).
-cdef extern from "rl_mapped.h":
-    int rl_mapped_import() except -1
-    bint rl_record_is_deferred(const rl_record *r) nogil
-    bint rl_deferred_may_go_out(const rl_record *r) nogil
-    rl_block *rl_deferred_materialize(const rl_record *r, int *code, int64_t *off) nogil
-    int RL_DEF_LAYOUT
+from readerlib._mapped cimport (
+    rl_mapped_import, rl_record_is_deferred, rl_deferred_may_go_out, rl_deferred_materialize, RL_DEF_LAYOUT)
 
 cdef extern from *:
     """

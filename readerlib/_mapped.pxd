@@ -1,0 +1,59 @@
+# The one-copy path's C API (include/rl_mapped.h: deferred records, the file
+# "map" they describe, the batch's read of them), declared once for the
+# modules that make, move or copy deferred records: formats/_recordio,
+# formats/_tfrecord, readers/_batch, readers/_shuffle.  Declarations only:
+# each of them still calls rl_mapped_import() at its init (the header's API
+# pointer is one per module), and readerlib._core, which owns the process's
+# state, includes the header itself (RL_MAPPED_OWNER).
+from readerlib._typedefs cimport int64_t, uint32_t
+from readerlib.readers._base cimport rl_block, rl_record
+
+cdef extern from "rl_mapped.h":
+    ctypedef struct rl_map:
+        int64_t refcnt
+        char *base
+        int64_t len
+        int pull
+        int64_t dirty
+        int64_t budget
+        char *path
+        int fd
+        int keep
+        int format
+    ctypedef struct rl_dblock:
+        rl_map *map
+        int pad
+        int64_t chunk
+        int64_t index
+        uint32_t crc
+    ctypedef struct rl_dchunk:
+        pass
+    ctypedef struct rl_mapped_api:
+        void (*map_decref)(rl_map *m) noexcept nogil
+        int64_t live
+    rl_mapped_api *rl_mapped
+    int rl_mapped_import() except -1
+
+    # made by the file readers
+    rl_dchunk *rl_dchunk_new(rl_map *m, const char *lo, const char *hi) nogil
+    void rl_dchunk_done(rl_dchunk *c) nogil
+    rl_block *rl_deferred_new(rl_dchunk *c, const char *data, int64_t size, uint32_t crc,
+                              int64_t chunk, int64_t index) nogil
+    void rl_map_incref(rl_map *m) nogil
+    int rl_map_all_zero(rl_map *m, const char *p, int64_t n, int64_t *fault_off) nogil
+    # moved and copied
+    bint rl_record_is_deferred(const rl_record *r) nogil
+    bint rl_deferred_may_go_out(const rl_record *r) nogil
+    rl_block *rl_deferred_materialize(const rl_record *r, int *code, int64_t *off) nogil
+    int rl_deferred_copy(const rl_record *r, int nf, char **dst, const int64_t *src_off,
+                         const int64_t *len, int nt, int64_t *fault_off) nogil
+    int rl_deferred_copy1(const rl_record *r, char *dst, int nt, int64_t *fault_off) nogil
+    int rl_deferred_peek(const rl_record *r, int64_t at, char *dst, int64_t n, int64_t *fault_off) nogil
+    void rl_map_copied(rl_map *m, const char *p, int64_t n) nogil
+    # the batch's read of a record (A/B switches: per module, readers/_batch's count)
+    int rl_stage_reads
+    int rl_stage_nt
+
+    int RL_DEF_OK, RL_DEF_MISMATCH, RL_DEF_SHRUNK, RL_DEF_NOMEM, RL_DEF_LAYOUT, RL_DEF_PADDING, RL_DEF_IO
+    int RL_DEF_MAX_PIECES
+    int RL_MAP_TFRECORD
