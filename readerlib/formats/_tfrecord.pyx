@@ -666,13 +666,27 @@ cdef class TFRecordReader(FileReader):
             self.err_off = off + got
         return -1
 
+    cdef int _pgrow(self, int64_t cap) noexcept nogil:
+        """The chunk block `pblk` replaced by one of `cap` bytes holding its
+        `phave` bytes read so far; -1 (E_NOMEM) when none can be had."""
+        cdef rl_block *nb = rl_fileblock_new(0, cap, 0)
+        if nb == NULL:
+            self.err_code = E_NOMEM
+            return -1
+        if self.pblk != NULL:
+            if self.phave:
+                memcpy(nb.data, self.pblk.data, self.phave)
+            rl_block_decref(self.pblk)
+        self.pblk = nb
+        self.pcap = cap
+        return 0
+
     cdef int _pfill(self, int64_t pos, int64_t need) noexcept nogil:
         """Make the chunk block `pblk` hold at least `need` file bytes from `pos`
         (need <= fsize - pos).  The first read takes the whole chunk when its
         extent is known, else up to CHUNK_BYTES; later ones exactly what is
         missing (the tail of the record that crosses CHUNK_BYTES)."""
         cdef int64_t target, cap, got
-        cdef rl_block *nb
         if need <= self.phave:
             return 0
         target = need
@@ -682,16 +696,8 @@ cdef class TFRecordReader(FileReader):
         if target > self.pcap:
             cap = target if self.phave == 0 else min64(self.fsize - pos, target if target > 2 * self.pcap
                                                        else 2 * self.pcap)
-            nb = rl_fileblock_new(0, cap, 0)
-            if nb == NULL:
-                self.err_code = E_NOMEM
+            if self._pgrow(cap) != 0:
                 return -1
-            if self.pblk != NULL:
-                if self.phave:
-                    memcpy(nb.data, self.pblk.data, self.phave)
-                rl_block_decref(self.pblk)
-            self.pblk = nb
-            self.pcap = cap
         got = rl_pread_full(self.fd, self.pblk.data + self.phave, target - self.phave, pos + self.phave)
         if got < 0 or self.phave + got < need:
             return self._read_failed(got, pos + self.phave)
@@ -730,7 +736,6 @@ cdef class TFRecordReader(FileReader):
         record's data is read at most a window's worth here.  Returns a pointer that a
         later call may move (the block grows): offsets are what is kept."""
         cdef int64_t L, lim, cap, got
-        cdef rl_block *nb
         if rel >= self.w_lo and rel + n <= self.w_hi:
             return self.pblk.data + self.w_blk + (rel - self.w_lo)
         lim = self.pextent if self.pextent >= 0 else _CHUNK_BYTES
@@ -746,16 +751,8 @@ cdef class TFRecordReader(FileReader):
                 cap = max64(cap, min64(lim, self.fsize - pos) + 4096)    # one block for a chunk, usually
             else:
                 cap = max64(cap, 2 * self.pcap)
-            nb = rl_fileblock_new(0, cap, 0)
-            if nb == NULL:
-                self.err_code = E_NOMEM
+            if self._pgrow(cap) != 0:
                 return NULL
-            if self.pblk != NULL:
-                if self.phave:
-                    memcpy(nb.data, self.pblk.data, self.phave)
-                rl_block_decref(self.pblk)
-            self.pblk = nb
-            self.pcap = cap
         got = rl_pread_full(self.fd, self.pblk.data + self.phave, L, pos + rel)
         if got < n:
             self._read_failed(got, pos + rel)
