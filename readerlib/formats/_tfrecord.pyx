@@ -320,6 +320,9 @@ cdef class TFRecordReader(FileReader):
     cdef rl_dchunk *dchunk            # the current chunk's (its deferred records hold it)
     cdef rl_block *dlast              # the last record c_next handed out in a block of its own
     cdef uint32_t *cur_crc            # per record of the chunk: the data CRC (deferred ones)
+    cdef int64_t *cur_foff            # ... its data's file offset (a deferring scan's chunk: its
+                                      # small records sit in windows, cur_off is not chunk-relative)
+    cdef bint cur_deferring           # the current chunk came from a deferring scan
     cdef bint defer_scan              # the scan under way defers big records
     cdef int64_t w_lo, w_hi, w_blk    # its window: chunk bytes [w_lo, w_hi) at pblk + w_blk
     cdef int64_t w_next               # the size of the next window read (kept across chunks)
@@ -374,6 +377,7 @@ cdef class TFRecordReader(FileReader):
             inflateEnd(&self.zs)
             self.zs_init = False
         free(self.cur_crc); self.cur_crc = NULL
+        free(self.cur_foff); self.cur_foff = NULL
         free(self.dbuf); self.dbuf = NULL
         free(self.ck_pos); free(self.ck_first); free(self.ck_n); free(self.order)
         self.ck_pos = self.ck_first = self.ck_n = self.order = NULL
@@ -905,6 +909,7 @@ cdef class TFRecordReader(FileReader):
                                 break
                             return -1
                         self.cur_off[i] = p - self.pblk.data
+                        self.cur_foff[i] = pos + rel + 12
                 elif not z:
                     if self._pfill(pos, need) != 0:
                         if self._cut_short(want_n, i):
@@ -987,6 +992,7 @@ cdef class TFRecordReader(FileReader):
                 self.dlo += rel
                 self.spos += rel
         self._retire_cur()
+        self.cur_deferring = defer
         self.dchunk = dc
         self.cur = blk
         self.cur_is_heap = z or (self.lod_mode and self.prefix)
@@ -1114,7 +1120,10 @@ cdef class TFRecordReader(FileReader):
             # zero-copy records are verified as they are handed out: the CRC pass
             # leaves the record in cache for the consumer's copy
             self.err_code = E_DATA_CRC
-            self.err_off = self.ck_pos[self.cur_chunk] + self.cur_off[self.cur_i] - 12
+            if self.cur_deferring:             # (its small records sit in read windows)
+                self.err_off = self.cur_foff[self.cur_i] - 12
+            else:
+                self.err_off = self.ck_pos[self.cur_chunk] + self.cur_off[self.cur_i] - 12
             self.cur_i = self.cur_n            # the rest of this chunk is not handed out
             with gil:
                 self._raise()
@@ -1166,9 +1175,16 @@ cdef class TFRecordReader(FileReader):
         if (not _deferred or self.ztype != 0 or (self.lod_mode and self.prefix) or self.fd < 0
                 or self.fsize <= 0):
             return 0
-        if self.cur_crc == NULL:
+        if self.cur_crc == NULL or self.cur_foff == NULL:
+            free(self.cur_crc)
+            free(self.cur_foff)
             self.cur_crc = <uint32_t *>malloc(_CHUNK_RECORDS * sizeof(uint32_t))
-            if self.cur_crc == NULL:
+            self.cur_foff = <int64_t *>malloc(_CHUNK_RECORDS * sizeof(int64_t))
+            if self.cur_crc == NULL or self.cur_foff == NULL:
+                free(self.cur_crc)
+                free(self.cur_foff)
+                self.cur_crc = NULL
+                self.cur_foff = NULL
                 raise MemoryError()
         if self.dmap == NULL:
             path = self.path.encode("utf-8", "surrogateescape")

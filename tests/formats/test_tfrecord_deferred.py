@@ -365,6 +365,25 @@ def test_a_bad_record_raises_from_the_batch_with_file_and_offset(tmp_path, stage
     assert str(ei.value) == str(e)
 
 
+@pytest.mark.parametrize("sizes", [[100] * 2000, [100] * 300 + [SIZE] * 3 + [100] * 300])
+def test_a_bad_small_record_under_the_batch_names_its_own_offset(tmp_path, sizes):
+    # A deferring scan reads a chunk's small records in windows, so a record's
+    # place in the block is not its place in the chunk: the batch path named
+    # offset 174188 for the record at 174000 (tests/integrations/test_ray.py
+    # caught it).  The error names the record's start, as the reader alone does.
+    p = _write(str(tmp_path / "small.tfrecord"), _records(sizes))
+    k = len(sizes) - 150                      # a small record after the big ones (if any)
+    start = sum(n + 16 for n in sizes[:k])
+    _flip(p, start + 12 + 50)
+    want = f"{p}: corrupted record at {start} (data checksum mismatch)"
+    for c in (T.TFRecordReader(p), T.TFRecordReader(p).batch(64)):
+        with pytest.raises(TFRecordError) as ei:
+            for _ in c:
+                pass
+        assert str(ei.value) == want and ei.value.offset == start, type(c).__name__
+    assert c._mapped                          # the batch negotiated: the deferring scan ran
+
+
 def test_get_state_refuses_after_a_dropped_record(tmp_path):
     records = _records([SIZE] * 20)
     p = _write(str(tmp_path / "bad.tfrecord"), records)
