@@ -33,6 +33,8 @@ cdef extern from "rl_mapped.h":
         int64_t live
     rl_mapped_api *rl_mapped
     int rl_mapped_import() except -1
+    char *RL_MAP_PREAD_BASE
+    rl_map *rl_map_new(const char *path, char *base, int64_t len, int fd, int format) nogil
 
     # made by the file readers
     rl_dchunk *rl_dchunk_new(rl_map *m, const char *lo, const char *hi) nogil
@@ -56,4 +58,4 @@ cdef extern from "rl_mapped.h":
 
     int RL_DEF_OK, RL_DEF_MISMATCH, RL_DEF_SHRUNK, RL_DEF_NOMEM, RL_DEF_LAYOUT, RL_DEF_PADDING, RL_DEF_IO
     int RL_DEF_MAX_PIECES
-    int RL_MAP_TFRECORD
+    int RL_MAP_RECORDIO, RL_MAP_TFRECORD

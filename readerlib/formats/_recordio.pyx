@@ -75,7 +75,7 @@ from posix.mman cimport mmap, munmap, madvise, PROT_READ, MAP_SHARED, MAP_FAILED
 from readerlib._mapped cimport (
     rl_map, rl_dblock, rl_dchunk, rl_mapped_api, rl_mapped, rl_mapped_import,
     rl_record_is_deferred, rl_dchunk_new, rl_dchunk_done, rl_deferred_new, rl_deferred_materialize, rl_map_all_zero,
-    rl_map_incref, RL_DEF_OK, RL_DEF_MISMATCH, RL_DEF_SHRUNK, RL_DEF_NOMEM, RL_DEF_LAYOUT,
+    rl_map_incref, rl_map_new, RL_MAP_PREAD_BASE, RL_MAP_RECORDIO, RL_DEF_OK, RL_DEF_MISMATCH, RL_DEF_SHRUNK, RL_DEF_NOMEM, RL_DEF_LAYOUT,
     RL_DEF_PADDING, RL_DEF_IO, RL_MAP_TFRECORD)
 
 rl_mapped_import()
@@ -838,33 +838,25 @@ cdef class RecordIOReader(FileReader):
             self._min_size += 8 if self.layout.lod[f] else self.layout.row_bytes[f]
         cdef bint via_pread = _deferred_mode == "pread" or _deferred_mode == "auto" and self.low_memory
         if self.dmap == NULL:
+            fd = -1
             if via_pread:
-                p = <void *>(<size_t>1 << 40)    # never dereferenced: offsets only
+                p = RL_MAP_PREAD_BASE
+                try:
+                    fd = os.dup(self.fd)     # deferred records outlive the reader's descriptor
+                except OSError:              # out of descriptors (EMFILE): the reader's own path
+                    return 0
             else:
                 p = mmap(NULL, <size_t>self.fsize, PROT_READ, MAP_SHARED, self.fd, 0)
                 if p == MAP_FAILED:
                     return 0                 # e.g. a file system without mmap: the pread path
-            m = <rl_map *>calloc(1, sizeof(rl_map))
             path = self.path.encode("utf-8", "surrogateescape")
-            if m != NULL:
-                m.path = <char *>malloc(len(path) + 1)
-            if m == NULL or m.path == NULL:
-                free(m)
-                if not via_pread:
+            m = rl_map_new(path, <char *>p, self.fsize, fd, RL_MAP_RECORDIO)
+            if m == NULL:
+                if via_pread:
+                    os.close(fd)
+                else:
                     munmap(p, <size_t>self.fsize)
                 raise MemoryError()
-            m.fd = -1
-            if via_pread:
-                try:
-                    m.fd = os.dup(self.fd)
-                except OSError:              # out of descriptors (EMFILE): the reader's own path
-                    free(m.path)
-                    free(m)
-                    return 0
-            memcpy(m.path, <const char *>path, len(path) + 1)
-            m.refcnt = 1
-            m.base = <char *>p
-            m.len = self.fsize
             m.budget = _map_budget
             m.keep = not via_pread and (not self.low_memory or _deferred_mode == "keep")
             self.dmap = m

@@ -53,7 +53,7 @@ import zlib as _pyzlib
 
 import numpy as np
 cimport numpy as cnp
-from libc.stdlib cimport malloc, free, realloc, calloc
+from libc.stdlib cimport malloc, free, realloc
 from libc.string cimport memcpy, memmove
 from libc.errno cimport errno
 import warnings
@@ -103,7 +103,7 @@ cdef extern from "rl_core.h":
 
 from readerlib._mapped cimport (
     rl_map, rl_dblock, rl_dchunk, rl_mapped_api, rl_mapped, rl_mapped_import,
-    rl_dchunk_new, rl_dchunk_done, rl_deferred_new, rl_map_incref, RL_DEF_MISMATCH, RL_DEF_SHRUNK,
+    rl_dchunk_new, rl_dchunk_done, rl_deferred_new, rl_map_incref, rl_map_new, RL_MAP_PREAD_BASE, RL_DEF_MISMATCH, RL_DEF_SHRUNK,
     RL_DEF_NOMEM, RL_DEF_LAYOUT, RL_DEF_IO, RL_MAP_TFRECORD)
 
 rl_mapped_import()
@@ -321,7 +321,8 @@ cdef class TFRecordReader(FileReader):
     cdef rl_block *dlast              # the last record c_next handed out in a block of its own
     cdef uint32_t *cur_crc            # per record of the chunk: the data CRC (deferred ones)
     cdef int64_t *cur_foff            # ... its data's file offset (a deferring scan's chunk: its
-                                      # small records sit in windows, cur_off is not chunk-relative)
+                                      # small records sit in windows, cur_off is not chunk-relative);
+                                      # one allocation holds both (cur_crc follows cur_foff)
     cdef bint cur_deferring           # the current chunk came from a deferring scan
     cdef bint defer_scan              # the scan under way defers big records
     cdef int64_t w_lo, w_hi, w_blk    # its window: chunk bytes [w_lo, w_hi) at pblk + w_blk
@@ -376,8 +377,7 @@ cdef class TFRecordReader(FileReader):
         if self.zs_init:
             inflateEnd(&self.zs)
             self.zs_init = False
-        free(self.cur_crc); self.cur_crc = NULL
-        free(self.cur_foff); self.cur_foff = NULL
+        free(self.cur_foff); self.cur_foff = NULL; self.cur_crc = NULL     # (one block)
         free(self.dbuf); self.dbuf = NULL
         free(self.ck_pos); free(self.ck_first); free(self.ck_n); free(self.order)
         self.ck_pos = self.ck_first = self.ck_n = self.order = NULL
@@ -1175,37 +1175,22 @@ cdef class TFRecordReader(FileReader):
         if (not _deferred or self.ztype != 0 or (self.lod_mode and self.prefix) or self.fd < 0
                 or self.fsize <= 0):
             return 0
-        if self.cur_crc == NULL or self.cur_foff == NULL:
-            free(self.cur_crc)
-            free(self.cur_foff)
-            self.cur_crc = <uint32_t *>malloc(_CHUNK_RECORDS * sizeof(uint32_t))
-            self.cur_foff = <int64_t *>malloc(_CHUNK_RECORDS * sizeof(int64_t))
-            if self.cur_crc == NULL or self.cur_foff == NULL:
-                free(self.cur_crc)
-                free(self.cur_foff)
-                self.cur_crc = NULL
-                self.cur_foff = NULL
+        if self.cur_foff == NULL:            # one block: the offsets, then the CRCs
+            self.cur_foff = <int64_t *>malloc(_CHUNK_RECORDS * (sizeof(int64_t) + sizeof(uint32_t)))
+            if self.cur_foff == NULL:
                 raise MemoryError()
+            self.cur_crc = <uint32_t *>(self.cur_foff + _CHUNK_RECORDS)
         if self.dmap == NULL:
-            path = self.path.encode("utf-8", "surrogateescape")
-            m = <rl_map *>calloc(1, sizeof(rl_map))
-            if m != NULL:
-                m.path = <char *>malloc(len(path) + 1)
-            if m == NULL or m.path == NULL:
-                free(m)
-                raise MemoryError()
             try:
-                m.fd = os.dup(self.fd)       # deferred records outlive the reader's descriptor
+                fd = os.dup(self.fd)         # deferred records outlive the reader's descriptor
             except OSError:                  # out of descriptors (EMFILE): the reader's own path
-                free(m.path)
-                free(m)
                 return 0
-            memcpy(m.path, <const char *>path, len(path) + 1)
-            m.refcnt = 1
-            m.base = <char *>(<size_t>1 << 40)   # never dereferenced: offsets only
-            m.len = self.fsize
+            path = self.path.encode("utf-8", "surrogateescape")
+            m = rl_map_new(path, RL_MAP_PREAD_BASE, self.fsize, fd, RL_MAP_TFRECORD)
+            if m == NULL:
+                os.close(fd)
+                raise MemoryError()
             m.budget = 1 << 62
-            m.format = RL_MAP_TFRECORD
             self.dmap = m
         rl_map_incref(self.dmap)             # the caller's
         return <size_t>self.dmap

@@ -72,6 +72,28 @@ typedef struct rl_map {
 #define RL_MAP_RECORDIO 0
 #define RL_MAP_TFRECORD 1
 
+/* The base of a pread-mode map: never dereferenced (deferred records' data
+ * pointers are base + file offset, and only the offsets are used). */
+#define RL_MAP_PREAD_BASE ((char *)((size_t)1 << 40))
+
+/* A new map (one reference) of the file `path` of `len` bytes: `base` its
+ * mapping and fd -1, or RL_MAP_PREAD_BASE and a descriptor the map owns
+ * (closed, or the mapping unmapped, when the last reference goes: the
+ * owner's map_decref).  NULL when out of memory (nothing taken over). */
+static inline rl_map *rl_map_new(const char *path, char *base, int64_t len, int fd, int format) {
+    size_t n = strlen(path) + 1;
+    rl_map *m = (rl_map *)calloc(1, sizeof(rl_map));
+    if (m) m->path = (char *)malloc(n);
+    if (!m || !m->path) { free(m); return NULL; }
+    memcpy(m->path, path, n);
+    m->refcnt = 1;
+    m->base = base;
+    m->len = len;
+    m->fd = fd;
+    m->format = format;
+    return m;
+}
+
 /* The deferred records of one chunk: when the last is released, the chunk's
  * pages leave this process (one madvise; its records' pages were faulted in
  * together, by fault-around, so dropping them together wastes none). */
