@@ -624,7 +624,7 @@ cdef class MapReader(DecoratedReader):
         except BaseException as e:
             # (the function's own exceptions are the items' outcomes, caught
             # per input: a MemoryError here is this reader's, as in _fill_read)
-            if _interrupted(e) or isinstance(e, MemoryError):
+            if _own_failure(e, False):
                 self._held_chunk = held
             raise
 
@@ -682,7 +682,7 @@ cdef class MapReader(DecoratedReader):
                 inputs[i] = x
                 x = None
         except BaseException as e:
-            if _interrupted(e) or isinstance(e, MemoryError):
+            if _own_failure(e, False):
                 # this reader's own allocation failed (not the record's fault,
                 # nor the function's): the chunk is held, the inputs not made
                 # yet are decoded on the next read (the next read dropped the
