@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 import readerlib as rl
-from readerlib import _parallel
 from readerlib.formats import _recordio as R
 from readerlib.readers import _shuffle
 
@@ -37,24 +36,6 @@ def mode(request):
     R._set_deferred_mode(old)
     R._set_mapped_reads(old_on)
     _batch._set_staged_deferred_reads(old_st)
-
-
-@pytest.fixture(params=["serial", "parallel"])
-def copy_path(request):
-    """The batch's serial copy (one thread) or its parallel copy (records
-    gathered, then copied on the pool's threads)."""
-    old_n = rl.get_num_threads()
-    if request.param == "serial":
-        rl.set_num_threads(1)
-        old_min = None
-    else:
-        rl.set_num_threads(2)
-        old_min = _parallel._set_min_bytes_per_thread(1)
-        _parallel._reset_backoff()
-    yield request.param
-    rl.set_num_threads(old_n)
-    if old_min is not None:
-        _parallel._set_min_bytes_per_thread(old_min)
 
 
 def _fixed_schema(two_fields=False):

@@ -21,7 +21,7 @@ from readerlib.formats import _recordio as R
 from helpers import assert_checkpoint_equal, assert_exactly_once, canon, read_past_errors, unbatch
 
 from test_recordio_mapped import (TRUNCATE_READ, _batches, _child, _reference,  # noqa: F401 (fixtures)
-                                  copy_path, mode)
+                                  mode)
 
 
 ROW = 1024          # the big sequence field: rows of 1 KiB, 33-50 a record (>= 32 KiB: big records)
