@@ -1282,6 +1282,8 @@ cdef class ShuffleReader(DecoratedReader):
         return i
 
     cdef inline void _put(self, int64_t s, const rl_record *rec, int64_t ref) noexcept nogil:
+        __builtin_prefetch(rec.data)
+        __builtin_prefetch(rec.data + 63)
         self.slots[s].data = rec.data
         self.slots[s].size = <uint32_t>(rec.size if rec.size < BIG else BIG)
         self.slots[s].ref = <uint32_t>ref
