@@ -92,6 +92,7 @@ cdef int64_t _INLINE_CELL = 0                # > 0: this cell size, not the chos
 DEF INLINE_MAX_LIMIT = 4096                 # the largest cell (deferred records are never inlined: _take)
 DEF INLINE_PROBES = 16                      # new blocks looked at before giving up on a source
 DEF RESTORE_PROBE = 4096                    # a restore's fill from a file decides inlining after these
+DEF PEEK_MIN = 4096                         # slots (64 KiB: beyond L1d) above which _draw_ahead peeks further
 DEF OUT_BYTES = 16384                       # an output block (the copies handed out); L1-sized
 
 
@@ -1755,10 +1756,24 @@ cdef class ShuffleReader(DecoratedReader):
     cdef inline void _draw_ahead(self) noexcept nogil:
         # Same draws in the same order as drawing on demand; doing it now lets
         # the next record's first cache lines load while the caller copies.
+        cdef rl_rng peek
+        cdef uint64_t k
         if self.count > 0:
             self.next_j = <int64_t>self._draw()
             __builtin_prefetch(self.slots[self.next_j].data)
             __builtin_prefetch(self.slots[self.next_j].data + 63)
+            if self.count > PEEK_MIN:
+                # The two draws after it, computed on a copy of the RNG (the
+                # real draws are untouched): the slot of the second one, and
+                # the record of the first (whose slot came a step earlier),
+                # so neither is a demand miss when the buffer is beyond L1.
+                # They may turn out wrong (count changed): only a prefetch.
+                peek = self.rng
+                k = rl_rng_below(&peek, <uint64_t>self.count)
+                __builtin_prefetch(self.slots[k].data)
+                __builtin_prefetch(self.slots[k].data + 63)
+                k = rl_rng_below(&peek, <uint64_t>self.count)
+                __builtin_prefetch(&self.slots[k])
 
     cdef int c_reset(self) except -1:
         self.epoch += 1
