@@ -66,7 +66,7 @@ import numpy as np
 
 from readerlib._typedefs cimport (float32_t, float64_t, index_t, int32_t, int64_t,
                                   intp_t, uint8_t, uint16_t, uint32_t, uint64_t)
-from readerlib._parallel cimport parallel_for, threads_for
+from readerlib._parallel cimport parallel_for, place_late_workers, threads_for
 from readerlib._parallel import threads_enabled
 
 cnp.import_array()
@@ -377,11 +377,16 @@ cdef void _gather_body(void* ctx, int64_t begin, int64_t end, int tid) noexcept 
     is descheduled by a competing process leaves the rest to the caller, and
     the caller can only be kept waiting for the one chunk that worker is in
     (~30-100 us of work here) rather than a static share (an eighth of the
-    call).  Results do not depend on who copies which rows.
+    call).  Results do not depend on who copies which rows.  After its first
+    chunk the caller moves workers that have not started off its CPU (the
+    pool's placement rule, readerlib/_parallel.pyx: one queued behind the
+    caller would start when the caller has copied everything).
     """
     cdef _gather_job* j = <_gather_job*> ctx
     cdef int64_t c, b
-    if begin != 0 or end != j.items:
+    cdef bint split = begin != 0 or end != j.items
+    cdef bint first = tid == 0 and split
+    if split:
         rl_reindex_mark(&j.pooled)
     if j.chunk == 0:
         _gather_job_range(j, begin, end)
@@ -392,6 +397,9 @@ cdef void _gather_body(void* ctx, int64_t begin, int64_t end, int tid) noexcept 
         if b >= j.n:
             return
         _gather_job_range(j, b, b + j.chunk if b + j.chunk < j.n else j.n)
+        if first:
+            first = False
+            place_late_workers()
 
 
 cdef int _gather_rows(const char* src, intp_t n_src, intp_t row_bytes, const index_t* idx,

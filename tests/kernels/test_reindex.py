@@ -1,5 +1,7 @@
 """batch_reindex / batch_reindex_grad: Caffe's cases, NumPy references, determinism, errors."""
+import os
 import re
+import time
 
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ from hypothesis import strategies as st
 
 from helpers import FakeCupyArray, install_gpu_stub, random_array
 
+from readerlib import _parallel
 from readerlib.kernels import _reindex, batch_reindex, batch_reindex_grad
 from readerlib.kernels.reference import (batch_reindex_grad_reference,
                                          batch_reindex_lod_reference,
@@ -836,3 +839,39 @@ def test_gpu_index_error_names_the_first_bad_position():
         _gpu._raise_index_error(10, 0, 10 - 4)
     assert ei.value.__notes__ == ["idx[4] is the first bad entry of 10 indices"]
     _gpu._raise_index_error(10, 0, 0)          # nothing bad: returns
+
+
+# -- the split's placement (the pool moves late workers off the caller's CPU) -------
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux affinity")
+@pytest.mark.parametrize("placement", [True, False])
+@pytest.mark.parametrize("isa_name", ["sse2", "avx512"])
+def test_split_placement_keeps_results_and_affinity(placement, isa_name):
+    # After its first chunk the caller may narrow a late worker's affinity for a
+    # moment (readerlib/_parallel.pyx, "Placement"); afterwards every thread has
+    # the mask it had, and the rows are the reference's bytes whichever thread
+    # copied them (many small chunks, so both threads take part, and calls
+    # separated by idle pauses, after which the worker tends to be woken onto
+    # the caller's CPU).
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4096, 64), dtype=np.float32)
+    idx = rng.integers(0, 4096, 8192)
+    want = batch_reindex_reference(x, idx)
+    old = (_parallel._set_placement(placement), _reindex._set_chunk_bytes(4096),
+           _reindex._set_tune(False), _reindex._set_isa(isa_name))
+    try:
+        batch_reindex(x, idx, num_threads=2)            # the pool's workers exist
+        masks = {int(t): os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")}
+        for k in range(20):
+            if k % 4 == 0:
+                time.sleep(0.01)
+            _parallel._reset_backoff()
+            np.testing.assert_array_equal(bits(batch_reindex(x, idx, num_threads=2)), bits(want))
+        for t, m in masks.items():
+            if os.path.exists(f"/proc/self/task/{t}"):
+                assert os.sched_getaffinity(t) == m, t
+    finally:
+        _parallel._set_placement(old[0])
+        _reindex._set_chunk_bytes(old[1])
+        _reindex._set_tune(old[2])
+        _reindex._set_isa(None)
