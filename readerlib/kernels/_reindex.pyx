@@ -600,13 +600,27 @@ def _raise_for(int rc, idx, intp_t limit):
 # tells (the worker wakes within ~3 us in both: it preempts someone).  So the
 # gather measures: for each kind of call (cached / streaming stores) it keeps
 # the time per MiB of its last TUNE_WINDOW calls on one thread and on the
-# split, runs the split when its upper quartile is lower by TUNE_MARGIN_PCT (it
-# takes a core the caller's other threads may want; a tie goes to one
-# thread), else one thread, and every TUNE_EXPLORE-th call the other mode,
-# so a change of load is seen within a few dozen calls.  A high quantile,
-# not the best: it is the scheduling risk, not the speed undisturbed, that
-# decides.
-# Measured at (65536, 65536, 64) float32, 16 MiB, load 4-5 from other jobs,
+# split, runs the split when its TUNE_QUANTILE_PCT quantile is lower by
+# TUNE_MARGIN_PCT (a tie goes to one thread), else one thread, and every
+# TUNE_EXPLORE-th call the other mode, so a change of load is seen within a
+# few dozen calls.
+# Since 2026-12-05 (Intel Xeon VM; the AVX-512 loop and the pool's placement
+# rule): the lower quartile, no margin.  The split now gains ~40% undisturbed
+# at 16 MiB of 256-byte rows (0.60-0.65 ms against 0.97-1.02 on one thread),
+# and a late worker costs the caller little (chunks; the placement rule), so
+# the split's slow calls are noise of the machine that one thread suffers
+# too; with the old rule (upper quartile, 25%) the default call's median
+# stayed near one thread's (1.17 / 1.21 ms against 0.83 / 1.06 for the
+# split, two 300-round runs).  Interleaved against np.take / torch (benchmarks/results/
+# kernels_cpu.md, 150 rounds per process, processes alternated), median ms
+# of the default call, four runs at load 2 from other jobs: upper quartile
+# + 25% 1.33 / 1.41 / 1.36 / 1.39, lower quartile 1.19 / 1.08 / 1.06 / 1.28,
+# median 1.19 / 1.25 / 1.40 / 1.13; means 1.39-1.59 against 1.20-1.62; with
+# two spinning processes beside it, three runs, medians 2.33 / 2.36 / 1.76
+# against 2.28 / 2.72 / 1.58 (means 4.61 / 4.22 / 2.61 against 4.41 / 5.66
+# / 2.45): no worse.  The rule still keeps one thread where most splits lose
+# (the lower quartile of the split's window is then slow too).
+# Before (the EPYC, the SSE2 loop, no placement rule), measured at (65536, 65536, 64) float32, 16 MiB, load 4-5 from other jobs,
 # 400 interleaved rounds in random order (median ms, with one busy competitor
 # after the slash): split 6.32 / 7.72, one thread 3.78 / 5.57, this chooser
 # without a margin 4.21 / 7.05; with 10% 4.45 (one thread 3.04, split 6.78 in
@@ -629,8 +643,20 @@ def _raise_for(int rc, idx, intp_t limit):
 cdef enum:
     TUNE_WINDOW = 8
     TUNE_EXPLORE = 8
-    TUNE_MARGIN_PCT = 25
-    TUNE_QUANTILE_PCT = 75
+    TUNE_MARGIN_PCT = 0
+    TUNE_QUANTILE_PCT = 25
+
+cdef int _tune_margin_pct = TUNE_MARGIN_PCT
+cdef int _tune_quantile_pct = TUNE_QUANTILE_PCT
+
+
+def _set_tune_rule(quantile_pct, margin_pct):
+    """Change the chooser's quantile and margin (benchmarks' A/B); returns the old pair."""
+    global _tune_margin_pct, _tune_quantile_pct
+    old = (_tune_quantile_pct, _tune_margin_pct)
+    _tune_quantile_pct = min(100, max(0, int(quantile_pct)))
+    _tune_margin_pct = max(0, int(margin_pct))
+    return old
 
 #: Gathers of at least this many output bytes choose 1 thread or the split by
 #: their measured recent times (see above).
@@ -657,7 +683,8 @@ cdef int64_t _tune_quantile(int kind, int mode) noexcept nogil:
             v[b + 1] = v[b]
             b -= 1
         v[b + 1] = t
-    return v[(m * TUNE_QUANTILE_PCT) // 100 if m > 1 else 0]
+    a = (m * _tune_quantile_pct) // 100 if m > 1 else 0
+    return v[a if a < m else m - 1]
 
 
 cdef int _tune_choose(int kind) noexcept nogil:
@@ -666,9 +693,9 @@ cdef int _tune_choose(int kind) noexcept nogil:
     _tune_calls[kind] += 1
     if _tune_n[kind][0] < TUNE_WINDOW // 2 or _tune_n[kind][1] < TUNE_WINDOW // 2:
         return <int> (_tune_calls[kind] & 1)            # fill both windows first
-    # the split takes a second core: it runs only when that pays, by TUNE_MARGIN_PCT
+    # the split takes a second core: it runs only when it is faster (a tie: one thread)
     best = 0
-    if _tune_quantile(kind, 1) * (100 + TUNE_MARGIN_PCT) < _tune_quantile(kind, 0) * 100:
+    if _tune_quantile(kind, 1) * (100 + _tune_margin_pct) < _tune_quantile(kind, 0) * 100:
         best = 1
     if _tune_calls[kind] % TUNE_EXPLORE == 0:
         return 1 - best
