@@ -20,6 +20,13 @@ ctypedef void (*rl_body_fn)(void *ctx, int64_t begin, int64_t end, int tid) noex
 # nested (from inside a body or while another thread's loop holds the pool).
 cdef void parallel_for(int n_threads, int64_t n_items, rl_body_fn body, void *ctx) noexcept nogil
 
+# For a body that claims its own chunks inside one share (the reindex forward):
+# called on tid 0 after its first chunk, it moves the workers that have not
+# joined the loop yet off the caller's CPU (see _parallel.pyx, "Placement");
+# the pool does this itself after the caller's first share.  Once per loop;
+# nothing when the loop runs serially.  Only tid 0 may call it.
+cdef void place_late_workers() noexcept nogil
+
 # The process-wide thread count (readerlib.set_num_threads / READERLIB_NUM_THREADS).
 cdef int num_threads() noexcept nogil
 

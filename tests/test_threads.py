@@ -270,6 +270,56 @@ def test_workers_take_part_in_long_loops():
     assert seen == {0, 1}
 
 
+def _thread_masks():
+    return {int(t): os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")}
+
+
+@needs_threads
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux affinity")
+@pytest.mark.parametrize("placement", [True, False])
+def test_placement_keeps_items_and_affinity(placement):
+    """After idle pauses the woken worker is often queued on the caller's CPU and
+    moved off it (Design, "Placement"): every item still runs exactly once on a
+    valid thread, and every thread ends with the affinity mask it had."""
+    import time
+    old = _parallel._set_placement(placement)
+    try:
+        _parallel._parallel_for_py(2, 64, work=2000)         # the workers exist
+        masks = _thread_masks()
+        moved = _parallel._moved_workers()
+        for k in range(24):
+            if k % 3 == 0:
+                time.sleep(0.01)
+            _parallel._reset_backoff()
+            tids, calls = _parallel._parallel_for_py(2, 64, work=20000)
+            assert (tids >= 0).all() and (tids < 2).all() and 1 <= calls <= 8
+        after = _thread_masks()
+        assert {t: m for t, m in after.items() if t in masks} == {t: masks[t] for t in after if t in masks}
+        if not placement:
+            assert _parallel._moved_workers() == moved
+    finally:
+        _parallel._set_placement(old)
+
+
+@needs_threads
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux affinity")
+def test_placement_with_one_allowed_cpu_moves_nothing():
+    # a process held to one CPU: there is nowhere to move a worker to; the loops
+    # still split (2 threads asked for) and give every item once
+    run_script("""
+        import os
+        cpu = min(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpu})
+        from readerlib import _parallel as p
+        for _ in range(10):
+            p._reset_backoff()
+            tids, calls = p._parallel_for_py(2, 64, work=20000)
+            assert (tids >= 0).all() and (tids < 2).all(), tids
+        assert p._moved_workers() == 0, p._moved_workers()
+        assert all(os.sched_getaffinity(int(t)) == {cpu} for t in os.listdir("/proc/self/task"))
+    """)
+
+
 @needs_threads
 def test_a_losing_split_makes_the_next_loops_serial():
     """A split whose worker is slow (here: the caller's items are cheap and the

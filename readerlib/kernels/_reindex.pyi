@@ -12,8 +12,9 @@ from typing_extensions import Self
 from readerlib.tensor import Field, LoDTensor, Schema
 
 
-__all__ = ['PREFETCH_ROWS', 'STREAM_MIN_BYTES', 'MSG_NEGATIVE', 'MSG_TOO_LARGE', 'openmp_enabled', 'CHUNK_BYTES', 'CACHED_OUTPUT_BYTES', 'empty_output', 'cached_bytes', 'release_cached_outputs', 'index_error', 'TUNE_MIN_BYTES', 'gather_rows', 'gather_fast', 'copy_segments', 'scatter_add_rows']
+__all__ = ['isa', 'PREFETCH_ROWS', 'STREAM_MIN_BYTES', 'MSG_NEGATIVE', 'MSG_TOO_LARGE', 'openmp_enabled', 'CHUNK_BYTES', 'CACHED_OUTPUT_BYTES', 'empty_output', 'cached_bytes', 'release_cached_outputs', 'index_error', 'TUNE_MIN_BYTES', 'gather_rows', 'gather_fast', 'copy_segments', 'scatter_add_rows']
 
+def isa() -> Any: ...
 PREFETCH_ROWS: int
 STREAM_MIN_BYTES: int
 MSG_NEGATIVE: str

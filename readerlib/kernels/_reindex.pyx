@@ -7,12 +7,17 @@ Design:
   ``memcpy`` from its source row (float16 is just 2-byte words).  Rows of 1, 2,
   4 or 8 bytes are copied as one machine word instead (a ``memcpy`` call per
   element would dominate), and short rows that are a multiple of 32 bytes
-  (up to 1 KiB) as inlined 32-byte moves (libc's call and size dispatch per
-  256-byte row cost ~12%).  Outputs of ``STREAM_MIN_BYTES`` or more (rows a
-  multiple of 16 bytes, output 16-byte aligned) are written with streaming
-  stores instead.  Both of these loops (include/rl_gather.h) prefetch the
-  source row ``PREFETCH_ROWS`` indices ahead: the reads are at random rows,
-  which the hardware prefetchers cannot predict.  The loop over ``n`` runs
+  (up to 1 KiB) as inlined moves (libc's call and size dispatch per
+  256-byte row cost ~12%): AVX-512 64-byte moves for rows of 64-byte
+  multiples, else AVX2 32-byte moves, else SSE2 (the widest the CPU has,
+  picked at import: ``isa()``; 32-byte rows always SSE2).  Outputs of ``STREAM_MIN_BYTES`` or more
+  (rows a multiple of 16 bytes, output 16-byte aligned) are written with
+  streaming stores instead.  Both of these loops (include/rl_gather.h)
+  prefetch the source row ``PREFETCH_ROWS`` indices ahead: the reads are at
+  random rows, which the hardware prefetchers cannot predict; the AVX2 /
+  AVX-512 cached loops also prefetch the output row they write that many
+  rows later (its store would otherwise wait for the line: 16 MiB of
+  256-byte rows, 2 threads, 0.73 -> 0.60-0.62 ms best).  The loop over ``n`` runs
   on readerlib's pool (``readerlib._parallel.parallel_for``); on 2+ threads
   every thread claims the next ``CHUNK_BYTES`` of rows with an atomic add
   (see _gather_body), and every chunk writes a disjoint block of ``y``.
@@ -61,7 +66,7 @@ import numpy as np
 
 from readerlib._typedefs cimport (float32_t, float64_t, index_t, int32_t, int64_t,
                                   intp_t, uint8_t, uint16_t, uint32_t, uint64_t)
-from readerlib._parallel cimport parallel_for, threads_for
+from readerlib._parallel cimport parallel_for, place_late_workers, threads_for
 from readerlib._parallel import threads_enabled
 
 cnp.import_array()
@@ -134,9 +139,11 @@ cdef extern from *:
     float rl_half_to_float(uint16_t h) noexcept nogil
     uint16_t rl_float_to_half(float value) noexcept nogil
 
-# The forward's row loops (cached and streaming, with prefetch).
+# The forward's row loops (cached and streaming, with prefetch) and the
+# cached loop's run-time ISA dispatch.
 cdef extern from "rl_gather.h":
     int RL_GATHER_SSE2
+    int rl_gather_select_isa(int want) noexcept nogil
     void rl_gather_cached_i32(const char* src, intp_t rb, const int32_t* idx, intp_t b,
                               intp_t e, char* dst, intp_t pf) noexcept nogil
     void rl_gather_cached_i64(const char* src, intp_t rb, const int64_t* idx, intp_t b,
@@ -146,6 +153,28 @@ cdef extern from "rl_gather.h":
     void rl_gather_stream_i64(const char* src, intp_t rb, const int64_t* idx, intp_t b,
                               intp_t e, char* dst, intp_t pf) noexcept nogil
 
+
+_ISA_NAMES = {1: "sse2", 2: "avx2", 3: "avx512"}
+_ISA = rl_gather_select_isa(0)
+
+
+def isa():
+    """The instruction set of the forward's cached row loop ('sse2', 'avx2' or
+    'avx512'; with 'avx512', rows that are not a multiple of 64 bytes use AVX2,
+    and 32-byte rows always use SSE2)."""
+    return _ISA_NAMES[_ISA]
+
+
+def _set_isa(name=None):
+    """Force the forward's cached row loop (tests and benchmarks); None picks the best.
+
+    Returns the name in use (a request above what the CPU has falls back).
+    Not thread-safe: call it while no gather is running.
+    """
+    global _ISA
+    want = 0 if name is None else {v: k for k, v in _ISA_NAMES.items()}[name]
+    _ISA = rl_gather_select_isa(want)
+    return _ISA_NAMES[_ISA]
 
 
 # Rows up to this size (and a multiple of 32 bytes) are copied with inlined moves.
@@ -348,11 +377,16 @@ cdef void _gather_body(void* ctx, int64_t begin, int64_t end, int tid) noexcept 
     is descheduled by a competing process leaves the rest to the caller, and
     the caller can only be kept waiting for the one chunk that worker is in
     (~30-100 us of work here) rather than a static share (an eighth of the
-    call).  Results do not depend on who copies which rows.
+    call).  Results do not depend on who copies which rows.  After its first
+    chunk the caller moves workers that have not started off its CPU (the
+    pool's placement rule, readerlib/_parallel.pyx: one queued behind the
+    caller would start when the caller has copied everything).
     """
     cdef _gather_job* j = <_gather_job*> ctx
     cdef int64_t c, b
-    if begin != 0 or end != j.items:
+    cdef bint split = begin != 0 or end != j.items
+    cdef bint first = tid == 0 and split
+    if split:
         rl_reindex_mark(&j.pooled)
     if j.chunk == 0:
         _gather_job_range(j, begin, end)
@@ -363,6 +397,9 @@ cdef void _gather_body(void* ctx, int64_t begin, int64_t end, int tid) noexcept 
         if b >= j.n:
             return
         _gather_job_range(j, b, b + j.chunk if b + j.chunk < j.n else j.n)
+        if first:
+            first = False
+            place_late_workers()
 
 
 cdef int _gather_rows(const char* src, intp_t n_src, intp_t row_bytes, const index_t* idx,
@@ -563,13 +600,27 @@ def _raise_for(int rc, idx, intp_t limit):
 # tells (the worker wakes within ~3 us in both: it preempts someone).  So the
 # gather measures: for each kind of call (cached / streaming stores) it keeps
 # the time per MiB of its last TUNE_WINDOW calls on one thread and on the
-# split, runs the split when its upper quartile is lower by TUNE_MARGIN_PCT (it
-# takes a core the caller's other threads may want; a tie goes to one
-# thread), else one thread, and every TUNE_EXPLORE-th call the other mode,
-# so a change of load is seen within a few dozen calls.  A high quantile,
-# not the best: it is the scheduling risk, not the speed undisturbed, that
-# decides.
-# Measured at (65536, 65536, 64) float32, 16 MiB, load 4-5 from other jobs,
+# split, runs the split when its TUNE_QUANTILE_PCT quantile is lower by
+# TUNE_MARGIN_PCT (a tie goes to one thread), else one thread, and every
+# TUNE_EXPLORE-th call the other mode, so a change of load is seen within a
+# few dozen calls.
+# Since 2026-12-05 (Intel Xeon VM; the AVX-512 loop and the pool's placement
+# rule): the lower quartile, no margin.  The split now gains ~40% undisturbed
+# at 16 MiB of 256-byte rows (0.60-0.65 ms against 0.97-1.02 on one thread),
+# and a late worker costs the caller little (chunks; the placement rule), so
+# the split's slow calls are noise of the machine that one thread suffers
+# too; with the old rule (upper quartile, 25%) the default call's median
+# stayed near one thread's (1.17 / 1.21 ms against 0.83 / 1.06 for the
+# split, two 300-round runs).  Interleaved against np.take / torch (benchmarks/results/
+# kernels_cpu.md, 150 rounds per process, processes alternated), median ms
+# of the default call, four runs at load 2 from other jobs: upper quartile
+# + 25% 1.33 / 1.41 / 1.36 / 1.39, lower quartile 1.19 / 1.08 / 1.06 / 1.28,
+# median 1.19 / 1.25 / 1.40 / 1.13; means 1.39-1.59 against 1.20-1.62; with
+# two spinning processes beside it, three runs, medians 2.33 / 2.36 / 1.76
+# against 2.28 / 2.72 / 1.58 (means 4.61 / 4.22 / 2.61 against 4.41 / 5.66
+# / 2.45): no worse.  The rule still keeps one thread where most splits lose
+# (the lower quartile of the split's window is then slow too).
+# Before (the EPYC, the SSE2 loop, no placement rule), measured at (65536, 65536, 64) float32, 16 MiB, load 4-5 from other jobs,
 # 400 interleaved rounds in random order (median ms, with one busy competitor
 # after the slash): split 6.32 / 7.72, one thread 3.78 / 5.57, this chooser
 # without a margin 4.21 / 7.05; with 10% 4.45 (one thread 3.04, split 6.78 in
@@ -592,8 +643,20 @@ def _raise_for(int rc, idx, intp_t limit):
 cdef enum:
     TUNE_WINDOW = 8
     TUNE_EXPLORE = 8
-    TUNE_MARGIN_PCT = 25
-    TUNE_QUANTILE_PCT = 75
+    TUNE_MARGIN_PCT = 0
+    TUNE_QUANTILE_PCT = 25
+
+cdef int _tune_margin_pct = TUNE_MARGIN_PCT
+cdef int _tune_quantile_pct = TUNE_QUANTILE_PCT
+
+
+def _set_tune_rule(quantile_pct, margin_pct):
+    """Change the chooser's quantile and margin (benchmarks' A/B); returns the old pair."""
+    global _tune_margin_pct, _tune_quantile_pct
+    old = (_tune_quantile_pct, _tune_margin_pct)
+    _tune_quantile_pct = min(100, max(0, int(quantile_pct)))
+    _tune_margin_pct = max(0, int(margin_pct))
+    return old
 
 #: Gathers of at least this many output bytes choose 1 thread or the split by
 #: their measured recent times (see above).
@@ -620,7 +683,8 @@ cdef int64_t _tune_quantile(int kind, int mode) noexcept nogil:
             v[b + 1] = v[b]
             b -= 1
         v[b + 1] = t
-    return v[(m * TUNE_QUANTILE_PCT) // 100 if m > 1 else 0]
+    a = (m * _tune_quantile_pct) // 100 if m > 1 else 0
+    return v[a if a < m else m - 1]
 
 
 cdef int _tune_choose(int kind) noexcept nogil:
@@ -629,9 +693,9 @@ cdef int _tune_choose(int kind) noexcept nogil:
     _tune_calls[kind] += 1
     if _tune_n[kind][0] < TUNE_WINDOW // 2 or _tune_n[kind][1] < TUNE_WINDOW // 2:
         return <int> (_tune_calls[kind] & 1)            # fill both windows first
-    # the split takes a second core: it runs only when that pays, by TUNE_MARGIN_PCT
+    # the split takes a second core: it runs only when it is faster (a tie: one thread)
     best = 0
-    if _tune_quantile(kind, 1) * (100 + TUNE_MARGIN_PCT) < _tune_quantile(kind, 0) * 100:
+    if _tune_quantile(kind, 1) * (100 + _tune_margin_pct) < _tune_quantile(kind, 0) * 100:
         best = 1
     if _tune_calls[kind] % TUNE_EXPLORE == 0:
         return 1 - best

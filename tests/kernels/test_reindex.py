@@ -1,5 +1,7 @@
 """batch_reindex / batch_reindex_grad: Caffe's cases, NumPy references, determinism, errors."""
+import os
 import re
+import time
 
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ from hypothesis import strategies as st
 
 from helpers import FakeCupyArray, install_gpu_stub, random_array
 
+from readerlib import _parallel
 from readerlib.kernels import _reindex, batch_reindex, batch_reindex_grad
 from readerlib.kernels.reference import (batch_reindex_grad_reference,
                                          batch_reindex_lod_reference,
@@ -548,15 +551,43 @@ def store_kind(request):
     _reindex._set_stream_min_bytes(old)
 
 
+@pytest.fixture(params=["sse2", "avx2", "avx512"])
+def isa(request):
+    """Run with each cached row-loop body the CPU has (others fall back: skipped)."""
+    got = _reindex._set_isa(request.param)
+    try:
+        if got != request.param:
+            pytest.skip(f"CPU lacks {request.param}")
+        yield got
+    finally:
+        _reindex._set_isa(None)
+
+
+def test_gather_isa_is_the_widest_the_cpu_has():
+    import platform
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 only")
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line for line in f if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo")
+    want = ("avx512" if "avx512f" in flags and "avx2" in flags
+            else "avx2" if "avx2" in flags else "sse2")
+    assert _reindex.isa() == want
+
+
 # each side of every branch of _gather_range: machine words (1, 2, 4, 8), the
 # memcpy loop (12, 20, 40, 1040: not a multiple of 32 / longer than 1 KiB),
-# 32-byte moves (32 .. 1024), streaming (multiples of 16)
-ROW_BYTES = [1, 2, 4, 8, 12, 16, 20, 24, 32, 40, 48, 64, 96, 256, 272, 1008, 1024, 1040, 1056, 4096]
+# cached moves (32 .. 1024: with AVX-512, 64-byte multiples take the 64-byte
+# body, 96 and 160 the AVX2 one, 32 the SSE2 one), streaming (multiples of 16)
+ROW_BYTES = [1, 2, 4, 8, 12, 16, 20, 24, 32, 40, 48, 64, 96, 160, 192, 256, 272, 1008, 1024,
+             1040, 1056, 4096]
 
 
 @pytest.mark.parametrize("row_bytes", ROW_BYTES)
 @pytest.mark.parametrize("prefetch", [0, 1, 16, 500])
-def test_gather_loops_bitwise(store_kind, row_bytes, prefetch):
+def test_gather_loops_bitwise(isa, store_kind, row_bytes, prefetch):
     rng = np.random.default_rng(row_bytes * 7 + prefetch)
     old = _reindex._set_prefetch_rows(prefetch)
     try:
@@ -585,7 +616,7 @@ def test_gather_loops_bitwise(store_kind, row_bytes, prefetch):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
-def test_gather_loops_float_bits(store_kind, dtype):
+def test_gather_loops_float_bits(isa, store_kind, dtype):
     # NaN payloads, -0.0, subnormals go through the row loops as bytes
     rng = np.random.default_rng(3)
     x = random_array(rng, (33, 64), dtype)
@@ -596,7 +627,7 @@ def test_gather_loops_float_bits(store_kind, dtype):
 @pytest.mark.parametrize("row_bytes", [8, 48, 256, 1040])
 @pytest.mark.parametrize("where", [0, 17, -1])
 @pytest.mark.parametrize("bad, msg", [(-1, NEG), (61, BIG), (2**40, BIG)])
-def test_gather_loops_bad_index_writes_nothing(store_kind, row_bytes, where, bad, msg):
+def test_gather_loops_bad_index_writes_nothing(isa, store_kind, row_bytes, where, bad, msg):
     # a bad index anywhere (also past the prefetch distance, and the last one)
     # raises Caffe's message before any row is written, on every loop
     rng = np.random.default_rng(5)
@@ -613,6 +644,51 @@ def test_gather_loops_bad_index_writes_nothing(store_kind, row_bytes, where, bad
             assert np.all(out == 7)
             with pytest.raises(IndexError, match=f"^{re.escape(msg)}\n"):
                 batch_reindex(x, idx, num_threads=threads)
+
+
+@st.composite
+def cached_rows_case(draw):
+    """Rows the cached loops take (multiples of 32 bytes up to 1 KiB), enough of
+    them that the prefetching part and the tail of every chunk both run."""
+    row_bytes = 32 * draw(st.integers(1, 32))
+    n_src = draw(st.integers(1, 300))
+    n = draw(st.integers(1, 700))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, n_src * row_bytes + 1, dtype=np.uint8)
+    x = raw[draw(st.integers(0, 1)):][:n_src * row_bytes].reshape(n_src, row_bytes)
+    idx = rng.integers(0, n_src, n).astype(draw(st.sampled_from(["int32", "int64"])))
+    return x, idx
+
+
+@pytest.mark.parametrize("isa_name", ["sse2", "avx2", "avx512"])
+@settings(max_examples=60, deadline=None)
+@given(case=cached_rows_case(), threads=st.integers(1, 3), prefetch=st.integers(0, 40),
+       chunk_bytes=st.sampled_from([0, 256, 4096, 256 << 10]), shift=st.integers(0, 63))
+def test_cached_loops_match_reference(isa_name, case, threads, prefetch, chunk_bytes, shift):
+    # every cached body against the NumPy reference, bitwise, at any output
+    # alignment; the output prefetch must leave the bytes around the output alone
+    x, idx = case
+    got = _reindex._set_isa(isa_name)
+    old = (_reindex._set_prefetch_rows(prefetch), _reindex._set_chunk_bytes(chunk_bytes),
+           _reindex._set_stream_min_bytes(1 << 62))
+    try:
+        if got != isa_name:
+            pytest.skip(f"CPU lacks {isa_name}")
+        n, rb = idx.shape[0], x.shape[1]
+        buf = np.full(n * rb + 128, 0x5A, np.uint8)
+        base = (-buf.ctypes.data) % 64 + shift
+        out = buf[base:base + n * rb].reshape(n, rb)
+        batch_reindex(x, idx, out=out, num_threads=threads)
+        np.testing.assert_array_equal(out, batch_reindex_reference(x, idx))
+        assert np.all(buf[:base] == 0x5A) and np.all(buf[base + n * rb:] == 0x5A)
+        np.testing.assert_array_equal(batch_reindex(x, idx, num_threads=threads),
+                                      batch_reindex_reference(x, idx))
+    finally:
+        _reindex._set_isa(None)
+        _reindex._set_prefetch_rows(old[0])
+        _reindex._set_chunk_bytes(old[1])
+        _reindex._set_stream_min_bytes(old[2])
 
 
 def test_prefetch_setting_is_clamped_and_restored():
@@ -709,7 +785,7 @@ def test_fast_path_bad_index_messages():
 
 @pytest.mark.parametrize("chunk_bytes", [0, 1, 100, 256, 4096, 1 << 30])
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
-def test_gather_chunked_claims_cover_every_row(store_kind, chunk_bytes, threads):
+def test_gather_chunked_claims_cover_every_row(isa, store_kind, chunk_bytes, threads):
     # chunks of one row, of a few rows with a short last chunk, of more rows
     # than there are (the pool's static shares), and none at all
     rng = np.random.default_rng(chunk_bytes + threads)
@@ -763,3 +839,39 @@ def test_gpu_index_error_names_the_first_bad_position():
         _gpu._raise_index_error(10, 0, 10 - 4)
     assert ei.value.__notes__ == ["idx[4] is the first bad entry of 10 indices"]
     _gpu._raise_index_error(10, 0, 0)          # nothing bad: returns
+
+
+# -- the split's placement (the pool moves late workers off the caller's CPU) -------
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux affinity")
+@pytest.mark.parametrize("placement", [True, False])
+@pytest.mark.parametrize("isa_name", ["sse2", "avx512"])
+def test_split_placement_keeps_results_and_affinity(placement, isa_name):
+    # After its first chunk the caller may narrow a late worker's affinity for a
+    # moment (readerlib/_parallel.pyx, "Placement"); afterwards every thread has
+    # the mask it had, and the rows are the reference's bytes whichever thread
+    # copied them (many small chunks, so both threads take part, and calls
+    # separated by idle pauses, after which the worker tends to be woken onto
+    # the caller's CPU).
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4096, 64), dtype=np.float32)
+    idx = rng.integers(0, 4096, 8192)
+    want = batch_reindex_reference(x, idx)
+    old = (_parallel._set_placement(placement), _reindex._set_chunk_bytes(4096),
+           _reindex._set_tune(False), _reindex._set_isa(isa_name))
+    try:
+        batch_reindex(x, idx, num_threads=2)            # the pool's workers exist
+        masks = {int(t): os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")}
+        for k in range(20):
+            if k % 4 == 0:
+                time.sleep(0.01)
+            _parallel._reset_backoff()
+            np.testing.assert_array_equal(bits(batch_reindex(x, idx, num_threads=2)), bits(want))
+        for t, m in masks.items():
+            if os.path.exists(f"/proc/self/task/{t}"):
+                assert os.sched_getaffinity(t) == m, t
+    finally:
+        _parallel._set_placement(old[0])
+        _reindex._set_chunk_bytes(old[1])
+        _reindex._set_tune(old[2])
+        _reindex._set_isa(None)

@@ -42,9 +42,10 @@ def test_the_faster_mode_runs_and_the_other_is_explored(chooser, kind, faster):
     assert all((calls0 + i + 1) % EXPLORE == 0 for i in explored)
 
 
-def test_the_upper_quartile_decides_not_the_best(chooser):
+def test_a_split_that_loses_most_calls_does_not_run(chooser):
     # the split is faster undisturbed (best 50 us/MiB) but loses most calls to
-    # scheduling (most calls 400); one thread is steady at 150: one thread runs
+    # scheduling (most calls 400): its lower quartile is 400; one thread is
+    # steady at 150: one thread runs
     for v in (50_000, 400_000, 400_000, 420_000, 60_000, 450_000, 400_000, 410_000):
         _reindex._tune_record_py(STREAM, 1, v)
     for _ in range(WINDOW):
@@ -119,22 +120,38 @@ def test_switched_off_the_split_always_runs(chooser):
 
 
 def test_a_tie_goes_to_one_thread(chooser):
-    # the split must be faster by the margin (25%) to take the second core
+    # the split takes the second core only when it is faster (no margin)
     for _ in range(WINDOW):
         _reindex._tune_record_py(STREAM, 0, 100_000)
-        _reindex._tune_record_py(STREAM, 1, 85_000)
+        _reindex._tune_record_py(STREAM, 1, 100_000)
     assert decisions(STREAM, EXPLORE - 1).count(0) >= EXPLORE - 2
     for _ in range(WINDOW):
-        _reindex._tune_record_py(STREAM, 1, 75_000)
+        _reindex._tune_record_py(STREAM, 1, 95_000)
     assert decisions(STREAM, EXPLORE - 1).count(1) >= EXPLORE - 2
 
 
-def test_a_split_that_loses_one_call_in_three_does_not_run(chooser):
-    # bimodal, as on a shared machine: most splits fast, but 3 of 8 wait a
-    # scheduler slice for a descheduled worker; one thread is steady.  The
-    # median (60) would pick the split; the upper quartile (400) does not.
-    for v in (60_000, 400_000, 60_000, 60_000, 400_000, 60_000, 60_000, 400_000):
+def test_the_lower_quartile_decides(chooser):
+    # bimodal, as on a shared machine: one thread steady at 150 us/MiB.  A
+    # split fast in 6 of 8 calls (lower quartile 60) runs; one fast in only
+    # 2 of 8 (lower quartile 400) does not.
+    for v in (60_000, 400_000, 60_000, 60_000, 400_000, 60_000, 60_000, 60_000):
+        _reindex._tune_record_py(STREAM, 1, v)
+    for _ in range(WINDOW):
+        _reindex._tune_record_py(STREAM, 0, 150_000)
+    assert decisions(STREAM, EXPLORE - 1).count(1) >= EXPLORE - 2
+    _reindex._tune_reset()
+    for v in (60_000, 400_000, 400_000, 400_000, 400_000, 60_000, 400_000, 400_000):
         _reindex._tune_record_py(STREAM, 1, v)
     for _ in range(WINDOW):
         _reindex._tune_record_py(STREAM, 0, 150_000)
     assert decisions(STREAM, EXPLORE - 1).count(0) >= EXPLORE - 2
+
+
+def test_tune_rule_setting_is_clamped_and_restored():
+    old = _reindex._set_tune_rule(150, -5)
+    try:
+        assert _reindex._set_tune_rule(50, 10) == (100, 0)
+        assert _reindex._set_tune_rule(*old) == (50, 10)
+    finally:
+        _reindex._set_tune_rule(*old)
+    assert old == (25, 0)
