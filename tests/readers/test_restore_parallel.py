@@ -154,9 +154,48 @@ def test_huge_pages_are_a_hint_only(fixed):
             _shuffle._restore_parallel_settings(**old)
 
 
+def test_populating_the_fresh_arrays_leaves_their_bytes_and_the_restore_unchanged(tmp_path):
+    # The restore faults in its fresh slots and cells up front (one madvise a
+    # piece, on the pool) from 2 MiB on: 140k slots of 16 bytes and 140k
+    # cells of 16-byte records are both over it.  The buffer and the rest of
+    # the epoch are the same with and without, and as uninterrupted.
+    a = np.random.default_rng(5).integers(0, 256, 5 << 20, dtype=np.uint8)
+    b = a.copy()
+    before = _shuffle._populate_py(np.zeros(0, np.uint8))
+    assert _shuffle._populate_py(a) == before + a.nbytes
+    assert np.array_equal(a, b)                             # the advice never writes
+    assert _shuffle._populate_py(np.zeros(1 << 20, np.uint8)) == before + a.nbytes  # (1 MiB: below it)
+    path = str(tmp_path / "w.rio")
+    schema = rl.Schema([rl.Field("x", "int64", (2,))])
+    n, buf, k = 200_000, 140_000, 30_000
+    with rl.RecordIOWriter(path, schema, chunk_size=64 << 10) as w:
+        w.write_batch({"x": np.arange(2 * n, dtype=np.int64).reshape(n, 2)})
+    make = lambda: rl.RecordIOReader(path).shuffle(buf, seed=4)
+    ref = _items(make())
+    st = _state_at(make, k)
+    slots = []
+    for populate in (False, True):
+        old = _shuffle._restore_parallel_settings(populate=populate)
+        try:
+            with _fill_mode("pool"):
+                p0 = _shuffle._populate_py(np.zeros(0, np.uint8))
+                other, sh = _restore(make, st)
+                advised = _shuffle._populate_py(np.zeros(0, np.uint8)) - p0
+                assert sh._fill_order == "chunk" and sh._par_tids is not None
+                assert sh._memory_stats()["inline_records"] == buf
+                slots.append(json.loads(json.dumps(other.get_state())))
+                assert _items(other) == ref[k:], populate
+                other.close()
+        finally:
+            _shuffle._restore_parallel_settings(**old)
+        # slots (16 B) and cells (16 B) over 2 MiB each; slot positions (4 B) under
+        assert advised == (2 * 16 * buf if populate else 0)
+    assert slots[0] == slots[1]
+
+
 def test_the_parallel_settings_hook_checks_its_arguments():
     old = _shuffle._restore_parallel_settings()
-    assert set(old) == {"min_records", "threads", "emulate", "hugepages", "chunk_order"}
+    assert set(old) == {"min_records", "threads", "emulate", "hugepages", "chunk_order", "populate"}
     with pytest.raises(ValueError, match="threads"):
         _shuffle._restore_parallel_settings(threads=99)
     with pytest.raises(ValueError, match="min_records"):
