@@ -12,7 +12,9 @@ chunk met in a piece is the format's error naming the file, nothing held.
 """
 import contextlib
 import json
+import os
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -193,9 +195,53 @@ def test_populating_the_fresh_arrays_leaves_their_bytes_and_the_restore_unchange
     assert slots[0] == slots[1]
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two CPUs to move between")
+def test_a_worker_on_its_callers_cpu_leaves_it_and_puts_its_affinity_back():
+    # (on a thread of its own: affinity is per thread, this one's is left alone)
+    allowed = os.sched_getaffinity(0)
+    out = {}
+
+    def run():
+        try:
+            here = sorted(allowed)[0]
+            os.sched_setaffinity(0, {here})         # on `here` now ...
+            os.sched_setaffinity(0, allowed)        # ... and free to stay there
+            out["same"] = _shuffle._spread_py()     # the caller on this thread's CPU
+            out["other"] = _shuffle._spread_py(-1)  # no caller CPU: nothing moves
+        finally:
+            os.sched_setaffinity(0, allowed)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    moved, cpu, during, after = out["same"]
+    assert moved and cpu not in (-1, sorted(allowed)[0])
+    assert during == allowed - {sorted(allowed)[0]} and after == allowed
+    moved, _, during, after = out["other"]
+    assert not moved and during == after == allowed
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_spreading_the_fill_leaves_the_restore_unchanged(fixed, spread):
+    make = lambda: rl.RecordIOReader(fixed).shuffle(BUF, seed=8)
+    ref = _items(make())
+    st = _state_at(make, 25_000)
+    old = _shuffle._restore_parallel_settings(spread=spread)
+    try:
+        with _fill_mode("pool"):
+            other, sh = _restore(make, st)
+            assert sh._par_moved is not None and (spread or not sh._par_moved.any())
+            assert _items(other) == ref[25_000:]
+            other.close()
+    finally:
+        _shuffle._restore_parallel_settings(**old)
+
+
 def test_the_parallel_settings_hook_checks_its_arguments():
     old = _shuffle._restore_parallel_settings()
-    assert set(old) == {"min_records", "threads", "emulate", "hugepages", "chunk_order", "populate"}
+    assert set(old) == {"min_records", "threads", "emulate", "hugepages", "chunk_order", "populate",
+                        "spread"}
     with pytest.raises(ValueError, match="threads"):
         _shuffle._restore_parallel_settings(threads=99)
     with pytest.raises(ValueError, match="min_records"):
