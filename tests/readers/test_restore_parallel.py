@@ -156,11 +156,13 @@ def test_huge_pages_are_a_hint_only(fixed):
             _shuffle._restore_parallel_settings(**old)
 
 
-def test_populating_the_fresh_arrays_leaves_their_bytes_and_the_restore_unchanged(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_populating_the_fresh_arrays_leaves_their_bytes_and_the_restore_unchanged(tmp_path, overlap):
     # The restore faults in its fresh slots and cells up front (one madvise a
     # piece, on the pool) from 2 MiB on: 140k slots of 16 bytes and 140k
-    # cells of 16-byte records are both over it.  The buffer and the rest of
-    # the epoch are the same with and without, and as uninterrupted.
+    # cells of 16-byte records are both over it; the slots while the caller
+    # makes the chunk order (overlap) or before it.  The buffer and the rest
+    # of the epoch are the same with and without, and as uninterrupted.
     a = np.random.default_rng(5).integers(0, 256, 5 << 20, dtype=np.uint8)
     b = a.copy()
     before = _shuffle._populate_py(np.zeros(0, np.uint8))
@@ -177,7 +179,7 @@ def test_populating_the_fresh_arrays_leaves_their_bytes_and_the_restore_unchange
     st = _state_at(make, k)
     slots = []
     for populate in (False, True):
-        old = _shuffle._restore_parallel_settings(populate=populate)
+        old = _shuffle._restore_parallel_settings(populate=populate, overlap=overlap)
         try:
             with _fill_mode("pool"):
                 p0 = _shuffle._populate_py(np.zeros(0, np.uint8))
@@ -241,7 +243,7 @@ def test_spreading_the_fill_leaves_the_restore_unchanged(fixed, spread):
 def test_the_parallel_settings_hook_checks_its_arguments():
     old = _shuffle._restore_parallel_settings()
     assert set(old) == {"min_records", "threads", "emulate", "hugepages", "chunk_order", "populate",
-                        "spread"}
+                        "spread", "overlap"}
     with pytest.raises(ValueError, match="threads"):
         _shuffle._restore_parallel_settings(threads=99)
     with pytest.raises(ValueError, match="min_records"):
