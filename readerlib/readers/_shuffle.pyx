@@ -168,6 +168,53 @@ cdef extern from *:
         (void)p; (void)n;
     #endif
     }
+    /* Fault in the whole pages inside [p, p + n) now, writable, in one call
+     * (MADV_POPULATE_WRITE, Linux 5.14): the same zeroed pages as the first
+     * writes would fault in one at a time, without a trap each.  A hint:
+     * where the kernel has no such advice (EINVAL) nothing happens, and a
+     * page it could not populate (no memory) faults in later as before. */
+    #include <errno.h>
+    #ifndef MADV_POPULATE_WRITE
+    #define MADV_POPULATE_WRITE 23
+    #endif
+    static int rl_shuffle_populate_ok = 1;
+    static inline void rl_shuffle_populate(void *p, size_t n) {
+        const uintptr_t P = 4096;
+        uintptr_t a = ((uintptr_t)p + P - 1) & ~(P - 1), e = ((uintptr_t)p + n) & ~(P - 1);
+        if (!__atomic_load_n(&rl_shuffle_populate_ok, __ATOMIC_RELAXED) || e <= a) return;
+        if (madvise((void *)a, e - a, MADV_POPULATE_WRITE) != 0 && errno == EINVAL)
+            __atomic_store_n(&rl_shuffle_populate_ok, 0, __ATOMIC_RELAXED);
+    }
+    /* The restore's pool thread, found on its caller's CPU, leaves it for its
+     * pieces: the CPU is taken out of its own affinity (the kernel moves it
+     * at once), *saved receiving the mask that rl_shuffle_unspread puts back.
+     * Why: beside a process that keeps another CPU busy, the scheduler places
+     * the woken worker on its waker's CPU (no CPU is idle) and its periodic
+     * balancing, slowed on busy CPUs, left both threads there for a whole
+     * fill in about half the restores measured: the fill then had one core
+     * instead of the two it splits for.  Returns 1 when it moved.  Linux
+     * only; elsewhere nothing moves. */
+    #if defined(__linux__)
+    #include <sched.h>
+    static inline int rl_shuffle_spread(int caller_cpu, cpu_set_t *saved) {
+        cpu_set_t m;
+        if (caller_cpu < 0 || caller_cpu >= CPU_SETSIZE || sched_getcpu() != caller_cpu) return 0;
+        if (sched_getaffinity(0, sizeof(cpu_set_t), saved) != 0) return 0;
+        m = *saved;
+        CPU_CLR(caller_cpu, &m);
+        if (CPU_COUNT(&m) == 0) return 0;
+        return sched_setaffinity(0, sizeof(cpu_set_t), &m) == 0;
+    }
+    static inline void rl_shuffle_unspread(const cpu_set_t *saved) {
+        (void)sched_setaffinity(0, sizeof(cpu_set_t), saved);
+    }
+    static inline int rl_shuffle_cpu(void) { return sched_getcpu(); }
+    #else
+    typedef struct { int unused; } cpu_set_t;
+    static inline int rl_shuffle_spread(int caller_cpu, cpu_set_t *saved) { (void)caller_cpu; (void)saved; return 0; }
+    static inline void rl_shuffle_unspread(const cpu_set_t *saved) { (void)saved; }
+    static inline int rl_shuffle_cpu(void) { return -1; }
+    #endif
     static inline int rl_shuffle_sole(rl_block *b) {
         return __atomic_load_n(&b->refcnt, __ATOMIC_ACQUIRE) == 1;
     }
@@ -177,6 +224,12 @@ cdef extern from *:
     bint rl_shuffle_sole(rl_block *b) nogil
     bint rl_shuffle_rare(bint x) nogil
     void rl_shuffle_hugepages(void *p, size_t n) nogil
+    void rl_shuffle_populate(void *p, size_t n) nogil
+    ctypedef struct cpu_set_t:
+        pass
+    bint rl_shuffle_spread(int caller_cpu, cpu_set_t *saved) nogil
+    void rl_shuffle_unspread(const cpu_set_t *saved) nogil
+    int rl_shuffle_cpu() nogil
 
 
 def _addressable(reader, bint may_become=False):
@@ -370,7 +423,7 @@ cdef inline int64_t _chunk_at(int64_t p, int64_t lo, int s, const int64_t *tab,
 
 
 cdef int _chunk_order(const int64_t *pos, int64_t n, const int64_t *starts, int64_t nchunks,
-                      uint64_t *keys, int64_t *lo_hi) except -2 nogil:
+                      uint64_t *keys, int64_t *lo_hi) noexcept nogil:
     """keys[:n] <- ((pos[s] - lo) << 32) | s, lo = min(pos), grouped by the
     chunk (starts[c] <= position < starts[c + 1]) in chunk order, slots in
     increasing order within a chunk; lo_hi <- (lo, max(pos)).  Returns 0; 1
@@ -713,6 +766,16 @@ def _unpack_positions_v1(text, int64_t src, int64_t n, where):
 # on the caller, through extra caches for nothing) and a probe whose records
 # were all inline of the preset size (records of varying size stop the
 # pieces at once and the serial fill redoes nearly everything).
+# Beside a busy process (a training job's own), two things cost the split
+# most of its gain, both measured at 90% of the 10M epoch: the fresh slots,
+# slot positions and cells (36 MB) faulted in a page at a time by random
+# writes (now populated up front, _populate), and the scheduler placing the
+# woken worker on its caller's CPU, where both stayed for the whole fill in
+# about half the restores, i.e. one core for two threads (now the worker
+# leaves that CPU for its pieces, rl_shuffle_spread: 77 -> 63 and 74 -> 68
+# ms median in two interleaved runs, results/resume.md).  The slots and slot
+# positions are populated by the worker while the caller makes the chunk
+# order (_order_populating), not before it.
 # records left after the probe below which the fill stays serial: a second
 # chunk cache, the pool's wake-up and the chunk loads' GIL hand-offs cost more
 # than they save there (measured: 100k records from a 1M file, 5.1 ms serial,
@@ -730,6 +793,17 @@ cdef bint _POOL_CONCURRENT = _threads_enabled()
 cdef bint _HUGE_ON = False
 # the fill's order: grouped by chunk (_chunk_order) where the source's chunks are known
 cdef bint _CHUNK_ORDER_ON = True
+# a restore's fresh slots, slot positions and cells: faulted in up front on the
+# pool (_populate), one madvise a piece, instead of one page fault at a time
+# (9,000 for a 1M buffer of 16-byte cells) by the probe's and the fill's random
+# writes and the preset; 4 KiB pages as before, no huge pages (no compaction)
+cdef bint _POPULATE_ON = True
+cdef int64_t _POPULATED = 0                 # bytes advised so far (a test hook)
+# the pooled fill's worker leaves its caller's CPU when it finds itself there
+# (rl_shuffle_spread: the scheduler packs the two beside a busy process)
+cdef bint _SPREAD_ON = True
+# the chunk order on the caller while the worker populates (_order_populating)
+cdef bint _ORDER_WITH_POPULATE = True
 DEF PAR_MAX_THREADS = 4                     # chunk caches opened at most (one a thread)
 DEF PAR_PIECES_PER_THREAD = 8
 DEF PAR_LOAD_COST = 4096                    # a chunk load, in record writes (0.13 ms / ~30 ns)
@@ -760,7 +834,7 @@ def _restore_phases():
 
 
 def _restore_parallel_settings(min_records=None, threads=None, emulate=None, hugepages=None,
-                               chunk_order=None):
+                               chunk_order=None, populate=None, spread=None, overlap=None):
     """Test/benchmark hook: the restore's parallel fill (`min_records`: records
     left after the probe from which it splits; `threads`: 0 readerlib's thread
     count, 1 serial, n at most n (pooled only while readerlib has 2 threads or
@@ -768,12 +842,18 @@ def _restore_parallel_settings(min_records=None, threads=None, emulate=None, hug
     the calling thread, piece p as thread p % threads, each with its own chunk
     cache; `hugepages`: advise huge pages for a restore's fresh slots and
     cells; `chunk_order`: the fill's order grouped by chunk where the
-    source's chunks are known (_chunk_order), else sorted by position).
-    Returns the previous settings as a dict."""
-    global _PAR_MIN_RECORDS, _PAR_THREADS, _PAR_EMULATE, _HUGE_ON, _CHUNK_ORDER_ON
+    source's chunks are known (_chunk_order), else sorted by position;
+    `populate`: fault in a restore's fresh slots, slot positions and cells
+    up front, on the pool; `spread`: the pooled fill's worker leaves its
+    caller's CPU when it finds itself there; `overlap`: the chunk order on
+    the caller while the worker populates the fresh slots and slot
+    positions).  Returns the previous settings as a dict."""
+    global _PAR_MIN_RECORDS, _PAR_THREADS, _PAR_EMULATE, _HUGE_ON, _CHUNK_ORDER_ON, _POPULATE_ON
+    global _SPREAD_ON, _ORDER_WITH_POPULATE
     old = {"min_records": int(_PAR_MIN_RECORDS), "threads": int(_PAR_THREADS),
            "emulate": bool(_PAR_EMULATE), "hugepages": bool(_HUGE_ON),
-           "chunk_order": bool(_CHUNK_ORDER_ON)}
+           "chunk_order": bool(_CHUNK_ORDER_ON), "populate": bool(_POPULATE_ON),
+           "spread": bool(_SPREAD_ON), "overlap": bool(_ORDER_WITH_POPULATE)}
     if min_records is not None and int(min_records) < 0:
         raise ValueError(f"min_records must be >= 0, got {min_records}")
     if threads is not None and not 0 <= int(threads) <= PAR_MAX_THREADS:
@@ -788,6 +868,12 @@ def _restore_parallel_settings(min_records=None, threads=None, emulate=None, hug
         _HUGE_ON = bool(hugepages)
     if chunk_order is not None:
         _CHUNK_ORDER_ON = bool(chunk_order)
+    if populate is not None:
+        _POPULATE_ON = bool(populate)
+    if spread is not None:
+        _SPREAD_ON = bool(spread)
+    if overlap is not None:
+        _ORDER_WITH_POPULATE = bool(overlap)
     return old
 
 
@@ -830,6 +916,8 @@ cdef struct _par_fill:
     double *times             # piece p: start and end (monotonic seconds; a benchmark hook)
     PyObject **caches         # one chunk cache a thread (ReaderBase)
     PyObject *fatal           # a BaseException not an Exception, caught in a piece (a reference)
+    int caller_cpu            # the CPU the caller last started a piece on (-1: no spreading)
+    int *moved                # piece p: its worker left the caller's CPU for it (a test hook)
 
 
 cdef int _par_fill_piece(_par_fill *c, int64_t p, ReaderBase cache) except -1 nogil:
@@ -890,14 +978,25 @@ cdef int64_t _chunk_edge(const uint64_t *keys, int64_t lo, const int64_t *st, in
     return down if k - down <= up - k else up
 
 
+cdef inline bint _leave_caller_cpu(int caller_cpu, int tid, cpu_set_t *saved) noexcept nogil:
+    # The pooled fill's worker (tid > 0) leaves the caller's CPU when it finds
+    # itself there (rl_shuffle_spread); True: put `saved` back after.
+    return tid > 0 and caller_cpu >= 0 and rl_shuffle_spread(caller_cpu, saved)
+
+
 cdef void _par_fill_pieces(_par_fill *c, int64_t begin, int64_t end, int tid) noexcept:
     # Pieces [begin, end) through thread tid's cache, the GIL let go but for
     # a chunk load's own calls.  An error is left to the serial fill (stop[p]
     # is where it happened; it raises it again there).
     cdef int64_t p
     cdef ReaderBase cache = <ReaderBase>c.caches[tid]
+    cdef cpu_set_t saved
+    cdef bint moved = _leave_caller_cpu(c.caller_cpu, tid, &saved)
+    if tid == 0 and c.caller_cpu >= 0:
+        c.caller_cpu = rl_shuffle_cpu()         # (a hint: read racily by the worker)
     for p in range(begin, end):
         c.tid_of[p] = tid
+        c.moved[p] = moved
         c.times[2 * p] = rl_shuffle_now()
         try:
             with nogil:
@@ -907,6 +1006,8 @@ cdef void _par_fill_pieces(_par_fill *c, int64_t begin, int64_t end, int tid) no
             if not isinstance(e, Exception) and c.fatal == NULL:
                 Py_INCREF(e)                # (KeyboardInterrupt: the caller raises it)
                 c.fatal = <PyObject *>e
+    if moved:
+        rl_shuffle_unspread(&saved)         # (its own mask again: it stays where it is)
 
 
 cdef void _par_fill_body(void *ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
@@ -951,16 +1052,142 @@ cdef struct _preset:
 
 
 cdef void _preset_body(void *ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
-    # slots [begin, end) in their cells, of c.size bytes; and the first touch
-    # of their cells' pages here, in order, on the pool (a 1M buffer's slots
-    # and cells are 32 MB of fresh pages: faulted in one at a time by the
-    # fill's random writes, they cost it several ms)
+    # slots [begin, end) in their cells, of c.size bytes (in order, on the
+    # pool; a restore's slots were populated: _populate)
     cdef _preset *c = <_preset *>ctx
-    cdef int64_t s, a, e
+    cdef int64_t s
     for s in range(begin, end):
         c.slots[s].data = c.cells + s * c.cell
         c.slots[s].size = c.size
         c.slots[s].ref = INL
+
+
+DEF POPULATE_PIECE = 1 << 20               # bytes a pool item faults in (one madvise)
+
+
+cdef struct _populate_ctx:
+    char *p
+    int64_t n
+
+
+cdef void _populate_body(void *ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
+    cdef _populate_ctx *c = <_populate_ctx *>ctx
+    cdef int64_t a = begin * POPULATE_PIECE, e = min(end * POPULATE_PIECE, c.n)
+    rl_shuffle_populate(c.p + a, <size_t>(e - a))
+
+
+cdef void _populate(void *p, int64_t n) noexcept nogil:
+    # Fault in a restore's fresh array before its random writes do, a piece
+    # per pool item: a fault taken by the fill costs a trap, a page walk and
+    # the cache lines it evicts, at a random moment of a memory-bound loop.
+    # (Pieces start page-aligned when p is: the rounding inward loses at most
+    # a page a piece boundary otherwise, which faults in later.)
+    global _POPULATED
+    cdef _populate_ctx c
+    if not _POPULATE_ON or p == NULL or n < 2 * POPULATE_PIECE:
+        return
+    c.p = <char *>p
+    c.n = n
+    parallel_for(threads_for(n), (n + POPULATE_PIECE - 1) // POPULATE_PIECE, _populate_body, &c)
+    _POPULATED += n
+
+
+cdef struct _order_job:
+    # item 0: the chunk order (_chunk_order); items 1..: the populate pieces of
+    # the fresh slots (na of them), then of the slot positions (nb); 0: that
+    # array is not populated (off, or too small)
+    const int64_t *pos
+    int64_t n
+    const int64_t *starts
+    int64_t nchunks
+    uint64_t *keys
+    int64_t *lo_hi
+    int result
+    _populate_ctx a
+    int64_t na
+    _populate_ctx b
+    int64_t nb
+    int caller_cpu
+
+
+cdef void _order_job_body(void *ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
+    cdef _order_job *j = <_order_job *>ctx
+    cdef int64_t k
+    cdef cpu_set_t saved
+    cdef bint moved = _leave_caller_cpu(j.caller_cpu, tid, &saved)
+    for k in range(begin, end):
+        if k == 0:
+            j.result = _chunk_order(j.pos, j.n, j.starts, j.nchunks, j.keys, j.lo_hi)
+        elif k - 1 < j.na:
+            _populate_body(&j.a, k - 1, k, 0)
+        else:
+            _populate_body(&j.b, k - 1 - j.na, k - j.na, 0)
+    if moved:
+        rl_shuffle_unspread(&saved)
+
+
+cdef bint _populate_prepare(_populate_ctx *c, void *p, int64_t n, int64_t *pieces) noexcept nogil:
+    # c and its pieces for _populate_body when [p, p + n) is populated at all
+    global _POPULATED
+    pieces[0] = 0
+    if not _POPULATE_ON or p == NULL or n < 2 * POPULATE_PIECE:
+        return False
+    c.p = <char *>p
+    c.n = n
+    pieces[0] = (n + POPULATE_PIECE - 1) // POPULATE_PIECE
+    _POPULATED += n
+    return True
+
+
+cdef int _order_populating(const int64_t *pos, int64_t n, const int64_t *starts, int64_t nchunks,
+                           uint64_t *keys, int64_t *lo_hi, void *slots, int64_t slots_bytes,
+                           void *slot_pos, int64_t slot_pos_bytes) noexcept nogil:
+    """_chunk_order on the caller while the pool's worker populates the fresh
+    slots and slot positions (_populate), one job: the populate (~3 ms for a
+    1M buffer) no longer waits in front of the order (5-9 ms)."""
+    cdef _order_job j
+    j.pos = pos
+    j.n = n
+    j.starts = starts
+    j.nchunks = nchunks
+    j.keys = keys
+    j.lo_hi = lo_hi
+    j.result = -1
+    _populate_prepare(&j.a, slots, slots_bytes, &j.na)
+    _populate_prepare(&j.b, slot_pos, slot_pos_bytes, &j.nb)
+    j.caller_cpu = rl_shuffle_cpu() if _SPREAD_ON else -1
+    parallel_for(num_threads() if j.na + j.nb > 0 else 1, 1 + j.na + j.nb, _order_job_body, &j)
+    return j.result
+
+
+def _spread_py(int caller_cpu=-2):
+    """Test hook: what the pooled fill's worker does at a piece with its caller
+    on `caller_cpu` (-2: this thread's own CPU), on this thread: (moved, the
+    CPU it is on then, its affinity then, its affinity after it put its mask
+    back)."""
+    import os
+    cdef cpu_set_t saved
+    cdef bint moved
+    if caller_cpu == -2:
+        caller_cpu = rl_shuffle_cpu()
+    moved = rl_shuffle_spread(caller_cpu, &saved)
+    cpu = rl_shuffle_cpu()
+    during = os.sched_getaffinity(0)
+    if moved:
+        rl_shuffle_unspread(&saved)
+    return bool(moved), cpu, during, os.sched_getaffinity(0)
+
+
+def _populate_py(a):
+    """Test hook: the restore's populate (_populate, on the pool) over a
+    writable C-contiguous array's bytes, which it must leave as they are.
+    Returns the bytes advised by restores and this hook so far (0 added when
+    the array is below the size it starts at, or populate is off)."""
+    cdef unsigned char[::1] v = memoryview(a).cast("B")
+    if v.shape[0] > 0:
+        with nogil:
+            _populate(&v[0], v.shape[0])
+    return int(_POPULATED)
 
 
 cdef class ShuffleReader(DecoratedReader):
@@ -1121,6 +1348,7 @@ cdef class ShuffleReader(DecoratedReader):
     cdef readonly int64_t restores   # bounded restores made (a test hook)
     cdef int64_t fill_off            # a restore's fill order: key (i + fill_off) % count the i-th (_fill)
     cdef readonly object _par_tids   # the last parallel fill: the thread of each piece (a test hook)
+    cdef readonly object _par_moved  # ... and whether its worker had left the caller's CPU for it
     cdef readonly object _par_bounds # ... and the pieces' bounds in the file order
     cdef readonly object _par_times  # ... and their start and end (s, from the probe's end)
     cdef readonly int64_t _par_loads # ... and the chunk loads its pieces made (all threads)
@@ -1363,8 +1591,10 @@ cdef class ShuffleReader(DecoratedReader):
         self.cells = <char *>malloc(self.scap * best_c)
         if self.cells == NULL:
             return
-        if self.i_restoring and _HUGE_ON:   # (fresh, about to be filled at once)
-            rl_shuffle_hugepages(self.cells, <size_t>(self.scap * best_c))
+        if self.i_restoring:                # (fresh, about to be filled at once)
+            if _HUGE_ON:
+                rl_shuffle_hugepages(self.cells, <size_t>(self.scap * best_c))
+            _populate(self.cells, self.scap * best_c)
         self.cell = best_c
         for i in range(n):
             s = idx[i] if idx != NULL else i
@@ -1915,10 +2145,12 @@ cdef class ShuffleReader(DecoratedReader):
         if got != src:
             raise ValueError(f"set_state: the shuffle's source has {got} records, the saved "
                              f"buffer needs {src}")
+        cdef bint populate = False          # the fresh slots and slot positions (_populate)
         if self.scap < cn:
             self._grow(cn)
             if _HUGE_ON:
                 rl_shuffle_hugepages(self.slots, <size_t>cn * sizeof(_slot))
+            populate = True
         order_a = np.empty(max(min(cn, RESTORE_PROBE), 1), np.int64)  # the first slots filled (_decide)
         order = order_a
         keys_a = np.empty(max(cn, 1), np.uint64)        # file order: each chunk loaded once
@@ -1929,8 +2161,19 @@ cdef class ShuffleReader(DecoratedReader):
         by_chunk = -1
         if starts_a is not None:
             starts = starts_a
+            if populate and _ORDER_WITH_POPULATE:
+                with nogil:                 # (the fresh arrays populated meanwhile, on the pool)
+                    by_chunk = _order_populating(&pos[0], cn, &starts[0], starts.shape[0] - 1, &keys[0],
+                                                 lo_hi, self.slots, cn * <int64_t>sizeof(_slot),
+                                                 self.slot_pos, cn * <int64_t>sizeof(uint32_t))
+                populate = False
+            else:
+                with nogil:
+                    by_chunk = _chunk_order(&pos[0], cn, &starts[0], starts.shape[0] - 1, &keys[0], lo_hi)
+        if populate:
             with nogil:
-                by_chunk = _chunk_order(&pos[0], cn, &starts[0], starts.shape[0] - 1, &keys[0], lo_hi)
+                _populate(self.slots, cn * <int64_t>sizeof(_slot))
+                _populate(self.slot_pos, cn * <int64_t>sizeof(uint32_t))
         if by_chunk != 0:
             tmp_a = np.empty(max(cn, 1), np.uint64)
             tmpk = tmp_a
@@ -2095,7 +2338,9 @@ cdef class ShuffleReader(DecoratedReader):
         stop_a = np.empty(P, np.int64)
         tid_a = np.full(P, -1, np.intc)
         times_a = np.zeros(2 * P, np.float64)
+        moved_a = np.zeros(P, np.intc)
         cdef double[::1] times = times_a
+        cdef int[::1] moved = moved_a
         bounds = bounds_a
         stop = stop_a
         tid_of = tid_a
@@ -2151,6 +2396,8 @@ cdef class ShuffleReader(DecoratedReader):
             c.times = &times[0]
             c.caches = caches
             c.fatal = NULL
+            c.moved = &moved[0]
+            c.caller_cpu = rl_shuffle_cpu() if _SPREAD_ON and not _PAR_EMULATE else -1
             for i in range(P):
                 stop[i] = bounds[i]
             loads0 = sum((<object>caches[t]).chunk_loads for t in range(T))
@@ -2167,6 +2414,7 @@ cdef class ShuffleReader(DecoratedReader):
             Py_DECREF(err)
             raise err
         self._par_tids = tid_a
+        self._par_moved = moved_a
         self._par_loads = ra.chunk_loads + sum(e.chunk_loads for e in extra) - loads0
         self._par_times = times_a.reshape(P, 2) - _phase_t[4]
         self._par_bounds = bounds_a

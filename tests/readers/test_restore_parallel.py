@@ -12,7 +12,9 @@ chunk met in a piece is the format's error naming the file, nothing held.
 """
 import contextlib
 import json
+import os
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -154,9 +156,94 @@ def test_huge_pages_are_a_hint_only(fixed):
             _shuffle._restore_parallel_settings(**old)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_populating_the_fresh_arrays_leaves_their_bytes_and_the_restore_unchanged(tmp_path, overlap):
+    # The restore faults in its fresh slots and cells up front (one madvise a
+    # piece, on the pool) from 2 MiB on: 140k slots of 16 bytes and 140k
+    # cells of 16-byte records are both over it; the slots while the caller
+    # makes the chunk order (overlap) or before it.  The buffer and the rest
+    # of the epoch are the same with and without, and as uninterrupted.
+    a = np.random.default_rng(5).integers(0, 256, 5 << 20, dtype=np.uint8)
+    b = a.copy()
+    before = _shuffle._populate_py(np.zeros(0, np.uint8))
+    assert _shuffle._populate_py(a) == before + a.nbytes
+    assert np.array_equal(a, b)                             # the advice never writes
+    assert _shuffle._populate_py(np.zeros(1 << 20, np.uint8)) == before + a.nbytes  # (1 MiB: below it)
+    path = str(tmp_path / "w.rio")
+    schema = rl.Schema([rl.Field("x", "int64", (2,))])
+    n, buf, k = 200_000, 140_000, 30_000
+    with rl.RecordIOWriter(path, schema, chunk_size=64 << 10) as w:
+        w.write_batch({"x": np.arange(2 * n, dtype=np.int64).reshape(n, 2)})
+    make = lambda: rl.RecordIOReader(path).shuffle(buf, seed=4)
+    ref = _items(make())
+    st = _state_at(make, k)
+    slots = []
+    for populate in (False, True):
+        old = _shuffle._restore_parallel_settings(populate=populate, overlap=overlap)
+        try:
+            with _fill_mode("pool"):
+                p0 = _shuffle._populate_py(np.zeros(0, np.uint8))
+                other, sh = _restore(make, st)
+                advised = _shuffle._populate_py(np.zeros(0, np.uint8)) - p0
+                assert sh._fill_order == "chunk" and sh._par_tids is not None
+                assert sh._memory_stats()["inline_records"] == buf
+                slots.append(json.loads(json.dumps(other.get_state())))
+                assert _items(other) == ref[k:], populate
+                other.close()
+        finally:
+            _shuffle._restore_parallel_settings(**old)
+        # slots (16 B) and cells (16 B) over 2 MiB each; slot positions (4 B) under
+        assert advised == (2 * 16 * buf if populate else 0)
+    assert slots[0] == slots[1]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two CPUs to move between")
+def test_a_worker_on_its_callers_cpu_leaves_it_and_puts_its_affinity_back():
+    # (on a thread of its own: affinity is per thread, this one's is left alone)
+    allowed = os.sched_getaffinity(0)
+    out = {}
+
+    def run():
+        try:
+            here = sorted(allowed)[0]
+            os.sched_setaffinity(0, {here})         # on `here` now ...
+            os.sched_setaffinity(0, allowed)        # ... and free to stay there
+            out["same"] = _shuffle._spread_py()     # the caller on this thread's CPU
+            out["other"] = _shuffle._spread_py(-1)  # no caller CPU: nothing moves
+        finally:
+            os.sched_setaffinity(0, allowed)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    moved, cpu, during, after = out["same"]
+    assert moved and cpu not in (-1, sorted(allowed)[0])
+    assert during == allowed - {sorted(allowed)[0]} and after == allowed
+    moved, _, during, after = out["other"]
+    assert not moved and during == after == allowed
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_spreading_the_fill_leaves_the_restore_unchanged(fixed, spread):
+    make = lambda: rl.RecordIOReader(fixed).shuffle(BUF, seed=8)
+    ref = _items(make())
+    st = _state_at(make, 25_000)
+    old = _shuffle._restore_parallel_settings(spread=spread)
+    try:
+        with _fill_mode("pool"):
+            other, sh = _restore(make, st)
+            assert sh._par_moved is not None and (spread or not sh._par_moved.any())
+            assert _items(other) == ref[25_000:]
+            other.close()
+    finally:
+        _shuffle._restore_parallel_settings(**old)
+
+
 def test_the_parallel_settings_hook_checks_its_arguments():
     old = _shuffle._restore_parallel_settings()
-    assert set(old) == {"min_records", "threads", "emulate", "hugepages", "chunk_order"}
+    assert set(old) == {"min_records", "threads", "emulate", "hugepages", "chunk_order", "populate",
+                        "spread", "overlap"}
     with pytest.raises(ValueError, match="threads"):
         _shuffle._restore_parallel_settings(threads=99)
     with pytest.raises(ValueError, match="min_records"):
