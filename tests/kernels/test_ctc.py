@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import FakeCupyArray, install_gpu_stub
+from helpers import ISAS, FakeCupyArray, cpu_flags, forced_isa, install_gpu_stub
 
 from readerlib.kernels import (FailedPreconditionError, InvalidArgumentError, _ctc,
                                ctc_greedy_decoder)
@@ -162,27 +162,14 @@ def test_all_minus_inf_and_zero_length():
 
 # -- the row argmax: every SIMD body, every block boundary -------------------------------
 
-@pytest.fixture(params=["sse2", "avx2", "avx512"])
+@pytest.fixture(params=ISAS)
 def isa(request):
     """Run with each float32 row-argmax body the CPU has (others fall back: skipped)."""
-    got = _ctc._set_isa(request.param)
-    try:
-        if got != request.param:
-            pytest.skip(f"CPU lacks {request.param}")
-        yield got
-    finally:
-        _ctc._set_isa(None)
+    yield from forced_isa(_ctc, request.param)
 
 
 def test_import_picks_the_widest_isa_the_cpu_has():
-    import platform
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86-64 only")
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next(line for line in f if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        pytest.skip("no /proc/cpuinfo")
+    flags = cpu_flags()
     want = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "sse2"
     assert _ctc.isa() == want
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import FakeCupyArray, install_gpu_stub, random_array
+from helpers import ISAS, FakeCupyArray, cpu_flags, forced_isa, install_gpu_stub, random_array
 
 from readerlib import _parallel
 from readerlib.kernels import _reindex, batch_reindex, batch_reindex_grad
@@ -551,27 +551,14 @@ def store_kind(request):
     _reindex._set_stream_min_bytes(old)
 
 
-@pytest.fixture(params=["sse2", "avx2", "avx512"])
+@pytest.fixture(params=ISAS)
 def isa(request):
     """Run with each cached row-loop body the CPU has (others fall back: skipped)."""
-    got = _reindex._set_isa(request.param)
-    try:
-        if got != request.param:
-            pytest.skip(f"CPU lacks {request.param}")
-        yield got
-    finally:
-        _reindex._set_isa(None)
+    yield from forced_isa(_reindex, request.param)
 
 
 def test_gather_isa_is_the_widest_the_cpu_has():
-    import platform
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86-64 only")
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next(line for line in f if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        pytest.skip("no /proc/cpuinfo")
+    flags = cpu_flags()
     want = ("avx512" if "avx512f" in flags and "avx2" in flags
             else "avx2" if "avx2" in flags else "sse2")
     assert _reindex.isa() == want

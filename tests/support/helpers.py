@@ -537,3 +537,34 @@ def corrupt_chunk(path, chunk=None, at=40):
         f.seek(int(offs[bad]) + at)
         f.write(bytes([b[0] ^ 0x5A]))
     return bad, lost
+
+
+# -- SIMD bodies a kernel module can be forced to (its isa() / _set_isa()) ----
+
+ISAS = ["sse2", "avx2", "avx512"]
+
+
+def forced_isa(module, name):
+    """Force `module`'s SIMD body to `name` (skip when the CPU lacks it), yield
+    it, then let the module pick again: the body of an `isa` fixture."""
+    import pytest
+    got = module._set_isa(name)
+    try:
+        if got != name:
+            pytest.skip(f"CPU lacks {name}")
+        yield got
+    finally:
+        module._set_isa(None)
+
+
+def cpu_flags():
+    """The x86-64 CPU flags from /proc/cpuinfo (the test is skipped elsewhere)."""
+    import platform
+    import pytest
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 only")
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line for line in f if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo")
