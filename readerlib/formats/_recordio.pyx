@@ -822,11 +822,14 @@ cdef class RecordIOReader(FileReader):
             rl_mapped.map_decref(self.dmap)
             self.dmap = NULL
 
-    def _mapped_negotiate(self):
+    def _mapped_negotiate(self, pread=None):
         """A BatchReader over this reader (through decorators that only move
         items) asks for deferred records: maps the file (once) and returns the
         mapping's address with a reference for the caller, or 0 (no: mapped
-        reads off, version 1, on_error="skip", closed)."""
+        reads off, version 1, on_error="skip", closed).  `pread` (a chunk
+        cache's clone, readers/_random_access.pyx): the batch preads them
+        (True) or copies from a mapping (False) whatever this reader's own
+        low_memory says; None: as low_memory and READERLIB_DEFERRED_READS say."""
         cdef void *p
         cdef rl_map *m
         cdef int f
@@ -837,6 +840,8 @@ cdef class RecordIOReader(FileReader):
         for f in range(self.layout.nfields):
             self._min_size += 8 if self.layout.lod[f] else self.layout.row_bytes[f]
         cdef bint via_pread = _deferred_mode == "pread" or _deferred_mode == "auto" and self.low_memory
+        if pread is not None and _deferred_mode == "auto":
+            via_pread = bool(pread)
         if self.dmap == NULL:
             fd = -1
             if via_pread:

@@ -56,8 +56,10 @@ from readerlib.readers._base cimport (
     ReaderBase, DecoratedReader, rl_record, rl_block, rl_block_incref, rl_block_decref,
     rl_hash3, rl_core_import, ITEM_INSTANCE)
 from readerlib.readers._base import _check_positive_int, _check_reader
+from readerlib._mapped cimport rl_mapped_import, rl_record_is_deferred, rl_deferred_may_go_out
 
 rl_core_import()
+rl_mapped_import()
 
 __all__ = ["GlobalShuffleReader", "WindowShuffleReader"]
 
@@ -263,6 +265,7 @@ cdef class GlobalShuffleReader(DecoratedReader):
     cdef int64_t wbcap
     cdef rl_record ring[RING]       # the records of the next RING positions, their data prefetched
     cdef int64_t rnext              # window-local position the ring starts at (-1: refill)
+    cdef bint wdeferred             # the window holds descriptors (built while a batch above pulled)
     # random access (c_read_at, permutation): a second window order, so that g[i]
     # never invalidates the sequential path's window
     cdef _order rnd
@@ -397,6 +400,7 @@ cdef class GlobalShuffleReader(DecoratedReader):
         self.nwb = 0
         self.seq.k = -1
         self.rnext = -1
+        self.wdeferred = False
 
     cdef int _hold_block(self, rl_block *b) except -1 nogil:
         cdef rl_block **b2
@@ -461,6 +465,8 @@ cdef class GlobalShuffleReader(DecoratedReader):
                 if rec.block != lastb:
                     self._hold_block(rec.block)
                     lastb = rec.block
+                    if rl_record_is_deferred(&rec):
+                        self.wdeferred = True
                 if not strided:
                     c.rtab[o] = rec
             if cnt and strided:
@@ -501,6 +507,15 @@ cdef class GlobalShuffleReader(DecoratedReader):
                 self._rec_at(q, &self.ring[q % RING])
                 rl_gs_prefetch(self.ring[q % RING].data)
         out[0] = self.ring[i % RING]
+        if self.wdeferred and rl_record_is_deferred(out) and not rl_deferred_may_go_out(out):
+            # a descriptor (the window was built while a batch above pulled:
+            # _mapped_negotiate) asked for by another consumer: the window
+            # again, its chunks reloaded the ordinary way (the cache's rule)
+            self._build(self.seq.k)
+            self._rec_at(i, out)
+            self.rnext = -1
+            self.pos += 1
+            return 1
         if i + RING < n:
             self._rec_at(i + RING, &self.ring[i % RING])
             rl_gs_prefetch(self.ring[i % RING].data)
@@ -528,6 +543,18 @@ cdef class GlobalShuffleReader(DecoratedReader):
 
     def _open_random_access(self):
         return self
+
+    @property
+    def _records_deferred(self):
+        """Records loaded as descriptors for a batch above (a test hook)."""
+        return int(getattr(self.ra, "records_deferred", 0))
+
+    def _mapped_negotiate(self):
+        """A BatchReader above asks for deferred records (readers/_batch.pyx):
+        the source's chunk cache answers (readers/_random_access.pyx, Design,
+        "Deferred records"); 0 where it cannot."""
+        f = getattr(self.ra, "_mapped_negotiate", None)
+        return 0 if f is None else f()
 
     def _random_access_size(self):
         return self.num_records

@@ -28,6 +28,17 @@ Design:
 
     ArrayReader over one fixed field (its zero-copy case) needs no chunks:
     record i is a pointer into the array (`_ArrayRecords`).
+
+    Deferred records.  A BatchReader above a global shuffle asks, through
+    it, for the clone's deferred records (`_mapped_negotiate`: RecordIO
+    version 2 chunks of big records, as sequential reading gives them to a
+    batch): a chunk loaded while that batch pulls holds descriptors (file
+    offset, size, the record's CRC from the chunk's verified table), and the
+    batch reads each record straight into its row and checks it there -- one
+    copy of the bytes instead of the chunk's pread plus the batch's copy.  A
+    deferred record asked for at any other time (``reader[i]``, a consumer
+    other than that batch) reloads its chunk the ordinary way first, so
+    nobody else ever sees a descriptor.
 """
 import numpy as np
 cimport numpy as cnp
@@ -38,9 +49,11 @@ from readerlib.readers._base cimport (
     ReaderBase, FileReader, rl_block, rl_record, rl_core_import,
     rl_block_incref, rl_block_decref, rl_block_new_static, ITEM_INSTANCE)
 from readerlib.readers._sources cimport _ChunkedSource, ArrayReader
+from readerlib._mapped cimport rl_mapped_import, rl_record_is_deferred, rl_deferred_may_go_out
 
 cnp.import_array()
 rl_core_import()
+rl_mapped_import()
 
 __all__ = ["open_random_access", "ChunkCache", "MultiFileRecords"]
 
@@ -55,6 +68,7 @@ cdef struct _slot:
     int64_t nblocks
     int64_t bcap
     bint strided           # record j = base + j * stride in one block: no table to touch
+    bint deferred          # loaded while a batch above pulled: its records are descriptors
     const char *base
     int64_t stride
 
@@ -68,6 +82,7 @@ cdef void _slot_release(_slot *s) noexcept nogil:
     s.n = 0
     s.chunk = -1
     s.strided = False
+    s.deferred = False
 
 
 cdef inline void _slot_get(const _slot *s, int64_t j, rl_record *out) noexcept nogil:
@@ -113,6 +128,7 @@ cdef class ChunkCache(FileReader):
     cdef readonly int64_t chunk_loads
     cdef object _name
     cdef object run_of             # clone._current_run (RecordIO) or None
+    cdef public object defer_pread # _mapped_negotiate: the batch preads deferred records (else a mapping)
 
     def __init__(self, ReaderBase clone not None, starts, int nslots=2, name=""):
         cdef int64_t i
@@ -181,6 +197,11 @@ cdef class ChunkCache(FileReader):
         cdef int k, victim
         if s.chunk >= 0 and self.starts[s.chunk] <= index < self.starts[s.chunk] + s.n:
             _slot_get(s, index - self.starts[s.chunk], out)
+            if not s.deferred or not rl_record_is_deferred(out) or rl_deferred_may_go_out(out):
+                return 1
+            with gil:                      # a descriptor, and not for the batch that asked
+                self._load(self.last, s.chunk)
+            _slot_get(s, index - self.starts[s.chunk], out)
             return 1
         if index < 0 or index >= self.num_records:
             with gil:
@@ -203,6 +224,10 @@ cdef class ChunkCache(FileReader):
         s = &self.slots[self.last]
         s.tick = self.tick
         _slot_get(s, index - self.starts[c], out)
+        if s.deferred and rl_record_is_deferred(out) and not rl_deferred_may_go_out(out):
+            with gil:                      # (as above: loaded during the batch's pull)
+                self._load(self.last, c)
+            _slot_get(s, index - self.starts[c], out)
         return 1
 
     cdef int _load(self, int k, int64_t c) except -1:
@@ -259,6 +284,7 @@ cdef class ChunkCache(FileReader):
                         lastb = rec.block
                         s.recs[0] = rec
                         got = 1
+                        s.deferred = rl_record_is_deferred(&rec)
             with nogil:
                 while got < n:
                     r = self.clone.c_next(&rec)
@@ -271,6 +297,8 @@ cdef class ChunkCache(FileReader):
                         lastb = rec.block
                     s.recs[got] = rec
                     got += 1
+                    if rl_record_is_deferred(&rec):
+                        s.deferred = True
             if got != n:
                 raise ValueError(f"{self._name}: chunk {c} gave {got} records, its index says {n}")
             if not s.strided:
@@ -283,6 +311,20 @@ cdef class ChunkCache(FileReader):
         s.n = n
         s.chunk = c
         return 0
+
+    @property
+    def records_deferred(self):
+        """Records the clone handed out as descriptors (a test hook)."""
+        return int(getattr(self.clone, "_records_deferred", 0))
+
+    def _mapped_negotiate(self):
+        """For a BatchReader above a global shuffle over this cache (see
+        Design, "Deferred records"): the clone's mapping with a reference for
+        the caller, or 0 (not a RecordIO clone, or the clone says no)."""
+        from readerlib.formats._recordio import RecordIOReader
+        if type(self.clone) is not RecordIOReader:
+            return 0
+        return self.clone._mapped_negotiate(pread=self.defer_pread)
 
     cdef int c_next(self, rl_record *out) except -1 nogil:
         with gil:
@@ -373,10 +415,13 @@ def open_random_access(ReaderBase source not None, int slots=2):
         n, cr = int(cs.num_instances), max(1, int(cs.chunk_records))
         starts = np.append(np.arange(0, n, cr, dtype=np.int64), np.int64(n))
         return ChunkCache(clone, starts, slots, name)
+    defer_pread = None
     if isinstance(source, RecordIOReader):
         # raise on every error (a skipped chunk cannot be addressed); low_memory off:
-        # cached records are read again after a consumer copied them
+        # cached records are read again after a consumer copied them (deferred
+        # records, though, are read as the source would read them for a batch)
         clone = RecordIOReader(source.path, on_error="raise", low_memory=False)
+        defer_pread = bool(source.low_memory)
     elif isinstance(source, TFRecordReader):
         source._ensure_index()
         args, kwargs = source._reduce_args()
@@ -393,7 +438,9 @@ def open_random_access(ReaderBase source not None, int slots=2):
         clone.close()
         raise ValueError(f"{name}: the chunk table holds {int(starts[-1])} records, the reader "
                          f"{len(source)}")
-    return ChunkCache(clone, starts, slots, name)
+    cache = ChunkCache(clone, starts, slots, name)
+    cache.defer_pread = defer_pread
+    return cache
 
 
 # ------------------------------------------------------------------ many files

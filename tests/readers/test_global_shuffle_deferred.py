@@ -1,0 +1,90 @@
+"""A batch over a global shuffle takes big RecordIO records as descriptors
+(readers/_random_access.pyx, Design, "Deferred records"): one copy of the
+bytes, the same items in the same order, every corrupted byte caught, and no
+other consumer of the shuffle or its cache ever handed a descriptor."""
+import re
+
+import numpy as np
+import pytest
+
+import readerlib as rl
+from helpers import assert_checkpoint_equal, corrupt_chunk, drain, run_ok_script
+
+RB = 40000          # a big record: chunks of them carry per-record CRCs (v2)
+
+
+def _write(path, n, per=50, seed=0):
+    x = np.random.default_rng(seed).integers(0, 256, size=(n, RB), dtype=np.uint8)
+    with rl.RecordIOWriter(str(path), rl.Schema([rl.Field("x", "uint8", (RB,))])) as w:
+        for s in range(0, n, per):
+            w.write_batch({"x": x[s:s + per]})
+    return x
+
+
+def _rows(batch):
+    return np.asarray(batch["x"]).reshape(-1, RB)
+
+
+@pytest.mark.parametrize("low_memory", [True, False])
+def test_batch_over_global_shuffle_takes_descriptors_and_gives_the_same_bytes(tmp_path, low_memory):
+    p = tmp_path / "big.rio"
+    x = _write(p, 300)
+    g = rl.RecordIOReader(str(p), low_memory=low_memory).global_shuffle(seed=3, window_chunks=2)
+    b = g.batch(16)
+    assert b._mapped
+    for _ in range(2):                                  # two epochs, two permutations
+        got = np.concatenate([_rows(bt) for bt in b])
+        perm = g.permutation()                          # the epoch just read
+        assert sorted(perm.tolist()) == list(range(len(x)))
+        assert np.array_equal(got, x[perm])
+    assert g._records_deferred >= 2 * len(x)
+    b.close()
+
+
+def test_a_corrupted_big_record_raises_naming_the_file(tmp_path):
+    p = tmp_path / "big.rio"
+    _write(p, 200)
+    corrupt_chunk(str(p), chunk=2, at=20000)            # inside a record's payload
+    b = rl.RecordIOReader(str(p)).global_shuffle(seed=1).batch(16)
+    assert b._mapped
+    with pytest.raises(rl.RecordIOError, match=re.escape(str(p))):
+        drain(b)
+    b.close()
+
+
+def test_other_consumers_never_see_a_descriptor(tmp_path):
+    # in a child: a descriptor read as bytes would be a wild pointer (a crash)
+    p = tmp_path / "big.rio"
+    x = _write(p, 100)                                  # 4 chunks: all stay in the cache
+    np.save(tmp_path / "x.npy", x)
+    run_ok_script(f"""
+import numpy as np, readerlib as rl
+RB = {RB}
+x = np.load({str(tmp_path / "x.npy")!r})
+g = rl.RecordIOReader({str(p)!r}).global_shuffle(seed=5)
+perm = g.permutation()
+b = g.batch(4)
+it = iter(b)
+first = np.asarray(next(it)["x"]).reshape(-1, RB)       # the window built in the batch's pull
+assert g._records_deferred > 0
+assert np.array_equal(first, x[perm[:4]])
+loads = g.chunk_loads
+inst = g.read_next()                                    # the shuffle read directly
+assert g.chunk_loads > loads, "the window was not reloaded"
+assert np.array_equal(np.asarray(inst["x"]), x[perm[4]])
+it2 = iter(b)                                           # (a new epoch of the batch: descriptors again)
+first2 = np.asarray(next(it2)["x"]).reshape(-1, RB)
+perm2 = g.permutation()
+assert np.array_equal(first2, x[perm2[:4]])
+for i in range(len(x)):                                 # random access into the cached chunks
+    assert np.array_equal(np.asarray(g[i]["x"]), x[perm2[i]])
+rest = np.concatenate([np.asarray(bt["x"]).reshape(-1, RB) for bt in it2])
+assert np.array_equal(rest, x[perm2[4:]])
+print("OK")
+""", timeout=120)
+
+
+def test_resume_is_exact(tmp_path):
+    p = tmp_path / "big.rio"
+    _write(p, 120, per=30)
+    assert_checkpoint_equal(lambda: rl.RecordIOReader(str(p)).global_shuffle(seed=2, window_chunks=2).batch(16))
