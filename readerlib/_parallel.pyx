@@ -44,7 +44,10 @@ Design:
     own CPU: the worker's affinity narrowed to the other CPUs it may use,
     which moves a queued thread at once, then restored (it stays where it
     now is).  Three syscalls per late worker, no spinning, no yield; a
-    worker already on another CPU does not move.
+    worker already on another CPU does not move.  (A worker that has joined
+    but shares the caller's CPU is not moved here; the shuffle's restore fill
+    has its worker move itself in that case, rl_shuffle_spread in
+    readers/_shuffle.pyx, measured there.)
 
     One job at a time: a loop that finds the pool taken (a nested loop inside
     a body, a loop started on a worker, or a second thread's loop running at

@@ -193,7 +193,9 @@ cdef extern from *:
      * balancing, slowed on busy CPUs, left both threads there for a whole
      * fill in about half the restores measured: the fill then had one core
      * instead of the two it splits for.  Returns 1 when it moved.  Linux
-     * only; elsewhere nothing moves. */
+     * only; elsewhere nothing moves.  (The pool's own rule, Placement in
+     * readerlib/_parallel.pyx, moves a worker that has not joined yet; this
+     * one, a worker that joined on the caller's CPU.) */
     #if defined(__linux__)
     #include <sched.h>
     static inline int rl_shuffle_spread(int caller_cpu, cpu_set_t *saved) {
