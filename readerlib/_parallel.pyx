@@ -46,7 +46,7 @@ Design:
     now is).  Three syscalls per late worker, no spinning, no yield; a
     worker already on another CPU does not move.  (A worker that has joined
     but shares the caller's CPU is not moved here; the shuffle's restore fill
-    has its worker move itself in that case, rl_shuffle_spread in
+    has its worker move itself in that case, _leave_caller_cpu in
     readers/_shuffle.pyx, measured there.)
 
     One job at a time: a loop that finds the pool taken (a nested loop inside
@@ -82,8 +82,8 @@ cdef extern from *:
     """
     #include <pthread.h>
     #include <signal.h>
+    #include "rl_affinity.h"
     #if defined(__linux__)
-    #include <sched.h>
     #include <sys/syscall.h>
     #include <unistd.h>
     #endif
@@ -111,7 +111,6 @@ cdef extern from *:
         int64_t n_items, n_shares;
         int n_threads;
         int64_t next;               /* next unclaimed share (atomic) */
-        int caller_cpu;             /* the CPU the caller published the job on (-1: unknown) */
         int placed;                 /* the caller has placed the late workers (once a job) */
         int tid[RL_MAX_THREADS];    /* workers' kernel thread ids (0: not known) */
         uint64_t joined[RL_MAX_THREADS]; /* the job each worker joined last (gen) (atomic) */
@@ -124,32 +123,14 @@ cdef extern from *:
     static rl_pool_t rl_pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .work = PTHREAD_COND_INITIALIZER,
                                 .done = PTHREAD_COND_INITIALIZER, .backoff_next = 1};
 
-    /* Move thread `tid` off `cpu` (see Design, "Placement"): narrow its
-       affinity to the other CPUs it may use, then restore its mask; returns 1
-       when it asked the kernel to move it.  Linux only. */
+    /* Move worker thread `tid` off `cpu` (see Design, "Placement"): its
+       affinity narrowed, then its mask restored (rl_affinity.h); returns 1
+       when it asked the kernel to move it.  tid 0: not known yet. */
     static int rl_pool_move_off(int tid, int cpu) {
-    #if defined(__linux__) && defined(CPU_SETSIZE)
-        cpu_set_t had, other;
-        if (tid <= 0 || cpu < 0 || cpu >= CPU_SETSIZE) return 0;
-        if (sched_getaffinity(tid, sizeof had, &had) != 0 || !CPU_ISSET(cpu, &had)) return 0;
-        other = had;
-        CPU_CLR(cpu, &other);
-        if (CPU_COUNT(&other) == 0) return 0;
-        if (sched_setaffinity(tid, sizeof other, &other) != 0) return 0;
-        sched_setaffinity(tid, sizeof had, &had);
+        rl_cpu_mask had;
+        if (tid <= 0 || !rl_affinity_leave(tid, cpu, &had)) return 0;
+        rl_affinity_restore(tid, &had);
         return 1;
-    #else
-        (void)tid; (void)cpu;
-        return 0;
-    #endif
-    }
-
-    static inline int rl_pool_cpu(void) {
-    #if defined(__linux__)
-        return sched_getcpu();
-    #else
-        return -1;
-    #endif
     }
 
     /* Called by the caller (tid 0) of a split loop after its first share or
@@ -165,7 +146,7 @@ cdef extern from *:
         if (!__atomic_load_n(&rl_pool.open, __ATOMIC_RELAXED) || rl_pool.placed
                 || !__atomic_load_n(&rl_pool_placement, __ATOMIC_RELAXED)) return;
         rl_pool.placed = 1;
-        cpu = rl_pool_cpu();
+        cpu = rl_current_cpu();
         if (cpu < 0) return;
         gen = rl_pool.gen;                  /* written by this thread */
         n = rl_pool.n_threads;

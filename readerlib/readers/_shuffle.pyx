@@ -185,38 +185,6 @@ cdef extern from *:
         if (madvise((void *)a, e - a, MADV_POPULATE_WRITE) != 0 && errno == EINVAL)
             __atomic_store_n(&rl_shuffle_populate_ok, 0, __ATOMIC_RELAXED);
     }
-    /* The restore's pool thread, found on its caller's CPU, leaves it for its
-     * pieces: the CPU is taken out of its own affinity (the kernel moves it
-     * at once), *saved receiving the mask that rl_shuffle_unspread puts back.
-     * Why: beside a process that keeps another CPU busy, the scheduler places
-     * the woken worker on its waker's CPU (no CPU is idle) and its periodic
-     * balancing, slowed on busy CPUs, left both threads there for a whole
-     * fill in about half the restores measured: the fill then had one core
-     * instead of the two it splits for.  Returns 1 when it moved.  Linux
-     * only; elsewhere nothing moves.  (The pool's own rule, Placement in
-     * readerlib/_parallel.pyx, moves a worker that has not joined yet; this
-     * one, a worker that joined on the caller's CPU.) */
-    #if defined(__linux__)
-    #include <sched.h>
-    static inline int rl_shuffle_spread(int caller_cpu, cpu_set_t *saved) {
-        cpu_set_t m;
-        if (caller_cpu < 0 || caller_cpu >= CPU_SETSIZE || sched_getcpu() != caller_cpu) return 0;
-        if (sched_getaffinity(0, sizeof(cpu_set_t), saved) != 0) return 0;
-        m = *saved;
-        CPU_CLR(caller_cpu, &m);
-        if (CPU_COUNT(&m) == 0) return 0;
-        return sched_setaffinity(0, sizeof(cpu_set_t), &m) == 0;
-    }
-    static inline void rl_shuffle_unspread(const cpu_set_t *saved) {
-        (void)sched_setaffinity(0, sizeof(cpu_set_t), saved);
-    }
-    static inline int rl_shuffle_cpu(void) { return sched_getcpu(); }
-    #else
-    typedef struct { int unused; } cpu_set_t;
-    static inline int rl_shuffle_spread(int caller_cpu, cpu_set_t *saved) { (void)caller_cpu; (void)saved; return 0; }
-    static inline void rl_shuffle_unspread(const cpu_set_t *saved) { (void)saved; }
-    static inline int rl_shuffle_cpu(void) { return -1; }
-    #endif
     static inline int rl_shuffle_sole(rl_block *b) {
         return __atomic_load_n(&b->refcnt, __ATOMIC_ACQUIRE) == 1;
     }
@@ -227,11 +195,14 @@ cdef extern from *:
     bint rl_shuffle_rare(bint x) nogil
     void rl_shuffle_hugepages(void *p, size_t n) nogil
     void rl_shuffle_populate(void *p, size_t n) nogil
-    ctypedef struct cpu_set_t:
+
+
+cdef extern from "rl_affinity.h":
+    ctypedef struct rl_cpu_mask:
         pass
-    bint rl_shuffle_spread(int caller_cpu, cpu_set_t *saved) nogil
-    void rl_shuffle_unspread(const cpu_set_t *saved) nogil
-    int rl_shuffle_cpu() nogil
+    bint rl_affinity_leave(int tid, int cpu, rl_cpu_mask *saved) nogil
+    void rl_affinity_restore(int tid, const rl_cpu_mask *saved) nogil
+    int rl_current_cpu() nogil
 
 
 def _addressable(reader, bint may_become=False):
@@ -412,6 +383,18 @@ def _file_order_py(positions):
 DEF CHUNK_ORDER_MAX_BUCKETS = 1024         # chunks a chunk order scatters to (else the radix sort)
 DEF CHUNK_ORDER_TABLE = 65536               # granules of the position -> chunk table, at most
 DEF CHUNK_ORDER_MAX_BITS = 1 << 26          # the duplicate check's bitmap: one chunk's records
+
+
+cdef inline int64_t _chunk_index(const int64_t *st, int64_t nchunks, int64_t p) noexcept nogil:
+    # the chunk holding position p (the last one starting at or before it)
+    cdef int64_t a = 0, b = nchunks - 1, m
+    while a < b:
+        m = (a + b + 1) >> 1
+        if st[m] <= p:
+            a = m
+        else:
+            b = m - 1
+    return a
 
 
 cdef inline int64_t _chunk_at(int64_t p, int64_t lo, int s, const int64_t *tab,
@@ -774,7 +757,7 @@ def _unpack_positions_v1(text, int64_t src, int64_t n, where):
 # writes (now populated up front, _populate), and the scheduler placing the
 # woken worker on its caller's CPU, where both stayed for the whole fill in
 # about half the restores, i.e. one core for two threads (now the worker
-# leaves that CPU for its pieces, rl_shuffle_spread: 77 -> 63 and 74 -> 68
+# leaves that CPU for its pieces, _leave_caller_cpu: 77 -> 63 and 74 -> 68
 # ms median in two interleaved runs, results/resume.md).  The slots and slot
 # positions are populated by the worker while the caller makes the chunk
 # order (_order_populating), not before it.
@@ -802,7 +785,7 @@ cdef bint _CHUNK_ORDER_ON = True
 cdef bint _POPULATE_ON = True
 cdef int64_t _POPULATED = 0                 # bytes advised so far (a test hook)
 # the pooled fill's worker leaves its caller's CPU when it finds itself there
-# (rl_shuffle_spread: the scheduler packs the two beside a busy process)
+# (_leave_caller_cpu: the scheduler packs the two beside a busy process)
 cdef bint _SPREAD_ON = True
 # the chunk order on the caller while the worker populates (_order_populating)
 cdef bint _ORDER_WITH_POPULATE = True
@@ -939,18 +922,6 @@ cdef int _par_fill_piece(_par_fill *c, int64_t p, ReaderBase cache) except -1 no
     return 0
 
 
-cdef inline int64_t _chunk_index(const int64_t *st, int64_t nchunks, int64_t p) noexcept nogil:
-    # the chunk holding position p (the last one starting at or before it)
-    cdef int64_t a = 0, b = nchunks - 1, m
-    while a < b:
-        m = (a + b + 1) >> 1
-        if st[m] <= p:
-            a = m
-        else:
-            b = m - 1
-    return a
-
-
 cdef int64_t _chunk_edge(const uint64_t *keys, int64_t lo, const int64_t *st, int64_t nchunks,
                          int64_t k, int64_t first, int64_t last) noexcept nogil:
     """The chunk boundary in keys[first:last] (in chunk order) nearest to k: the
@@ -980,10 +951,18 @@ cdef int64_t _chunk_edge(const uint64_t *keys, int64_t lo, const int64_t *st, in
     return down if k - down <= up - k else up
 
 
-cdef inline bint _leave_caller_cpu(int caller_cpu, int tid, cpu_set_t *saved) noexcept nogil:
-    # The pooled fill's worker (tid > 0) leaves the caller's CPU when it finds
-    # itself there (rl_shuffle_spread); True: put `saved` back after.
-    return tid > 0 and caller_cpu >= 0 and rl_shuffle_spread(caller_cpu, saved)
+cdef inline bint _leave_caller_cpu(int caller_cpu, int tid, rl_cpu_mask *saved) noexcept nogil:
+    # The pooled fill's worker (tid > 0), found on its caller's CPU, leaves it
+    # for its pieces (rl_affinity.h); True: put `saved` back after
+    # (rl_affinity_restore).  Why: beside a process that keeps another CPU
+    # busy, the scheduler places the woken worker on its waker's CPU (no CPU
+    # is idle) and its periodic balancing, slowed on busy CPUs, left both
+    # threads there for a whole fill in about half the restores measured: the
+    # fill then had one core instead of the two it splits for.  (The pool's
+    # own rule, Placement in readerlib/_parallel.pyx, moves a worker that has
+    # not joined yet; this one, a worker that joined on the caller's CPU.)
+    return (tid > 0 and caller_cpu >= 0 and rl_current_cpu() == caller_cpu
+            and rl_affinity_leave(0, caller_cpu, saved))
 
 
 cdef void _par_fill_pieces(_par_fill *c, int64_t begin, int64_t end, int tid) noexcept:
@@ -992,10 +971,10 @@ cdef void _par_fill_pieces(_par_fill *c, int64_t begin, int64_t end, int tid) no
     # is where it happened; it raises it again there).
     cdef int64_t p
     cdef ReaderBase cache = <ReaderBase>c.caches[tid]
-    cdef cpu_set_t saved
+    cdef rl_cpu_mask saved
     cdef bint moved = _leave_caller_cpu(c.caller_cpu, tid, &saved)
     if tid == 0 and c.caller_cpu >= 0:
-        c.caller_cpu = rl_shuffle_cpu()         # (a hint: read racily by the worker)
+        c.caller_cpu = rl_current_cpu()         # (a hint: read racily by the worker)
     for p in range(begin, end):
         c.tid_of[p] = tid
         c.moved[p] = moved
@@ -1009,7 +988,7 @@ cdef void _par_fill_pieces(_par_fill *c, int64_t begin, int64_t end, int tid) no
                 Py_INCREF(e)                # (KeyboardInterrupt: the caller raises it)
                 c.fatal = <PyObject *>e
     if moved:
-        rl_shuffle_unspread(&saved)         # (its own mask again: it stays where it is)
+        rl_affinity_restore(0, &saved)         # (its own mask again: it stays where it is)
 
 
 cdef void _par_fill_body(void *ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
@@ -1078,6 +1057,19 @@ cdef void _populate_body(void *ctx, int64_t begin, int64_t end, int tid) noexcep
     rl_shuffle_populate(c.p + a, <size_t>(e - a))
 
 
+cdef bint _populate_prepare(_populate_ctx *c, void *p, int64_t n, int64_t *pieces) noexcept nogil:
+    # c and its pieces for _populate_body when [p, p + n) is populated at all
+    global _POPULATED
+    pieces[0] = 0
+    if not _POPULATE_ON or p == NULL or n < 2 * POPULATE_PIECE:
+        return False
+    c.p = <char *>p
+    c.n = n
+    pieces[0] = (n + POPULATE_PIECE - 1) // POPULATE_PIECE
+    _POPULATED += n
+    return True
+
+
 cdef void _populate(void *p, int64_t n) noexcept nogil:
     # Fault in a restore's fresh array before its random writes do, a piece
     # per pool item: a fault taken by the fill costs a trap, a page walk and
@@ -1115,7 +1107,7 @@ cdef struct _order_job:
 cdef void _order_job_body(void *ctx, int64_t begin, int64_t end, int tid) noexcept nogil:
     cdef _order_job *j = <_order_job *>ctx
     cdef int64_t k
-    cdef cpu_set_t saved
+    cdef rl_cpu_mask saved
     cdef bint moved = _leave_caller_cpu(j.caller_cpu, tid, &saved)
     for k in range(begin, end):
         if k == 0:
@@ -1125,20 +1117,7 @@ cdef void _order_job_body(void *ctx, int64_t begin, int64_t end, int tid) noexce
         else:
             _populate_body(&j.b, k - 1 - j.na, k - j.na, 0)
     if moved:
-        rl_shuffle_unspread(&saved)
-
-
-cdef bint _populate_prepare(_populate_ctx *c, void *p, int64_t n, int64_t *pieces) noexcept nogil:
-    # c and its pieces for _populate_body when [p, p + n) is populated at all
-    global _POPULATED
-    pieces[0] = 0
-    if not _POPULATE_ON or p == NULL or n < 2 * POPULATE_PIECE:
-        return False
-    c.p = <char *>p
-    c.n = n
-    pieces[0] = (n + POPULATE_PIECE - 1) // POPULATE_PIECE
-    _POPULATED += n
-    return True
+        rl_affinity_restore(0, &saved)
 
 
 cdef int _order_populating(const int64_t *pos, int64_t n, const int64_t *starts, int64_t nchunks,
@@ -1157,7 +1136,7 @@ cdef int _order_populating(const int64_t *pos, int64_t n, const int64_t *starts,
     j.result = -1
     _populate_prepare(&j.a, slots, slots_bytes, &j.na)
     _populate_prepare(&j.b, slot_pos, slot_pos_bytes, &j.nb)
-    j.caller_cpu = rl_shuffle_cpu() if _SPREAD_ON else -1
+    j.caller_cpu = rl_current_cpu() if _SPREAD_ON else -1
     parallel_for(num_threads() if j.na + j.nb > 0 else 1, 1 + j.na + j.nb, _order_job_body, &j)
     return j.result
 
@@ -1168,15 +1147,15 @@ def _spread_py(int caller_cpu=-2):
     CPU it is on then, its affinity then, its affinity after it put its mask
     back)."""
     import os
-    cdef cpu_set_t saved
+    cdef rl_cpu_mask saved
     cdef bint moved
     if caller_cpu == -2:
-        caller_cpu = rl_shuffle_cpu()
-    moved = rl_shuffle_spread(caller_cpu, &saved)
-    cpu = rl_shuffle_cpu()
+        caller_cpu = rl_current_cpu()
+    moved = _leave_caller_cpu(caller_cpu, 1, &saved)
+    cpu = rl_current_cpu()
     during = os.sched_getaffinity(0)
     if moved:
-        rl_shuffle_unspread(&saved)
+        rl_affinity_restore(0, &saved)
     return bool(moved), cpu, during, os.sched_getaffinity(0)
 
 
@@ -2399,7 +2378,7 @@ cdef class ShuffleReader(DecoratedReader):
             c.caches = caches
             c.fatal = NULL
             c.moved = &moved[0]
-            c.caller_cpu = rl_shuffle_cpu() if _SPREAD_ON and not _PAR_EMULATE else -1
+            c.caller_cpu = rl_current_cpu() if _SPREAD_ON and not _PAR_EMULATE else -1
             for i in range(P):
                 stop[i] = bounds[i]
             loads0 = sum((<object>caches[t]).chunk_loads for t in range(T))
