@@ -441,13 +441,8 @@ cdef int _chunk_order(const int64_t *pos, int64_t n, const int64_t *starts, int6
     lo_hi[1] = hi
     if lo < 0 or hi >= starts[nchunks] or hi - lo >= (<int64_t>1 << 32):
         return -1
-    # the chunks of lo and hi (the last chunk starting at or before each)
-    c_lo = 0
-    while c_lo + 1 < nchunks and starts[c_lo + 1] <= lo:
-        c_lo += 1
-    c_hi = c_lo
-    while c_hi + 1 < nchunks and starts[c_hi + 1] <= hi:
-        c_hi += 1
+    c_lo = _chunk_index(starts, nchunks, lo)
+    c_hi = _chunk_index(starts, nchunks, hi)
     nb = c_hi - c_lo + 1
     if nb > CHUNK_ORDER_MAX_BUCKETS:
         return -1
@@ -1076,14 +1071,10 @@ cdef void _populate(void *p, int64_t n) noexcept nogil:
     # the cache lines it evicts, at a random moment of a memory-bound loop.
     # (Pieces start page-aligned when p is: the rounding inward loses at most
     # a page a piece boundary otherwise, which faults in later.)
-    global _POPULATED
     cdef _populate_ctx c
-    if not _POPULATE_ON or p == NULL or n < 2 * POPULATE_PIECE:
-        return
-    c.p = <char *>p
-    c.n = n
-    parallel_for(threads_for(n), (n + POPULATE_PIECE - 1) // POPULATE_PIECE, _populate_body, &c)
-    _POPULATED += n
+    cdef int64_t pieces
+    if _populate_prepare(&c, p, n, &pieces):
+        parallel_for(threads_for(n), pieces, _populate_body, &c)
 
 
 cdef struct _order_job:
