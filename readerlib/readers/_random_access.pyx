@@ -128,9 +128,9 @@ cdef class ChunkCache(FileReader):
     cdef readonly int64_t chunk_loads
     cdef object _name
     cdef object run_of             # clone._current_run (RecordIO) or None
-    cdef public object defer_pread # _mapped_negotiate: the batch preads deferred records (else a mapping)
+    cdef object defer_pread        # _mapped_negotiate: the batch preads deferred records (else a mapping)
 
-    def __init__(self, ReaderBase clone not None, starts, int nslots=2, name=""):
+    def __init__(self, ReaderBase clone not None, starts, int nslots=2, name="", defer_pread=None):
         cdef int64_t i
         st = np.ascontiguousarray(starts, dtype=np.int64)
         if st.ndim != 1 or st.shape[0] < 1 or st[0] != 0 or np.any(np.diff(st) < 0):
@@ -155,6 +155,7 @@ cdef class ChunkCache(FileReader):
             self.slots[i].chunk = -1
         self.last = 0
         self._name = name
+        self.defer_pread = defer_pread
 
     def __dealloc__(self):
         cdef int i
@@ -438,9 +439,7 @@ def open_random_access(ReaderBase source not None, int slots=2):
         clone.close()
         raise ValueError(f"{name}: the chunk table holds {int(starts[-1])} records, the reader "
                          f"{len(source)}")
-    cache = ChunkCache(clone, starts, slots, name)
-    cache.defer_pread = defer_pread
-    return cache
+    return ChunkCache(clone, starts, slots, name, defer_pread)
 
 
 # ------------------------------------------------------------------ many files
