@@ -216,6 +216,7 @@ cdef class BatchReader(DecoratedReader):
     # is kept up to date *before* every upstream call, never fixed up after.
     cdef rl_record *recs          # records held (sequence schemas, parallel copy)
     cdef int64_t nrecs
+    cdef bint recs_deferred       # recs[:nrecs] holds a deferred record (set as it arrives)
     cdef rl_block *pend           # fixed schemas: the batch being filled
     cdef int64_t pend_n           # rows of `pend` already copied
     cdef rl_block *hold
@@ -319,6 +320,7 @@ cdef class BatchReader(DecoratedReader):
         for i in range(self.nrecs):
             rl_block_decref(self.recs[i].block)
         self.nrecs = 0
+        self.recs_deferred = False
 
     cdef void _drop_partial(self) noexcept nogil:
         """Let go of an interrupted batch (reset, close)."""
@@ -362,6 +364,7 @@ cdef class BatchReader(DecoratedReader):
             # record is rejected alone and the batch around it survives
             if self.dmap != NULL and rl_record_is_deferred(&rec):
                 self._deferred_rows(&rec, self.parsed_rows + n * nf)   # may raise (the record is dropped)
+                self.recs_deferred = True
             elif layout_parse(&self.layout, rec.data, rec.size, self.parsed_ptrs + n * nf,
                               self.parsed_rows + n * nf) != 0:
                 with gil:
@@ -671,12 +674,7 @@ cdef class BatchReader(DecoratedReader):
         # per-record codes only for a batch that holds a deferred record: a
         # negotiated batch of small records (a TFRecord file of 64 B records)
         # skips their bookkeeping (three passes over the batch, 6% of a 64 B pass)
-        job.codes = NULL
-        if self.dmap != NULL:
-            for i in range(n):
-                if rl_record_is_deferred(&self.recs[i]):
-                    job.codes = self.dcodes
-                    break
+        job.codes = self.dcodes if self.recs_deferred else NULL
         job.offs = self.doffs
         if job.codes != NULL:
             for i in range(n):
