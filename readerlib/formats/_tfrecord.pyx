@@ -61,7 +61,7 @@ import warnings
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
 from readerlib.readers._base cimport (
     ReaderBase, FileReader, rl_block, rl_record, rl_block_decref, rl_block_new,
-    rl_crc32c, rl_crc32c_mask, rl_core_import, rl_load_u32, rl_load_u64,
+    rl_crc32c, rl_crc32c_mask, rl_crc32c_unmask, rl_core_import, rl_load_u32, rl_load_u64,
     rl_store_u32, rl_store_u64, rl_store_i64, ITEM_INSTANCE)
 from readerlib.tensor import Field, Schema
 from readerlib.errors import RecordSchemaError, TFRecordError, TFRecordWarning
@@ -1357,12 +1357,6 @@ cdef inline int64_t min64(int64_t a, int64_t b) noexcept nogil:
 
 cdef inline int64_t max64(int64_t a, int64_t b) noexcept nogil:
     return a if a > b else b
-
-
-cdef inline uint32_t rl_crc32c_unmask(uint32_t masked) noexcept nogil:
-    # the inverse of rl_crc32c_mask: ((c >> 15) | (c << 17)) + 0xa282ead8
-    cdef uint32_t r = masked - <uint32_t>0xa282ead8
-    return (r >> 17) | (r << 15)
 
 
 cdef inline void memset_zs(z_stream *zs) noexcept nogil:

@@ -543,6 +543,12 @@ static inline uint32_t rl_crc32c_mask(uint32_t crc) {
     return ((crc >> 15) | (crc << 17)) + 0xa282ead8u;
 }
 
+/* Its inverse: the CRC a masked one was made from. */
+static inline uint32_t rl_crc32c_unmask(uint32_t masked) {
+    uint32_t r = masked - 0xa282ead8u;
+    return (r >> 17) | (r << 15);
+}
+
 /* ------------------------------------------------------------------ random */
 typedef struct { uint64_t s[4]; } rl_rng;
 

@@ -46,6 +46,7 @@ cdef extern from "rl_core.h":
     int rl_core_import() except -1
     uint32_t rl_crc32c(uint32_t crc, const void *buf, size_t length) nogil
     uint32_t rl_crc32c_mask(uint32_t crc) nogil
+    uint32_t rl_crc32c_unmask(uint32_t masked) nogil
     uint32_t rl_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2) nogil
     void rl_rng_seed(rl_rng *r, uint64_t seed, uint64_t stream) nogil
     uint64_t rl_rng_next(rl_rng *r) nogil
