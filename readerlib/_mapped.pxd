@@ -6,7 +6,8 @@
 # pointer is one per module), and readerlib._core, which owns the process's
 # state, includes the header itself (RL_MAPPED_OWNER).
 from readerlib._typedefs cimport int64_t, uint32_t
-from readerlib.readers._base cimport rl_block, rl_record
+from readerlib.readers._base cimport (
+    rl_block, rl_record, rl_layout, layout_parse, rl_block_decref, RL_MAX_FIELDS)
 
 cdef extern from "rl_mapped.h":
     ctypedef struct rl_map:
@@ -20,6 +21,8 @@ cdef extern from "rl_mapped.h":
         int fd
         int keep
         int format
+        rl_map *gate
+        int64_t gated
     ctypedef struct rl_dblock:
         rl_map *map
         int pad
@@ -42,6 +45,7 @@ cdef extern from "rl_mapped.h":
     rl_block *rl_deferred_new(rl_dchunk *c, const char *data, int64_t size, uint32_t crc,
                               int64_t chunk, int64_t index) nogil
     void rl_map_incref(rl_map *m) nogil
+    void rl_map_set_gate(rl_map *m, rl_map *g) nogil
     int rl_map_all_zero(rl_map *m, const char *p, int64_t n, int64_t *fault_off) nogil
     # moved and copied
     bint rl_record_is_deferred(const rl_record *r) nogil
@@ -59,3 +63,21 @@ cdef extern from "rl_mapped.h":
     int RL_DEF_OK, RL_DEF_MISMATCH, RL_DEF_SHRUNK, RL_DEF_NOMEM, RL_DEF_LAYOUT, RL_DEF_PADDING, RL_DEF_IO
     int RL_DEF_MAX_PIECES
     int RL_MAP_RECORDIO, RL_MAP_TFRECORD
+
+
+cdef inline rl_block *deferred_verified_copy(const rl_record *r, const rl_layout *L, int *code,
+                                            int64_t *off) noexcept nogil:
+    """A verified copy (refcount 1) of deferred record r, for a consumer other
+    than the batch that negotiated it; NULL on failure, with *code (RL_DEF_*)
+    and *off (the file offset) for formats/_recordio's _deferred_error_py.  A
+    sequence schema's copy must also parse (RL_DEF_LAYOUT at the record's
+    offset): the batch checks that itself, other consumers take it as read."""
+    cdef const char *ptrs[RL_MAX_FIELDS]
+    cdef int64_t rows[RL_MAX_FIELDS]
+    cdef rl_block *nb = rl_deferred_materialize(r, code, off)
+    if nb != NULL and L.n_lod and layout_parse(L, nb.data, nb.size, ptrs, rows) != 0:
+        rl_block_decref(nb)
+        code[0] = RL_DEF_LAYOUT
+        off[0] = r.data - (<rl_dblock *>r.block).map.base
+        return NULL
+    return nb

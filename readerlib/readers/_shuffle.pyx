@@ -17,8 +17,8 @@ from readerlib.readers._base cimport (
     ReaderBase, FileReader, DecoratedReader, rl_block, rl_record, rl_layout, rl_columns, rl_rng,
     rl_core_import, rl_block_incref, rl_block_decref, rl_block_new, rl_block_new_static,
     rl_record_consumed, rl_copy_big, rl_copy_fence, rl_rng_seed, rl_rng_below, rl_store_i64,
-    layout_parse, columns_encoded_size, columns_encode, encode_instance,
-    ITEM_INSTANCE, ITEM_BATCH, RL_MAX_FIELDS)
+    columns_encoded_size, columns_encode, encode_instance,
+    ITEM_INSTANCE, ITEM_BATCH)
 from readerlib.readers._base import _check_positive_int, _check_reader
 
 rl_core_import()
@@ -28,16 +28,7 @@ rl_core_import()
 # that would go to another consumer of this shuffle is verified first.  Compaction
 # never copies one: a deferred record is alone in its block (bytes == block size).
 from readerlib._mapped cimport (
-    rl_mapped_import, rl_record_is_deferred, rl_deferred_may_go_out, rl_deferred_materialize, RL_DEF_LAYOUT)
-
-cdef extern from *:
-    """
-    /* A deferred record's file offset (its bytes' place in the file's mapping). */
-    static inline int64_t rl_shuffle_deferred_offset(const rl_record *r) {
-        return (int64_t)(r->data - ((const rl_dblock *)r->block)->map->base);
-    }
-    """
-    int64_t rl_shuffle_deferred_offset(const rl_record *r) nogil
+    rl_mapped_import, rl_record_is_deferred, rl_deferred_may_go_out, deferred_verified_copy, RL_DEF_LAYOUT)
 
 rl_mapped_import()
 
@@ -1906,17 +1897,8 @@ cdef class ShuffleReader(DecoratedReader):
         cdef int64_t off, size = self._size(j)
         cdef rl_record cur
         cdef rl_block *nb
-        cdef const char *ptrs[RL_MAX_FIELDS]
-        cdef int64_t rows[RL_MAX_FIELDS]
         self._get(j, &cur)
-        nb = rl_deferred_materialize(&cur, &code, &off)
-        if nb != NULL and self.layout.n_lod and layout_parse(&self.layout, nb.data, nb.size, ptrs, rows) != 0:
-            # CRC good, but the bytes do not fit the sequence schema: the
-            # reader's error (file, offset), as the batch and the reader raise it
-            rl_block_decref(nb)
-            nb = NULL
-            code = RL_DEF_LAYOUT
-            off = rl_shuffle_deferred_offset(&cur)
+        nb = deferred_verified_copy(&cur, &self.layout, &code, &off)
         if nb == NULL:
             with gil:
                 from readerlib.formats._recordio import _deferred_error_py
