@@ -15,6 +15,12 @@
  *   batch) or, for a deferred record already buffered that reaches another
  *   consumer, a verified copy (rl_deferred_materialize).
  *
+ *   Under open_files (readers/_multifile.pyx) the batch negotiates with the
+ *   multi-file reader, whose map stands for no file: it is the *gate* of
+ *   every file map its workers negotiate (rl_map_set_gate).  A gated file's
+ *   reader defers in every load (its `pull` is 1 for good: the workers read
+ *   ahead of the batch), and rl_deferred_may_go_out asks the gate's `pull`.
+ *
  *   An uncompressed TFRecord reader under such a batch hands out deferred
  *   records too (pread mode only: rl_map.fd >= 0, format RL_MAP_TFRECORD):
  *   its scan reads and checks each big record's header and reads its data
@@ -67,6 +73,12 @@ typedef struct rl_map {
                                    (low_memory=False: no refaults, the file's pages count in RSS) */
     int format;                 /* whose file: RL_MAP_RECORDIO (0, calloc's) or RL_MAP_TFRECORD;
                                    says whose error a deferred record that fails raises */
+    struct rl_map *gate;        /* NULL, or the map whose `pull` says whether this map's deferred
+                                   records may go out (one reference): a file read ahead by a
+                                   worker of open_files, whose reader defers in every load
+                                   (`pull` 1 for good) while the multi-file reader's own map
+                                   (the one its batch negotiated and sets) says who pulls now */
+    int64_t gated;              /* a gate: the maps it gates that are still alive (atomic) */
 } rl_map;
 
 #define RL_MAP_RECORDIO 0
@@ -193,11 +205,16 @@ static int rl_guard_ensure_impl(void) {
 
 static void rl_map_decref_impl(rl_map *m) {
     if (m && __atomic_sub_fetch(&m->refcnt, 1, __ATOMIC_ACQ_REL) == 0) {
+        rl_map *g = m->gate;
         if (m->fd >= 0) close(m->fd);
         else if (m->base && m->len > 0) munmap(m->base, (size_t)m->len);
         free(m->ranges);
         free(m->path);
         free(m);
+        if (g) {
+            __atomic_sub_fetch(&g->gated, 1, __ATOMIC_RELAXED);
+            rl_map_decref_impl(g);
+        }
     }
 }
 
@@ -238,10 +255,22 @@ static inline int rl_record_is_deferred(const rl_record *r) {
 }
 
 static inline int rl_deferred_may_go_out(const rl_record *r) {
-    return __atomic_load_n(&((rl_dblock *)r->block)->map->pull, __ATOMIC_RELAXED);
+    const rl_map *m = ((rl_dblock *)r->block)->map;
+    if (m->gate) m = m->gate;
+    return __atomic_load_n(&m->pull, __ATOMIC_RELAXED);
 }
 
 static inline void rl_map_incref(rl_map *m) { __atomic_add_fetch(&m->refcnt, 1, __ATOMIC_RELAXED); }
+
+/* m's deferred records go out when g's pull says so (m takes a reference to
+ * g); m's reader defers in every load from now on.  Once, before m's reader
+ * hands out a record. */
+static inline void rl_map_set_gate(rl_map *m, rl_map *g) {
+    rl_map_incref(g);
+    __atomic_add_fetch(&g->gated, 1, __ATOMIC_RELAXED);
+    m->gate = g;
+    m->pull = 1;
+}
 
 /* The chunk of deferred records over [lo, hi) of m (one reference, for the
  * loader: rl_dchunk_done drops it; takes a map reference). */

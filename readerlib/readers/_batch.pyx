@@ -64,16 +64,17 @@ def _pass_through_types():
 
 
 cdef object _mapped_source(object reader):
-    """The file reader (RecordIOReader, TFRecordReader) or global shuffle (its
-    chunk cache's clone answers) at the bottom of a chain of pass-through
-    decorators, or None."""
+    """The file reader (RecordIOReader, TFRecordReader), open_files' reader
+    (its workers' file readers answer) or global shuffle (its chunk cache's
+    clone answers) at the bottom of a chain of pass-through decorators, or None."""
     from readerlib.formats._recordio import RecordIOReader
     from readerlib.formats._tfrecord import TFRecordReader
     from readerlib.readers._global_shuffle import GlobalShuffleReader
+    from readerlib.readers._multifile import MultiFileReader
     through = _pass_through_types()
     while True:
         if (type(reader) is RecordIOReader or type(reader) is TFRecordReader
-                or type(reader) is GlobalShuffleReader):
+                or type(reader) is GlobalShuffleReader or type(reader) is MultiFileReader):
             return reader
         if type(reader) not in through:
             return None

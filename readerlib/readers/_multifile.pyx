@@ -36,6 +36,25 @@ Design:
     Memory: at most T * QUEUE_BYTES of records in flight (plus the rest of
     the chunks they live in, which they pin).
 
+    Big records in one copy (include/rl_mapped.h): a BatchReader above this
+    reader (through decorators that only move items: shuffle, multi_pass)
+    negotiates with it as with a single file reader.  This reader answers
+    with a map of its own that stands for no file (`umap`, the *gate*: the
+    batch sets its `pull` flag while it pulls), and each worker, as it opens
+    a file, negotiates with that file's reader and gates the file's map by
+    `umap` (rl_map_set_gate): the file reader then defers its big records in
+    every load (the worker reads ahead, long before the batch pulls them),
+    while whether a deferred record may go out is `umap.pull`'s to say (the
+    shuffle asks rl_deferred_may_go_out, which follows the gate).  So the
+    workers read only the chunks' headers and CRC tables, and the batch
+    reads each record straight into its row and checks its CRC there, as
+    for one file.  A deferred record that this reader hands to anyone but
+    the negotiated batch (umap.pull 0: read_next on it directly, say) is
+    replaced here by a verified copy first.  At most MAX_GATED files' maps
+    live at once (each holds a descriptor until its last deferred record
+    goes: a shuffle buffer can hold records of many small files); files
+    opened beyond that are read the ordinary way.
+
     Positioning: c_skip at the start of an epoch (set_state) steps over
     whole units by the plan's record counts and starts the run at the unit
     the target falls in (`_start(first)`: worker t reads units first + t,
@@ -63,8 +82,12 @@ from readerlib.readers._base cimport (
 from readerlib.readers._base import _check_positive_int, _check_reader
 from readerlib._parallel import start_threads
 from readerlib.errors import DataLossError
+from readerlib._mapped cimport (
+    rl_map, rl_mapped, rl_mapped_import, rl_map_new, rl_map_incref, rl_map_set_gate,
+    rl_record_is_deferred, deferred_verified_copy, RL_MAP_RECORDIO, RL_DEF_LAYOUT)
 
 rl_core_import()
+rl_mapped_import()
 
 __all__ = ["MultiFileReader"]
 
@@ -73,6 +96,7 @@ cdef enum:
     PACKET_BYTES = 4194304
     QUEUE_PACKETS = 256
     QUEUE_BYTES = 33554432        # record bytes a thread may queue ahead (32 MiB)
+    MAX_GATED = 64                # files whose maps a run's gate keeps (deferred records; see Design)
 
 
 cdef struct _packet:
@@ -201,10 +225,27 @@ cdef class _Run:
     cdef int num_threads
     cdef int bare
     cdef list errors
+    cdef rl_map *umap             # the reader's gate (a reference), or NULL: no batch negotiated
 
     def __dealloc__(self):
         _sh_decref(self.sh)
         self.sh = NULL
+        if self.umap != NULL:
+            rl_mapped.map_decref(self.umap)
+            self.umap = NULL
+
+    def _gate(self, cache):
+        """The worker's new file reader defers its big records for the batch
+        that negotiated with the reader (see Design): the file's map, gated,
+        with a reference the worker lets go with the file; 0 where not."""
+        cdef size_t addr
+        if self.umap == NULL or self.umap.gated >= MAX_GATED:
+            return 0
+        f = getattr(cache, "_mapped_negotiate", None)
+        addr = f() if f is not None else 0
+        if addr:
+            rl_map_set_gate(<rl_map *>addr, self.umap)
+        return addr
 
     # -- queues (no GIL) -------------------------------------------------------
     cdef int _push(self, int t, _packet *p) noexcept nogil:
@@ -269,6 +310,7 @@ cdef class _Run:
         cdef int r
         cdef int64_t u = self.first + t
         cdef _packet *p
+        cdef size_t gated = 0          # the current file's gated map (a reference), or 0
         cache_path = None
         cache = None
         path = None
@@ -279,12 +321,16 @@ cdef class _Run:
                     if cache is not None:
                         cache.close()
                         cache = None
+                    if gated:
+                        rl_mapped.map_decref(<rl_map *>gated)
+                        gated = 0
                     cache_path = path
                     cache = self.plan.open(path)
                     if (<ReaderBase>cache).layout.bare != self.bare:
                         raise ValueError(f"open_files: {path!r} gives "
                                          f"{'bare' if cache.bare_instances else 'prefixed'} "
                                          f"instances, the stream the other form")
+                    gated = self._gate(cache)
                 rd = cache
                 if chunks is not None:
                     cache.select_chunks(chunks)
@@ -322,6 +368,8 @@ cdef class _Run:
                     cache.close()
                 except Exception:
                     pass
+            if gated:
+                rl_mapped.map_decref(<rl_map *>gated)
 
 
 cdef class MultiFileReader(FileReader):
@@ -349,9 +397,14 @@ cdef class MultiFileReader(FileReader):
     cdef readonly int64_t epoch
     cdef double timeout
     cdef int64_t signals_ns       # when c_next last checked for Ctrl-C
+    cdef rl_map *umap             # the gate a batch above negotiated (see Design), or NULL
+    cdef rl_block *mat            # the last verified copy handed out (_materialize), or NULL
+    cdef readonly int64_t _records_deferred   # test hook: deferred records handed to the batch
 
     def __cinit__(self):
         self.sh = NULL
+        self.umap = NULL
+        self.mat = NULL
 
     def __init__(self, plan, schema, num_threads=1, limit=-1, timeout=None):
         n = _check_positive_int(num_threads, "num_threads")
@@ -370,6 +423,12 @@ cdef class MultiFileReader(FileReader):
     def __dealloc__(self):
         _packet_free(self.hold)
         self.hold = NULL
+        if self.mat != NULL:
+            rl_block_decref(self.mat)
+            self.mat = NULL
+        if self.umap != NULL:
+            rl_mapped.map_decref(self.umap)
+            self.umap = NULL
         if self.sh != NULL:
             _sh_stop(self.sh)             # the workers leave on their own; nothing here waits
             _sh_decref(self.sh)
@@ -430,6 +489,9 @@ cdef class MultiFileReader(FileReader):
         run.num_threads = self.num_threads
         run.bare = self.layout.bare
         run.errors = [None] * self.num_threads
+        run.umap = self.umap
+        if run.umap != NULL:
+            rl_map_incref(run.umap)
         run.sh = _sh_new(self.num_threads)
         _sh_incref(run.sh)
         if self.sh != NULL:                 # a start interrupted before its threads ran
@@ -478,6 +540,9 @@ cdef class MultiFileReader(FileReader):
         _packet_free(self.hold)
         self.hold = NULL
         self.hold_i = 0
+        if self.mat != NULL:
+            rl_block_decref(self.mat)
+            self.mat = NULL
         self.run = None
         _sh_decref(self.sh)
         self.sh = NULL
@@ -508,6 +573,11 @@ cdef class MultiFileReader(FileReader):
                     out[0] = self.hold.recs[self.hold_i]
                     self.hold_i += 1
                     self.emitted += 1
+                    if self.umap != NULL and rl_record_is_deferred(out):
+                        if not self.umap.pull:
+                            self._materialize(out)    # (raises: the record is dropped)
+                        else:
+                            self._records_deferred += 1
                     return 1
                 if self.hold.last:
                     self.cur_unit += 1
@@ -537,6 +607,39 @@ cdef class MultiFileReader(FileReader):
                     self._raise_worker_error(t)
             self.hold = p
             self.hold_i = 0
+
+    cdef int _materialize(self, rl_record *out) except -1 nogil:
+        """A deferred record pulled by a consumer other than the negotiated
+        batch: replaced by a verified copy (valid until the next read, as the
+        packet's records are), or its error (file, offset) raised."""
+        cdef int code
+        cdef int64_t off
+        cdef rl_block *nb = deferred_verified_copy(out, &self.layout, &code, &off)
+        if nb == NULL:
+            with gil:
+                from readerlib.formats._recordio import _deferred_error_py
+                raise _deferred_error_py(<size_t>out.block, code, off,
+                                         self.schema if code == RL_DEF_LAYOUT else None)
+        if self.mat != NULL:
+            rl_block_decref(self.mat)
+        self.mat = nb
+        out.block = nb
+        out.data = nb.data
+        out.size = nb.size
+        return 0
+
+    def _mapped_negotiate(self):
+        """A BatchReader above (through decorators that only move items) asks
+        for deferred records: returns the address of this reader's gate (see
+        Design) with a reference for the caller.  Runs started from now on
+        let their files' readers defer; each file's reader still decides
+        (version-2 big records, not compressed, deferred reads on)."""
+        if self.umap == NULL:
+            self.umap = rl_map_new(b"open_files", NULL, 0, -1, RL_MAP_RECORDIO)
+            if self.umap == NULL:
+                raise MemoryError()
+        rl_map_incref(self.umap)
+        return <size_t>self.umap
 
     cdef int64_t c_skip(self, int64_t n) except -1 nogil:
         # At the start of an epoch (set_state: after c_reset) whole units are
