@@ -35,6 +35,12 @@ and median of ``--repeats``:
 * ``rio v2 LoD two-copy``  that file with ``_set_mapped_reads(False)``
 * ``rio v1``      the same data in format version 1 (one CRC per chunk)
 * ``tfrecord``    readerlib's TFRecord reader over the same records
+* ``open_files 16``  the same records split over 16 v2 files, read through
+                  ``rl.open_files(files)`` (one worker thread) -> shuffle -> batch:
+                  the batch negotiates deferred records with open_files, whose
+                  worker reads only the chunks' tables (readers/_multifile.pyx)
+* ``open_files 16 two-copy``  the same with deferred records off
+                  (``_recordio._set_mapped_reads(False)``): the path before
 * ``torch``       a PyTorch DataLoader (shuffle=True, batch_size=256,
                   num_workers=0, torch's default threads) over a uint8 tensor
                   of the same bytes held in memory (no file, no checksum); the
@@ -90,6 +96,7 @@ from readerlib.formats._tfrecord import TFRecordReader, TFRecordWriter
 
 SIZE = 65536
 BUFFER, BATCH = 10_000, 256
+FILES = 16                   # the open_files peers: the records split over this many files
 LOD_ROW = 1024
 LOD_SCHEMA = rl.Schema([rl.Field("s", "uint8", (LOD_ROW,), lod_level=1)])
 
@@ -110,6 +117,14 @@ def write_files(d, n, seed=0):
     with TFRecordWriter(paths["tfrecord"]) as w:
         for i in range(0, n, 256):
             w.write_batch(x[i:i + 256])
+    per = -(-n // FILES)
+    paths["open_files"] = []
+    for f in range(FILES):
+        p = os.path.join(d, f"part{f:02d}.rio")
+        with rl.RecordIOWriter(p, schema) as w:
+            for i in range(f * per, min(n, (f + 1) * per), 256):
+                w.write_batch({"x": x[i:min(i + 256, (f + 1) * per, n)]})
+        paths["open_files"].append(p)
     return x, schema, paths
 
 
@@ -231,6 +246,16 @@ def make_peers(x, schema, paths, torch_batches, with_torch=True):
         finally:
             _set_mapped_reads(old)
 
+    def open_files(seed):
+        return run_chain(rl.open_files(paths["open_files"]).shuffle(BUFFER, seed=seed).batch(BATCH))
+
+    def open_files_two_copy(seed):
+        old = _set_mapped_reads(False)
+        try:
+            return open_files(seed)
+        finally:
+            _set_mapped_reads(old)
+
     def rio_lod_two_copy(seed):
         old = _set_mapped_reads(False)
         try:
@@ -263,6 +288,7 @@ def make_peers(x, schema, paths, torch_batches, with_torch=True):
              "rio v2 mmap": rio_mmap, "rio v2 two-copy": rio_two_copy,
              "rio v2 cached staging": rio_cached_staging, "rio v2 staged": rio_staged, "rio v2 LoD": rio("rio v2 LoD"),
              "rio v2 LoD two-copy": rio_lod_two_copy, "rio v1": rio("rio v1"), "tfrecord": tfr,
+             "open_files 16": open_files, "open_files 16 two-copy": open_files_two_copy,
              "torch": torch_dl, "memcpy": memcpy, "memcpy gather": memcpy_gather, "mmap fused": mmap_gather(True),
              "mmap fused nt": mmap_gather(True, nt=True),
              "mmap memcpy": mmap_gather(False)}
@@ -315,6 +341,7 @@ def peak_rss(path, **env_extra):
     return peak["peak_MB"], res[1]
 
 
+OPEN_FILES_RATIOS = [("open_files 16", p) for p in ("memcpy", "torch", "rio v2", "open_files 16 two-copy")]
 LOD_RATIOS = [("rio v2 LoD", "rio v2 LoD two-copy"), ("rio v2 LoD", "torch"), ("rio v2 LoD", "rio v2")]
 RATIO_PEERS = ("memcpy", "memcpy gather", "torch", "rio v2 cached staging", "rio v2 two-copy", "rio v2 mmap",
                "rio v1", "rio v2 staged",
@@ -371,7 +398,7 @@ def main(argv=None):
                             "warm-up call left out):")
             rep.table(["ratio", "best", "median"],
                       [[f"{mine} / {peer}", *(f"{r:.2f}" for r in harness.speedup(st, mine, peer))]
-                       for mine, peer in [("rio v2", p) for p in RATIO_PEERS] + LOD_RATIOS + KEEP_RATIOS
+                       for mine, peer in [("rio v2", p) for p in RATIO_PEERS] + OPEN_FILES_RATIOS + LOD_RATIOS + KEEP_RATIOS
                        if peer in st and mine in st])
         buf = min(BUFFER, args.records) * SIZE / 2**20
         result["peak_rss_MB"] = {"shuffle_buffer": buf}
