@@ -45,7 +45,8 @@ cdef extern from "rl_mapped.h":
     rl_block *rl_deferred_new(rl_dchunk *c, const char *data, int64_t size, uint32_t crc,
                               int64_t chunk, int64_t index) nogil
     void rl_map_incref(rl_map *m) nogil
-    void rl_map_set_gate(rl_map *m, rl_map *g) nogil
+    void rl_map_set_gate(rl_map *m, rl_map *g, int always) nogil
+    bint rl_map_defers(const rl_map *m) nogil
     int rl_map_all_zero(rl_map *m, const char *p, int64_t n, int64_t *fault_off) nogil
     # moved and copied
     bint rl_record_is_deferred(const rl_record *r) nogil

@@ -75,7 +75,7 @@ from posix.mman cimport mmap, munmap, madvise, PROT_READ, MAP_SHARED, MAP_FAILED
 from readerlib._mapped cimport (
     rl_map, rl_dblock, rl_dchunk, rl_mapped_api, rl_mapped, rl_mapped_import,
     rl_record_is_deferred, rl_dchunk_new, rl_dchunk_done, rl_deferred_new, rl_deferred_materialize, rl_map_all_zero,
-    rl_map_incref, rl_map_new, RL_MAP_PREAD_BASE, RL_MAP_RECORDIO, RL_DEF_OK, RL_DEF_MISMATCH, RL_DEF_SHRUNK, RL_DEF_NOMEM, RL_DEF_LAYOUT,
+    rl_map_incref, rl_map_new, rl_map_defers, RL_MAP_PREAD_BASE, RL_MAP_RECORDIO, RL_DEF_OK, RL_DEF_MISMATCH, RL_DEF_SHRUNK, RL_DEF_NOMEM, RL_DEF_LAYOUT,
     RL_DEF_PADDING, RL_DEF_IO, RL_MAP_TFRECORD)
 
 rl_mapped_import()
@@ -1468,7 +1468,7 @@ cdef class RecordIOReader(FileReader):
         code = self._v2_layout(T, n, stored, payload_abs, aligned)
         if code != CK_OK:
             return code
-        if (self.dmap != NULL and self.dmap.pull
+        if (self.dmap != NULL and rl_map_defers(self.dmap)
                 and off + CHUNK_HEADER + stored <= self.dmap.len):
             return self._load_v2_deferred(T, n, payload_abs, aligned)
         if aligned and self.padbuf == NULL:
@@ -1647,7 +1647,7 @@ cdef class RecordIOReader(FileReader):
             out.data = out.block.data
             out.size = out.block.size
             self.cur_i += 1
-            if self.dmap != NULL and not self.dmap.pull and rl_record_is_deferred(out):
+            if self.dmap != NULL and not rl_map_defers(self.dmap) and rl_record_is_deferred(out):
                 self._materialize(out)   # not for the negotiated batch: verified here
             return 1
         s = rl_load_u32(self.cur_sizes + 4 * self.cur_i)

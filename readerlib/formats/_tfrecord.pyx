@@ -103,7 +103,7 @@ cdef extern from "rl_core.h":
 
 from readerlib._mapped cimport (
     rl_map, rl_dblock, rl_dchunk, rl_mapped_api, rl_mapped, rl_mapped_import,
-    rl_dchunk_new, rl_dchunk_done, rl_deferred_new, rl_map_incref, rl_map_new, RL_MAP_PREAD_BASE, RL_DEF_MISMATCH, RL_DEF_SHRUNK,
+    rl_dchunk_new, rl_dchunk_done, rl_deferred_new, rl_map_incref, rl_map_new, rl_map_defers, RL_MAP_PREAD_BASE, RL_DEF_MISMATCH, RL_DEF_SHRUNK,
     RL_DEF_NOMEM, RL_DEF_LAYOUT, RL_DEF_IO, RL_MAP_TFRECORD)
 
 rl_mapped_import()
@@ -1082,7 +1082,7 @@ cdef class TFRecordReader(FileReader):
 
     cdef inline bint _may_defer(self) noexcept nogil:
         # a chunk loaded during a pull of the negotiated batch defers its big records
-        return (self.dmap != NULL and self.dmap.pull and self.ztype == 0 and self.cur_crc != NULL
+        return (self.dmap != NULL and rl_map_defers(self.dmap) and self.ztype == 0 and self.cur_crc != NULL
                 and not (self.lod_mode and self.prefix))
 
     cdef int64_t scan_end_of(self, int64_t k) noexcept nogil:
@@ -1137,7 +1137,7 @@ cdef class TFRecordReader(FileReader):
         block of its own.  A failure drops the rest of the chunk, as c_next does."""
         cdef int64_t i = self.cur_i, n = self.cur_len[i], foff = -1 - self.cur_off[i], got
         cdef rl_block *b
-        if self.dmap != NULL and self.dmap.pull and self.dchunk != NULL:
+        if self.dmap != NULL and rl_map_defers(self.dmap) and self.dchunk != NULL:
             b = rl_deferred_new(self.dchunk, self.dmap.base + foff, n, self.cur_crc[i], self.cur_chunk, i)
             if b == NULL:
                 with gil:

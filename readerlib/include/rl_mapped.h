@@ -260,16 +260,24 @@ static inline int rl_deferred_may_go_out(const rl_record *r) {
     return __atomic_load_n(&m->pull, __ATOMIC_RELAXED);
 }
 
+/* Whether m's reader hands out deferred records now: its own pull flag (the
+ * negotiated batch pulls, or for good), or its gate's. */
+static inline int rl_map_defers(const rl_map *m) {
+    return m->pull || (m->gate && __atomic_load_n(&m->gate->pull, __ATOMIC_RELAXED));
+}
+
 static inline void rl_map_incref(rl_map *m) { __atomic_add_fetch(&m->refcnt, 1, __ATOMIC_RELAXED); }
 
 /* m's deferred records go out when g's pull says so (m takes a reference to
- * g); m's reader defers in every load from now on.  Once, before m's reader
- * hands out a record. */
-static inline void rl_map_set_gate(rl_map *m, rl_map *g) {
+ * g); m's reader defers in every load from now on (`always`: a reader that
+ * reads ahead of the batch, open_files' workers), or while g's pull is set
+ * (a chunk cache under a global shuffle: it loads during the batch's pull).
+ * Once, before m's reader hands out a record. */
+static inline void rl_map_set_gate(rl_map *m, rl_map *g, int always) {
     rl_map_incref(g);
     __atomic_add_fetch(&g->gated, 1, __ATOMIC_RELAXED);
     m->gate = g;
-    m->pull = 1;
+    if (always) m->pull = 1;
 }
 
 /* The chunk of deferred records over [lo, hi) of m (one reference, for the

@@ -244,7 +244,7 @@ cdef class _Run:
         f = getattr(cache, "_mapped_negotiate", None)
         addr = f() if f is not None else 0
         if addr:
-            rl_map_set_gate(<rl_map *>addr, self.umap)
+            rl_map_set_gate(<rl_map *>addr, self.umap, 1)
         return addr
 
     # -- queues (no GIL) -------------------------------------------------------

@@ -49,7 +49,9 @@ from readerlib.readers._base cimport (
     ReaderBase, FileReader, rl_block, rl_record, rl_core_import,
     rl_block_incref, rl_block_decref, rl_block_new_static, ITEM_INSTANCE)
 from readerlib.readers._sources cimport _ChunkedSource, ArrayReader
-from readerlib._mapped cimport rl_mapped_import, rl_record_is_deferred, rl_deferred_may_go_out
+from readerlib._mapped cimport (
+    rl_map, rl_mapped, rl_mapped_import, rl_map_new, rl_map_incref, rl_map_set_gate, rl_record_is_deferred,
+    rl_deferred_may_go_out, RL_MAP_RECORDIO)
 
 cnp.import_array()
 rl_core_import()
@@ -129,6 +131,7 @@ cdef class ChunkCache(FileReader):
     cdef object _name
     cdef object run_of             # clone._current_run (RecordIO) or None
     cdef object defer_pread        # _mapped_negotiate: the batch preads deferred records (else a mapping)
+    cdef rl_map *gated             # the clone's map, gated by a MultiFileRecords (a reference), or NULL
 
     def __init__(self, ReaderBase clone not None, starts, int nslots=2, name="", defer_pread=None):
         cdef int64_t i
@@ -159,6 +162,9 @@ cdef class ChunkCache(FileReader):
 
     def __dealloc__(self):
         cdef int i
+        if self.gated != NULL:
+            rl_mapped.map_decref(self.gated)
+            self.gated = NULL
         if self.slots != NULL:
             for i in range(self.nslots):
                 _slot_release(&self.slots[i])
@@ -336,6 +342,9 @@ cdef class ChunkCache(FileReader):
         for i in range(self.nslots):
             _slot_release(&self.slots[i])
         self.clone.close()
+        if self.gated != NULL:               # (deferred records still out hold their own)
+            rl_mapped.map_decref(self.gated)
+            self.gated = NULL
         return 0
 
     def __repr__(self):
@@ -460,6 +469,13 @@ cdef class MultiFileRecords(FileReader):
     A corrupt chunk raises the format's error (naming file and offset) with
     a note naming the stream's index; a file that changed since
     `open_files` planned it raises ValueError naming it.
+
+    Deferred records (a BatchReader above a global shuffle over this, as
+    over one file's chunk cache: see the module's Design): this answers with
+    a map of its own that stands for no file, the *gate* the batch's pulls
+    set, and gates each open file's clone map by it (rl_map_set_gate, not
+    `always`: a clone defers while the gate's pull is set, i.e. while the
+    batch pulls, as a single file's clone does while its own is).
     """
     cdef object plan
     cdef int64_t nseg
@@ -475,6 +491,8 @@ cdef class MultiFileRecords(FileReader):
     cdef object _chunk_starts
     cdef dict _expect              # file -> record counts its chunks must have (from the plan)
     cdef int64_t closed_loads
+    cdef rl_map *gate              # a batch above negotiated (see the class doc), or NULL
+    cdef int64_t closed_deferred   # records_deferred of the caches closed since
 
     def __init__(self, plan, segments, chunk_starts, caches, expect, int max_open=64):
         cdef int64_t s
@@ -505,6 +523,43 @@ cdef class MultiFileRecords(FileReader):
     def __dealloc__(self):
         free(self.gstart); free(self.lstart); free(self.sfile)
         self.gstart = self.lstart = self.sfile = NULL
+        if self.gate != NULL:
+            rl_mapped.map_decref(self.gate)
+            self.gate = NULL
+
+    def _mapped_negotiate(self):
+        """For a BatchReader above a global shuffle over these files: this
+        reader's gate (see the class doc) with a reference for the caller.
+        Each file's clone still decides (RecordIO version 2 big records)."""
+        if self.gate == NULL:
+            self.gate = rl_map_new(b"open_files", NULL, 0, -1, RL_MAP_RECORDIO)
+            if self.gate == NULL:
+                raise MemoryError()
+            for f, c in enumerate(self.caches):
+                if c is not None:
+                    self._gate_cache(c)
+        rl_map_incref(self.gate)
+        return <size_t>self.gate
+
+    cdef _gate_cache(self, ChunkCache c):
+        """c's clone defers while the gate's pull is set (the cache keeps the map's reference)."""
+        cdef size_t addr
+        if c.gated != NULL:
+            return
+        addr = c._mapped_negotiate()
+        if addr:
+            rl_map_set_gate(<rl_map *>addr, self.gate, 0)
+            c.gated = <rl_map *>addr
+
+    cdef _cache_closed(self, ChunkCache c):
+        """A file's cache is about to close: its counts kept."""
+        self.closed_loads += c.chunk_loads
+        self.closed_deferred += c.records_deferred
+
+    @property
+    def records_deferred(self):
+        """Records the files' clones handed out as descriptors (a test hook)."""
+        return int(self.closed_deferred + sum(c.records_deferred for c in self.caches if c is not None))
 
     def chunk_starts(self):
         """Chunk boundaries over the whole stream (every file's chunks, in order)."""
@@ -549,7 +604,8 @@ cdef class MultiFileRecords(FileReader):
         sl = &self.cur.slots[self.cur.last]
         if sl.chunk >= 0 and self.cur.starts[sl.chunk] <= local < self.cur.starts[sl.chunk] + sl.n:
             _slot_get(sl, local - self.cur.starts[sl.chunk], out)     # the current chunk: no call
-            return 1
+            if not sl.deferred or not rl_record_is_deferred(out) or rl_deferred_may_go_out(out):
+                return 1                   # (a descriptor for anyone else: the cache reloads it)
         with gil:
             return self._read_slow(s, local, index, out)
 
@@ -571,10 +627,12 @@ cdef class MultiFileRecords(FileReader):
                 old = self.lru.pop(0)
                 oc = self.caches[old]
                 self.caches[old] = None       # first: a close that raises leaves lru and caches agreeing
-                self.closed_loads += oc.chunk_loads
+                self._cache_closed(oc)
                 oc.close()
             c = open_file_records(self.plan, f, self._expect.get(f))
             self.caches[f] = c
+            if self.gate != NULL:
+                self._gate_cache(c)
         else:
             self.lru.remove(f)
         self.lru.append(f)
@@ -589,7 +647,7 @@ cdef class MultiFileRecords(FileReader):
     cdef int c_close(self) except -1:
         for f, c in enumerate(self.caches):
             if c is not None:
-                self.closed_loads += c.chunk_loads
+                self._cache_closed(c)
                 c.close()
                 self.caches[f] = None
         self.lru = []

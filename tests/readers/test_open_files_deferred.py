@@ -30,7 +30,7 @@ def _write(d, files, per_file, per_chunk=10, seed=0, tfrecord=False):
                 w.write_batch(rows)
         else:
             p = str(d / f"part{f:03d}.rio")
-            with rl.RecordIOWriter(p, SCHEMA) as w:
+            with rl.RecordIOWriter(p, SCHEMA, chunk_size=per_chunk * RB) as w:
                 for s in range(0, per_file, per_chunk):
                     w.write_batch({"x": rows[s:s + per_chunk]})
         paths.append(p)
@@ -154,3 +154,62 @@ def test_many_small_files_keep_a_bounded_number_of_descriptors(tmp_path):
     del b, mf, it
     gc.collect()
     assert _open_fds() <= before
+
+
+# -- a global shuffle over open_files (readers/_random_access.pyx, MultiFileRecords) --
+
+def test_batch_over_a_global_shuffle_of_files_takes_deferred_records(tmp_path):
+    x, paths = _write(tmp_path, 5, 24, per_chunk=6)
+    g = rl.open_files(paths).global_shuffle(seed=3, window_chunks=2)
+    b = g.batch(16)
+    assert b._mapped
+    seen = 0
+    for _ in range(2):                                  # two epochs, two permutations
+        got = np.concatenate([_rows(t) for t in b])
+        perm = g.permutation()
+        assert sorted(perm.tolist()) == list(range(len(x)))
+        assert np.array_equal(got, x[perm])
+        # every chunk loaded in the epoch came as descriptors (those still
+        # cached from the epoch before are not loaded again)
+        assert g._records_deferred >= seen + (len(x) if seen == 0 else 1)
+        seen = g._records_deferred
+    b.close()
+
+
+def test_a_global_shuffle_of_files_reports_a_corrupted_record_naming_its_file(tmp_path):
+    _, paths = _write(tmp_path, 4, 20)
+    corrupt_chunk(paths[1], chunk=1, at=25000)
+    b = rl.open_files(paths).global_shuffle(seed=1).batch(8)
+    with pytest.raises(rl.RecordIOError, match=re.escape(paths[1])):
+        drain(b)
+    b.close()
+
+
+def test_a_global_shuffle_of_files_never_hands_a_descriptor_to_another_consumer(tmp_path):
+    # in a child: a descriptor read as bytes would be a wild pointer (a crash)
+    x, paths = _write(tmp_path, 3, 20)
+    np.save(tmp_path / "x.npy", x)
+    run_ok_script(f"""
+import numpy as np, readerlib as rl
+RB = {RB}
+x = np.load({str(tmp_path / "x.npy")!r})
+g = rl.open_files({paths!r}).global_shuffle(seed=5)
+perm = g.permutation()
+b = g.batch(4)
+it = iter(b)
+first = np.asarray(next(it)["x"]).reshape(-1, RB)       # the window built in the batch's pull
+assert g._records_deferred > 0
+assert np.array_equal(first, x[perm[:4]])
+inst = g.read_next()                                    # the shuffle read directly
+assert np.array_equal(np.asarray(inst["x"]), x[perm[4]])
+for i in range(len(x)):                                 # random access into the cached chunks
+    assert np.array_equal(np.asarray(g[i]["x"]), x[perm[i]]), i
+rest = np.concatenate([np.asarray(t["x"]).reshape(-1, RB) for t in it])
+assert np.array_equal(rest, x[perm[5:]])
+print("OK")
+""", timeout=120)
+
+
+def test_a_global_shuffle_of_files_resumes_exactly(tmp_path):
+    _, paths = _write(tmp_path, 3, 20, per_chunk=5)
+    assert_checkpoint_equal(lambda: rl.open_files(paths).global_shuffle(seed=2, window_chunks=2).batch(8))
