@@ -58,6 +58,7 @@ import os
 from time import perf_counter as _perf_counter
 
 import numpy as np
+cimport cython
 cimport numpy as cnp
 from libc.stdlib cimport malloc, free, realloc
 
@@ -236,7 +237,13 @@ def _probe_first(ReaderBase reader, fn, what):
 # it was: the reader holds it (its record still borrowed from the reader
 # below, its count undone) and the next read calls the function on it again,
 # so an interrupted run that reads on loses nothing and a get_state meanwhile
-# counts it as not taken.
+# counts it as not taken.  So does a MemoryError of the reader's own
+# (_own_failure).
+#
+# MapReader with one thread, MapBatchesReader and FilterReader hold their
+# input with one _HeldInput each (taken with `next`, held with `hold`, dropped
+# by c_skip with `skip` and by c_reset / c_close with `drop`); the threaded
+# map holds a whole chunk instead (MapReader._fill: its records referenced).
 _NOT_CALLED = object()       # a threaded chunk's output slot whose call has not completed
 _IN_CALL = object()          # ... whose call runs now
 _REDECODE = object()         # an input whose call was interrupted: decoded afresh before its next call
@@ -253,25 +260,54 @@ cdef inline bint _own_failure(BaseException e, bint fn_raised):
     return _interrupted(e) or (isinstance(e, MemoryError) and not fn_raised)
 
 
-cdef inline bint _hold_if_own_failure(BaseException e, bint fn_raised, const rl_record *rec,
-                                      rl_record *held, bint *has_held):
-    """An own failure (see _own_failure): `rec` is held for the next read; True then."""
-    if _own_failure(e, fn_raised):
-        held[0] = rec[0]
-        has_held[0] = True
+@cython.final
+cdef class _HeldInput:
+    """The input an own failure interrupted (see above), handed again to the
+    next read: its record, borrowed from the reader below (valid until that
+    reader's next c_next, which is not called while an input is held).
+
+    The reader counts its inputs (`in_pos`: taken this epoch); a held input
+    is not counted (`hold` puts the count back), a skipped one is (`skip`)."""
+    cdef rl_record rec
+    cdef bint has
+
+    cdef inline int next(self, ReaderBase reader, rl_record *rec) except -1 nogil:
+        """*rec = the held input if there is one, else the reader's next; c_next's return."""
+        if self.has:
+            rec[0] = self.rec
+            self.has = False
+            return 1
+        return reader.c_next(rec)
+
+    cdef inline bint hold(self, BaseException e, bint fn_raised, const rl_record *rec,
+                          int64_t *in_pos, int64_t pos):
+        """`e` interrupted the processing of input `rec` (taken when the count
+        was `pos`): an own failure holds it and puts the count back; True
+        then.  False: `e` is the item's outcome, the input is gone."""
+        if not _own_failure(e, fn_raised):
+            return False
+        self.rec = rec[0]
+        self.has = True
+        in_pos[0] = pos
         return True
-    return False
 
-
-cdef inline int _next_input(ReaderBase reader, rl_record *held, bint *has_held,
-                            rl_record *rec) except -1 nogil:
-    """*rec = the held input (an interrupted call's) if there is one, else the
-    reader's next; c_next's return."""
-    if has_held[0]:
-        rec[0] = held[0]
-        has_held[0] = False
+    cdef inline int64_t skip(self, int64_t *in_pos) noexcept nogil:
+        """c_skip: the held input is the first one skipped (dropped: its record
+        done with, counted in *in_pos); 1 if there was one."""
+        if not self.has:
+            return 0
+        self.has = False
+        rl_record_consumed(&self.rec)
+        in_pos[0] += 1
         return 1
-    return reader.c_next(rec)
+
+    cdef inline void drop(self) noexcept nogil:
+        """c_reset / c_close: the held input belonged to the epoch (or chain) left."""
+        self.has = False
+
+    cdef inline int count(self) noexcept nogil:
+        """Inputs held: taken from the reader below, not counted (0 or 1)."""
+        return 1 if self.has else 0
 
 
 cdef class _CallPool:
@@ -432,12 +468,14 @@ cdef class MapReader(DecoratedReader):
     cdef double spr_serial        # ... on the calling thread alone (see _threads_pay)
     cdef int64_t fills            # chunks called so far (all epochs)
     cdef readonly int64_t threaded_chunks   # chunks whose calls ran on the threads (a test hook)
-    cdef rl_record held_in        # num_threads=1: the input whose call was interrupted (see _interrupted)
-    cdef bint has_held_in
+    cdef _HeldInput held          # num_threads=1: the input an own failure interrupted (see _HeldInput)
     cdef bint fn_raised           # the last call of the function raised (its item's outcome: see _own_failure)
     cdef bint pulled              # num_threads>1: recs[:nrecs] pulled and counted, their chunk not made yet
     cdef object _held_chunk       # num_threads>1: [inputs, outputs, failures, futures, probe] of a chunk
                                   # whose calls were interrupted (its records stay in recs[:nrecs])
+
+    def __cinit__(self, *args, **kwargs):
+        self.held = _HeldInput()
 
     def __init__(self, reader, fn, num_threads=1, deterministic=True, output_schema=None):
         _check_reader(reader, "MapReader")
@@ -505,7 +543,8 @@ cdef class MapReader(DecoratedReader):
         self.has_failures = False
         held = self._held_chunk
         self._held_chunk = None           # (first: nothing below may leave it held)
-        self.has_held_in = False
+        if self.held is not None:         # (None: half-made, see __dealloc__)
+            self.held.drop()
         self.pulled = False
         if held is not None and held[3] and self._pool is not None:
             # an interrupted chunk dropped with pieces still out: their workers
@@ -551,8 +590,8 @@ cdef class MapReader(DecoratedReader):
         return 1
 
     def _inputs_held(self):
-        """1 while an interrupted call's input waits here (num_threads=1, see _interrupted)."""
-        return 1 if self.has_held_in else 0
+        """1 while an interrupted call's input waits here (num_threads=1, see _HeldInput)."""
+        return self.held.count()
 
     def _where(self, int64_t pos):
         src = f", reading {self._source!r}" if self._source is not None else ""
@@ -847,10 +886,8 @@ cdef class MapReader(DecoratedReader):
         try:
             return self._one_call(rec, out, pos)
         except BaseException as e:
-            if _hold_if_own_failure(e, self.fn_raised, rec, &self.held_in, &self.has_held_in):
-                self.in_pos = pos
-            else:
-                rl_record_consumed(rec)
+            if not self.held.hold(e, self.fn_raised, rec, &self.in_pos, pos):
+                rl_record_consumed(rec)          # the item's outcome: its record is done with
             raise
 
     cdef int _one_call(self, rl_record *rec, rl_record *out, int64_t pos) except -1:
@@ -948,7 +985,7 @@ cdef class MapReader(DecoratedReader):
         cdef int r
         cdef int64_t i
         if self.num_threads == 1:
-            r = _next_input(self.reader, &self.held_in, &self.has_held_in, &rec)   # (see _one)
+            r = self.held.next(self.reader, &rec)   # (see _one)
             if r <= 0:
                 return r
             with gil:
@@ -999,11 +1036,7 @@ cdef class MapReader(DecoratedReader):
         if n <= 0:
             return 0
         if self.num_threads == 1:
-            if self.has_held_in:             # the next input is the held one
-                self.has_held_in = False
-                rl_record_consumed(&self.held_in)
-                self.in_pos += 1
-                done = 1
+            done = self.held.skip(&self.in_pos)   # the next input is the held one, if any
             got = self.reader.c_skip(n - done)
             self.in_pos += got
             return done + got
@@ -1080,9 +1113,11 @@ cdef class MapBatchesReader(DecoratedReader):
     cdef bint same_schema
     cdef object _probe
     cdef object _source
-    cdef rl_record held_in        # the input batch whose call was interrupted (see _interrupted)
-    cdef bint has_held_in
+    cdef _HeldInput held          # the input batch an own failure interrupted (see _HeldInput)
     cdef bint fn_raised           # the last call of the function raised (its item's outcome: see _own_failure)
+
+    def __cinit__(self, *args, **kwargs):
+        self.held = _HeldInput()
 
     def __init__(self, reader, fn, output_schema=None):
         _check_reader(reader, "MapBatchesReader")
@@ -1161,15 +1196,14 @@ cdef class MapBatchesReader(DecoratedReader):
         try:
             r = self._apply(rec, out)
         except BaseException as e:
-            if _hold_if_own_failure(e, self.fn_raised, rec, &self.held_in, &self.has_held_in):
-                self.in_pos = pos
+            self.held.hold(e, self.fn_raised, rec, &self.in_pos, pos)
             raise
         self._probe = None                   # (batch 0's output came from the inference call)
         return r
 
     def _inputs_held(self):
-        """1 while an interrupted call's input batch waits here (see _interrupted)."""
-        return 1 if self.has_held_in else 0
+        """1 while an interrupted call's input batch waits here (see _HeldInput)."""
+        return self.held.count()
 
     cdef int _apply(self, rl_record *rec, rl_record *out) except -1:
         res, batch = self._call(rec)
@@ -1209,7 +1243,7 @@ cdef class MapBatchesReader(DecoratedReader):
                     rl_block_decref(self.hold)
                     self.hold = NULL
                 with nogil:
-                    r = _next_input(self.reader, &self.held_in, &self.has_held_in, &rec)
+                    r = self.held.next(self.reader, &rec)
                 if r == 0:
                     return None
                 pos = self.in_pos
@@ -1224,8 +1258,7 @@ cdef class MapBatchesReader(DecoratedReader):
                             raise
                         batch = keyed_of(self.schema, True, [_lod(d, [] if o is None else [o]) for d, o in parts])
                 except BaseException as e:
-                    if _hold_if_own_failure(e, self.fn_raised, &rec, &self.held_in, &self.has_held_in):
-                        self.in_pos = pos
+                    self.held.hold(e, self.fn_raised, &rec, &self.in_pos, pos)
                     raise
                 self._probe = None
                 self._position += 1
@@ -1242,7 +1275,7 @@ cdef class MapBatchesReader(DecoratedReader):
         if self.hold != NULL:
             rl_block_decref(self.hold)
             self.hold = NULL
-        r = _next_input(self.reader, &self.held_in, &self.has_held_in, &rec)
+        r = self.held.next(self.reader, &rec)
         if r <= 0:
             return r
         with gil:
@@ -1250,21 +1283,19 @@ cdef class MapBatchesReader(DecoratedReader):
 
     cdef int64_t c_skip(self, int64_t n) except -1 nogil:
         # one batch out per batch in: skip below, without calling fn
-        cdef int64_t got, held = 0
+        cdef int64_t got, done
         if self.hold != NULL:
             rl_block_decref(self.hold)
             self.hold = NULL
         if n <= 0:
             return 0
-        if self.has_held_in:                 # the next input is the held one
-            self.has_held_in = False
-            held = 1
-        got = self.reader.c_skip(n - held)
-        self.in_pos += held + got
-        return held + got
+        done = self.held.skip(&self.in_pos)  # the next input is the held one, if any
+        got = self.reader.c_skip(n - done)
+        self.in_pos += got
+        return done + got
 
     cdef int c_reset(self) except -1:
-        self.has_held_in = False
+        self.held.drop()
         if self.hold != NULL:
             rl_block_decref(self.hold)
             self.hold = NULL
@@ -1273,7 +1304,7 @@ cdef class MapBatchesReader(DecoratedReader):
         return self.reader.c_reset()
 
     cdef int c_close(self) except -1:
-        self.has_held_in = False
+        self.held.drop()
         if self.hold != NULL:
             rl_block_decref(self.hold)
             self.hold = NULL
@@ -1378,8 +1409,7 @@ cdef class FilterReader(DecoratedReader):
     cdef object _passes              # epoch -> (outputs, inputs) of the last epochs read to their end
     cdef object _saved_passes        # ... as set_state found them in the state
     cdef readonly int64_t restores   # positioned without the predicate (a test hook)
-    cdef rl_record held_in           # the item whose predicate call was interrupted (see _interrupted)
-    cdef bint has_held_in
+    cdef _HeldInput held             # the item an own failure interrupted (see _HeldInput)
     cdef bint fn_raised           # the last call of the function raised (its item's outcome: see _own_failure)
 
     def __cinit__(self, *args, **kwargs):
@@ -1387,6 +1417,7 @@ cdef class FilterReader(DecoratedReader):
         if self.ring == NULL:
             raise MemoryError()
         self.track_ok = True
+        self.held = _HeldInput()
 
     def __dealloc__(self):
         free(self.ring)
@@ -1420,8 +1451,7 @@ cdef class FilterReader(DecoratedReader):
         try:
             return self._keep(rec)
         except BaseException as e:
-            if _hold_if_own_failure(e, self.fn_raised, rec, &self.held_in, &self.has_held_in):
-                self.in_pos = pos
+            self.held.hold(e, self.fn_raised, rec, &self.in_pos, pos)
             raise
 
     cdef int _keep(self, rl_record *rec) except -1:
@@ -1463,7 +1493,7 @@ cdef class FilterReader(DecoratedReader):
             self.track_ok = False           # the reader below raised: its count no longer adds up
         while True:
             self.in_upstream = True
-            r = _next_input(self.reader, &self.held_in, &self.has_held_in, out)
+            r = self.held.next(self.reader, out)
             self.in_upstream = False
             if r <= 0:
                 if not self.at_end and self.track_ok:
@@ -1619,7 +1649,7 @@ cdef class FilterReader(DecoratedReader):
         if E - <int64_t>a < lo:
             return None
         # (an item held by an interrupted predicate call was taken too)
-        return int(self.in_pos - self._count(E - <int64_t>a)) + (1 if self.has_held_in else 0)
+        return int(self.in_pos - self._count(E - <int64_t>a)) + self.held.count()
 
     def _resume_state(self, above):
         """get_state's live part: the input counts after each of the outputs the
@@ -1704,9 +1734,15 @@ cdef class FilterReader(DecoratedReader):
         self.epoch += 1
         self.track_ok = True
         self.in_upstream = False
-        self.has_held_in = False
+        self.held.drop()
         self._spare = None
         return self.reader.c_reset()
+
+    cdef int c_close(self) except -1:
+        self.held.drop()
+        self._spare = None
+        self.reader.close()
+        return 0
 
     def _describe(self):
         return {"predicate": _callable_name(self.predicate)}
