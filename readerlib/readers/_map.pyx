@@ -1540,8 +1540,13 @@ cdef class FilterReader(DecoratedReader):
 
     cdef int _skip_below_to(self, int64_t up, str what) except -1:
         """The reader below skips to its item `up` with its own c_skip (the
-        predicate is not called); a ValueError when it has fewer items."""
-        cdef int64_t want = up - self.in_pos, got
+        predicate is not called); a ValueError when it has fewer items.  An
+        input held (an interrupted predicate call's) was taken from below
+        already: it is the first of those skipped."""
+        cdef int64_t want, got
+        if up > self.in_pos:
+            self.held.skip(&self.in_pos)
+        want = up - self.in_pos
         self.in_upstream = True
         try:
             with nogil:
