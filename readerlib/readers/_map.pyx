@@ -58,6 +58,7 @@ import os
 from time import perf_counter as _perf_counter
 
 import numpy as np
+cimport cython
 cimport numpy as cnp
 from libc.stdlib cimport malloc, free, realloc
 
@@ -234,11 +235,22 @@ def _probe_first(ReaderBase reader, fn, what):
 # item is gone, as in tf.data.  Any other BaseException (KeyboardInterrupt,
 # SystemExit: the run was interrupted, not the item) leaves the input where
 # it was: the reader holds it (its record still borrowed from the reader
-# below, its count undone) and the next read calls the function on it again,
-# so an interrupted run that reads on loses nothing and a get_state meanwhile
-# counts it as not taken.
-_NOT_CALLED = object()       # a threaded chunk's output slot whose call has not completed
-_IN_CALL = object()          # ... whose call runs now
+# below, its count undone) and the next read takes it up again, so an
+# interrupted run that reads on loses nothing and a get_state meanwhile
+# counts it as not taken.  So does a MemoryError of the reader's own
+# (_own_failure).  Where the failure came after the function had returned
+# (its output being checked, converted or encoded), that output is kept with
+# the input and the retry goes on from it: a completed call is not made
+# again.  An interrupted call is: the function may be called more than once
+# for an item whose call was interrupted (at least once, not exactly once).
+#
+# MapReader with one thread, MapBatchesReader and FilterReader hold their
+# input with one _HeldInput each (taken with `next` and `output`, held with
+# `hold`, dropped by c_skip with `skip` and by c_reset / c_close with
+# `drop`); the threaded map holds a whole chunk instead (MapReader._fill: its
+# records referenced, its completed outputs kept in the chunk's lists).
+_NOT_CALLED = object()       # no completed call (a held input's, a threaded chunk's output slot)
+_IN_CALL = object()          # a threaded chunk's output slot whose call runs now
 _REDECODE = object()         # an input whose call was interrupted: decoded afresh before its next call
 
 
@@ -253,25 +265,80 @@ cdef inline bint _own_failure(BaseException e, bint fn_raised):
     return _interrupted(e) or (isinstance(e, MemoryError) and not fn_raised)
 
 
-cdef inline bint _hold_if_own_failure(BaseException e, bint fn_raised, const rl_record *rec,
-                                      rl_record *held, bint *has_held):
-    """An own failure (see _own_failure): `rec` is held for the next read; True then."""
-    if _own_failure(e, fn_raised):
-        held[0] = rec[0]
-        has_held[0] = True
+@cython.final
+cdef class _HeldInput:
+    """The input an own failure interrupted (see above), handed again to the
+    next read: its record, borrowed from the reader below (valid until that
+    reader's next c_next, which is not called while an input is held), and
+    the function's output for it when the call had completed.
+
+    The reader counts its inputs (`in_pos`: taken this epoch); a held input
+    is not counted (`hold` puts the count back), a skipped one is (`skip`).
+    Every read takes the kept output (`output`) before anything else, so an
+    output never outlives the retry of its own input."""
+    cdef rl_record rec
+    cdef bint has
+    cdef bint has_out
+    cdef object out              # has_out: the held input's completed call's output
+
+    def __cinit__(self):
+        self.out = _NOT_CALLED
+
+    cdef inline int next(self, ReaderBase reader, rl_record *rec) except -1 nogil:
+        """*rec = the held input if there is one, else the reader's next; c_next's return."""
+        if self.has:
+            rec[0] = self.rec
+            self.has = False
+            return 1
+        return reader.c_next(rec)
+
+    cdef inline object output(self):
+        """The output kept for the input `next` just handed again (let go
+        here), or _NOT_CALLED: call the function."""
+        if not self.has_out:
+            return _NOT_CALLED
+        out = self.out
+        self.out = _NOT_CALLED
+        self.has_out = False
+        return out
+
+    cdef inline bint hold(self, BaseException e, bint fn_raised, const rl_record *rec, object out,
+                          int64_t *in_pos, int64_t pos):
+        """`e` interrupted the processing of input `rec` (taken when the count
+        was `pos`): an own failure holds it, with `out` (the function's output
+        when its call had completed, else _NOT_CALLED), and puts the count
+        back; True then.  False: `e` is the item's outcome, the input is gone."""
+        if not _own_failure(e, fn_raised):
+            return False
+        self.rec = rec[0]
+        self.has = True
+        self.out = out
+        self.has_out = out is not _NOT_CALLED
+        in_pos[0] = pos
         return True
-    return False
 
-
-cdef inline int _next_input(ReaderBase reader, rl_record *held, bint *has_held,
-                            rl_record *rec) except -1 nogil:
-    """*rec = the held input (an interrupted call's) if there is one, else the
-    reader's next; c_next's return."""
-    if has_held[0]:
-        rec[0] = held[0]
-        has_held[0] = False
+    cdef inline int64_t skip(self, int64_t *in_pos) noexcept nogil:
+        """c_skip: the held input is the first one skipped (dropped: its record
+        done with, counted in *in_pos, its kept output let go); 1 if there was one."""
+        if not self.has:
+            return 0
+        self.has = False
+        rl_record_consumed(&self.rec)
+        in_pos[0] += 1
+        if self.has_out:
+            with gil:
+                self.output()
         return 1
-    return reader.c_next(rec)
+
+    cdef inline void drop(self) noexcept:
+        """c_reset / c_close: the held input belonged to the epoch (or chain) left."""
+        self.has = False
+        self.has_out = False
+        self.out = _NOT_CALLED
+
+    cdef inline int count(self) noexcept nogil:
+        """Inputs held: taken from the reader below, not counted (0 or 1)."""
+        return 1 if self.has else 0
 
 
 cdef class _CallPool:
@@ -393,7 +460,10 @@ cdef class MapReader(DecoratedReader):
     the field when an output does not fit the output schema.  Reading on
     continues with the next record.  An interrupt inside `fn` (a
     KeyboardInterrupt, SystemExit: not an Exception) leaves the record in
-    the chain: reading on calls `fn` on it again (docs/reliability.md).
+    the chain: reading on calls `fn` on it again (docs/reliability.md), so
+    `fn` may be called more than once for an item whose call was
+    interrupted.  One after `fn` returned (while its output is checked or
+    encoded) keeps that output: reading on goes on from it.
 
     Examples
     --------
@@ -432,12 +502,14 @@ cdef class MapReader(DecoratedReader):
     cdef double spr_serial        # ... on the calling thread alone (see _threads_pay)
     cdef int64_t fills            # chunks called so far (all epochs)
     cdef readonly int64_t threaded_chunks   # chunks whose calls ran on the threads (a test hook)
-    cdef rl_record held_in        # num_threads=1: the input whose call was interrupted (see _interrupted)
-    cdef bint has_held_in
+    cdef _HeldInput held          # num_threads=1: the input an own failure interrupted (see _HeldInput)
     cdef bint fn_raised           # the last call of the function raised (its item's outcome: see _own_failure)
     cdef bint pulled              # num_threads>1: recs[:nrecs] pulled and counted, their chunk not made yet
     cdef object _held_chunk       # num_threads>1: [inputs, outputs, failures, futures, probe] of a chunk
                                   # whose calls were interrupted (its records stay in recs[:nrecs])
+
+    def __cinit__(self, *args, **kwargs):
+        self.held = _HeldInput()
 
     def __init__(self, reader, fn, num_threads=1, deterministic=True, output_schema=None):
         _check_reader(reader, "MapReader")
@@ -505,7 +577,8 @@ cdef class MapReader(DecoratedReader):
         self.has_failures = False
         held = self._held_chunk
         self._held_chunk = None           # (first: nothing below may leave it held)
-        self.has_held_in = False
+        if self.held is not None:         # (None: half-made, see __dealloc__)
+            self.held.drop()
         self.pulled = False
         if held is not None and held[3] and self._pool is not None:
             # an interrupted chunk dropped with pieces still out: their workers
@@ -551,8 +624,8 @@ cdef class MapReader(DecoratedReader):
         return 1
 
     def _inputs_held(self):
-        """1 while an interrupted call's input waits here (num_threads=1, see _interrupted)."""
-        return 1 if self.has_held_in else 0
+        """1 while an interrupted call's input waits here (num_threads=1, see _HeldInput)."""
+        return self.held.count()
 
     def _where(self, int64_t pos):
         src = f", reading {self._source!r}" if self._source is not None else ""
@@ -839,39 +912,39 @@ cdef class MapReader(DecoratedReader):
 
     cdef int _one(self, rl_record *rec, rl_record *out) except -1:
         """num_threads=1: the record just read -> one call -> one record out (no
-        read-ahead).  Interrupted (see _interrupted), the record is held: the
-        next c_next calls the function on it again."""
+        read-ahead).  An own failure holds the record (see _HeldInput): the
+        next c_next takes it up again -- calling the function again if its
+        call was what the failure interrupted, else going on from the output
+        that call returned."""
         cdef int64_t pos = self.in_pos
         self.in_pos += 1
         self.fn_raised = False
-        try:
-            return self._one_call(rec, out, pos)
-        except BaseException as e:
-            if _hold_if_own_failure(e, self.fn_raised, rec, &self.held_in, &self.has_held_in):
-                self.in_pos = pos
-            else:
-                rl_record_consumed(rec)
-            raise
-
-    cdef int _one_call(self, rl_record *rec, rl_record *out, int64_t pos) except -1:
         x = None
-        if self._probe is not None and pos == 0:
-            arrays = self._probe                  # the inference call's output, checked
-        else:
-            self._probe = None
-            # The last input's tuple and arrays are refilled in place when the
-            # function kept no reference to them (fixed-size schemas): nobody
-            # can tell, and it saves allocating them per record.
-            spare = self._spare
-            self._spare = None
-            x = self._decode(spare, rec, pos, False)
-            if x is spare:
-                self.reused += 1
-            spare = None
-            arrays = self._call(x, pos, False)
-        self._emit(arrays, out)
-        # consumed once its call completed (a big record's pages may go: an
-        # interrupted call's record is read again)
+        y = self.held.output()                    # a held input's completed call's output
+        try:
+            if self._probe is not None and pos == 0:
+                arrays = self._probe              # the inference call's output, checked
+            else:
+                self._probe = None
+                if y is _NOT_CALLED:
+                    # The last input's tuple and arrays are refilled in place when
+                    # the function kept no reference to them (fixed-size schemas):
+                    # nobody can tell, and it saves allocating them per record.
+                    spare = self._spare
+                    self._spare = None
+                    x = self._decode(spare, rec, pos, False)
+                    if x is spare:
+                        self.reused += 1
+                    spare = None
+                    y = self._fn(x, pos, False)
+                arrays = self._normalize(y, pos, False)
+            self._emit(arrays, out)
+        except BaseException as e:
+            if not self.held.hold(e, self.fn_raised, rec, y, &self.in_pos, pos):
+                rl_record_consumed(rec)          # the item's outcome: its record is done with
+            raise
+        # consumed once its output is made (a big record's pages may go: a held
+        # record is read again)
         rl_record_consumed(rec)
         self._probe = None
         if self.spare_ok:
@@ -894,12 +967,21 @@ cdef class MapReader(DecoratedReader):
         """fn(x), normalized to the output schema's arrays; errors get a note
         naming the item (instance `pos` of this epoch's input, or, at_index,
         record `pos` of the source)."""
+        return self._normalize(self._fn(x, pos, at_index), pos, at_index)
+
+    cdef object _fn(self, object x, int64_t pos, bint at_index):
+        """fn(x); what it raises gets a note naming the item (see _call) and
+        sets fn_raised (see _own_failure)."""
         try:
-            y = self.fn(x)
+            return self.fn(x)
         except Exception as e:
             self.fn_raised = True
             _note(e, f"raised by the function of MapReader on {self._where_item(pos, at_index)}")
             raise
+
+    cdef object _normalize(self, object y, int64_t pos, bint at_index):
+        """fn's output `y` as the output schema's arrays; a misfit's error gets
+        a note naming the item (see _call)."""
         try:
             return self.outcodec.normalize(y, "map: the function's output")
         except (TypeError, ValueError) as e:
@@ -948,7 +1030,7 @@ cdef class MapReader(DecoratedReader):
         cdef int r
         cdef int64_t i
         if self.num_threads == 1:
-            r = _next_input(self.reader, &self.held_in, &self.has_held_in, &rec)   # (see _one)
+            r = self.held.next(self.reader, &rec)   # (see _one)
             if r <= 0:
                 return r
             with gil:
@@ -999,11 +1081,7 @@ cdef class MapReader(DecoratedReader):
         if n <= 0:
             return 0
         if self.num_threads == 1:
-            if self.has_held_in:             # the next input is the held one
-                self.has_held_in = False
-                rl_record_consumed(&self.held_in)
-                self.in_pos += 1
-                done = 1
+            done = self.held.skip(&self.in_pos)   # the next input is the held one, if any
             got = self.reader.c_skip(n - done)
             self.in_pos += got
             return done + got
@@ -1070,6 +1148,9 @@ cdef class MapBatchesReader(DecoratedReader):
     ------
     Whatever `fn` raises, with a note naming the batch's position; ValueError
     / TypeError naming the field when an output does not fit the schema.
+    An interrupt (not an Exception) leaves the batch in the chain, as for
+    `map`: `fn` is called on it again if its call was interrupted, not if
+    it had returned.
     """
     cdef readonly object fn
     cdef BatchCodec incodec
@@ -1080,9 +1161,11 @@ cdef class MapBatchesReader(DecoratedReader):
     cdef bint same_schema
     cdef object _probe
     cdef object _source
-    cdef rl_record held_in        # the input batch whose call was interrupted (see _interrupted)
-    cdef bint has_held_in
+    cdef _HeldInput held          # the input batch an own failure interrupted (see _HeldInput)
     cdef bint fn_raised           # the last call of the function raised (its item's outcome: see _own_failure)
+
+    def __cinit__(self, *args, **kwargs):
+        self.held = _HeldInput()
 
     def __init__(self, reader, fn, output_schema=None):
         _check_reader(reader, "MapBatchesReader")
@@ -1121,10 +1204,8 @@ cdef class MapBatchesReader(DecoratedReader):
             rl_block_decref(self.hold)
             self.hold = NULL
 
-    cdef tuple _call(self, rl_record *rec):
+    cdef tuple _call(self, rl_record *rec, int64_t pos):
         """(fn's output, the input batch or None): the one Python call per batch."""
-        cdef int64_t pos = self.in_pos
-        self.in_pos += 1
         if self._probe is not None and pos == 0:
             res = self._probe
             return res, None
@@ -1153,26 +1234,38 @@ cdef class MapBatchesReader(DecoratedReader):
                 return False
         return True
 
-    cdef int _apply_or_hold(self, rl_record *rec, rl_record *out) except -1:
-        """_apply; interrupted (see _interrupted), the input is held for the next c_next."""
+    cdef object _process(self, rl_record *rec, rl_record *out):
+        """Input batch `rec` -> fn -> its output, encoded as record *out
+        (c_next), or with out NULL returned as a batch (read_next).  An own
+        failure holds the input (see _HeldInput): the next read takes it up
+        again -- calling fn again if its call was what the failure
+        interrupted, else going on from the output that call returned."""
         cdef int64_t pos = self.in_pos
-        cdef int r
+        self.in_pos += 1
         self.fn_raised = False
+        result = None
+        done = self.held.output()            # a held input's completed call's (output, input batch)
         try:
-            r = self._apply(rec, out)
+            if done is _NOT_CALLED:
+                done = self._call(rec, pos)
+            res, batch = <tuple>done
+            if out != NULL:
+                self._apply(rec, out, res, batch, pos)
+            else:
+                result = self._as_batch(res, batch, pos)
         except BaseException as e:
-            if _hold_if_own_failure(e, self.fn_raised, rec, &self.held_in, &self.has_held_in):
-                self.in_pos = pos
+            self.held.hold(e, self.fn_raised, rec, done, &self.in_pos, pos)
             raise
         self._probe = None                   # (batch 0's output came from the inference call)
-        return r
+        return result
 
     def _inputs_held(self):
-        """1 while an interrupted call's input batch waits here (see _interrupted)."""
-        return 1 if self.has_held_in else 0
+        """1 while an interrupted call's input batch waits here (see _HeldInput)."""
+        return self.held.count()
 
-    cdef int _apply(self, rl_record *rec, rl_record *out) except -1:
-        res, batch = self._call(rec)
+    cdef int _apply(self, rl_record *rec, rl_record *out, object res, object batch,
+                    int64_t pos) except -1:
+        """fn's output `res` for input `rec` (wrapped as `batch`) as record *out."""
         if self._unchanged(res, batch):      # hand the input record on, no copy
             rl_block_incref(rec.block)
             self.hold = rec.block
@@ -1181,12 +1274,23 @@ cdef class MapBatchesReader(DecoratedReader):
         try:
             self.hold = self.outcodec.encode(res, "map_batches: the function's output")
         except (TypeError, ValueError) as e:
-            _note(e, f"at batch {self.in_pos - 1} of this epoch's input to MapBatchesReader")
+            _note(e, f"at batch {pos} of this epoch's input to MapBatchesReader")
             raise
         out.block = self.hold
         out.data = self.hold.data
         out.size = self.hold.size
         return 1
+
+    cdef object _as_batch(self, object res, object batch, int64_t pos):
+        """fn's output `res` for input `batch` as the batch read_next returns."""
+        if self._unchanged(res, batch):
+            return batch
+        try:
+            parts = self.outcodec.normalize(res, "map_batches: the function's output")
+        except (TypeError, ValueError) as e:
+            _note(e, f"at batch {pos} of this epoch's input to MapBatchesReader")
+            raise
+        return keyed_of(self.schema, True, [_lod(d, [] if o is None else [o]) for d, o in parts])
 
     def read_next(self):
         """The next batch, or None at the end of the epoch (see ReaderBase.read_next).
@@ -1197,7 +1301,6 @@ cdef class MapBatchesReader(DecoratedReader):
         """
         cdef rl_record rec
         cdef int r
-        cdef int64_t pos
         if self._closed:
             self._check_open()
         try:
@@ -1209,25 +1312,10 @@ cdef class MapBatchesReader(DecoratedReader):
                     rl_block_decref(self.hold)
                     self.hold = NULL
                 with nogil:
-                    r = _next_input(self.reader, &self.held_in, &self.has_held_in, &rec)
+                    r = self.held.next(self.reader, &rec)
                 if r == 0:
                     return None
-                pos = self.in_pos
-                self.fn_raised = False
-                try:
-                    res, batch = self._call(&rec)
-                    if not self._unchanged(res, batch):
-                        try:
-                            parts = self.outcodec.normalize(res, "map_batches: the function's output")
-                        except (TypeError, ValueError) as e:
-                            _note(e, f"at batch {self.in_pos - 1} of this epoch's input to MapBatchesReader")
-                            raise
-                        batch = keyed_of(self.schema, True, [_lod(d, [] if o is None else [o]) for d, o in parts])
-                except BaseException as e:
-                    if _hold_if_own_failure(e, self.fn_raised, &rec, &self.held_in, &self.has_held_in):
-                        self.in_pos = pos
-                    raise
-                self._probe = None
+                batch = self._process(&rec, NULL)
                 self._position += 1
                 return batch
         finally:
@@ -1242,29 +1330,28 @@ cdef class MapBatchesReader(DecoratedReader):
         if self.hold != NULL:
             rl_block_decref(self.hold)
             self.hold = NULL
-        r = _next_input(self.reader, &self.held_in, &self.has_held_in, &rec)
+        r = self.held.next(self.reader, &rec)
         if r <= 0:
             return r
         with gil:
-            return self._apply_or_hold(&rec, out)
+            self._process(&rec, out)
+        return 1
 
     cdef int64_t c_skip(self, int64_t n) except -1 nogil:
         # one batch out per batch in: skip below, without calling fn
-        cdef int64_t got, held = 0
+        cdef int64_t got, done
         if self.hold != NULL:
             rl_block_decref(self.hold)
             self.hold = NULL
         if n <= 0:
             return 0
-        if self.has_held_in:                 # the next input is the held one
-            self.has_held_in = False
-            held = 1
-        got = self.reader.c_skip(n - held)
-        self.in_pos += held + got
-        return held + got
+        done = self.held.skip(&self.in_pos)  # the next input is the held one, if any
+        got = self.reader.c_skip(n - done)
+        self.in_pos += got
+        return done + got
 
     cdef int c_reset(self) except -1:
-        self.has_held_in = False
+        self.held.drop()
         if self.hold != NULL:
             rl_block_decref(self.hold)
             self.hold = NULL
@@ -1273,7 +1360,7 @@ cdef class MapBatchesReader(DecoratedReader):
         return self.reader.c_reset()
 
     cdef int c_close(self) except -1:
-        self.has_held_in = False
+        self.held.drop()
         if self.hold != NULL:
             rl_block_decref(self.hold)
             self.hold = NULL
@@ -1335,7 +1422,9 @@ cdef class FilterReader(DecoratedReader):
     The predicate gets an instance (tuple of fresh NumPy arrays) or a batch
     (tuple of LoDTensor) and returns a bool.  Kept records pass on unchanged
     (no copy).  An exception in the predicate is raised with a note naming the
-    position; reading on continues with the next item.
+    position; reading on continues with the next item.  An interrupt (not an
+    Exception) leaves the item in the chain, as for `map`: the predicate is
+    called on it again if its call was interrupted, not if it had returned.
 
     Resume: `get_state()` records how many items the filter took from the
     reader below for each of its last outputs (as many as the readers above it
@@ -1378,8 +1467,7 @@ cdef class FilterReader(DecoratedReader):
     cdef object _passes              # epoch -> (outputs, inputs) of the last epochs read to their end
     cdef object _saved_passes        # ... as set_state found them in the state
     cdef readonly int64_t restores   # positioned without the predicate (a test hook)
-    cdef rl_record held_in           # the item whose predicate call was interrupted (see _interrupted)
-    cdef bint has_held_in
+    cdef _HeldInput held             # the item an own failure interrupted (see _HeldInput)
     cdef bint fn_raised           # the last call of the function raised (its item's outcome: see _own_failure)
 
     def __cinit__(self, *args, **kwargs):
@@ -1387,6 +1475,7 @@ cdef class FilterReader(DecoratedReader):
         if self.ring == NULL:
             raise MemoryError()
         self.track_ok = True
+        self.held = _HeldInput()
 
     def __dealloc__(self):
         free(self.ring)
@@ -1414,19 +1503,24 @@ cdef class FilterReader(DecoratedReader):
         return True
 
     cdef int _keep_or_hold(self, rl_record *rec) except -1:
-        """_keep; interrupted (see _interrupted), the item is held for the next c_next."""
-        cdef int64_t pos = self.in_pos
-        self.fn_raised = False
-        try:
-            return self._keep(rec)
-        except BaseException as e:
-            if _hold_if_own_failure(e, self.fn_raised, rec, &self.held_in, &self.has_held_in):
-                self.in_pos = pos
-            raise
-
-    cdef int _keep(self, rl_record *rec) except -1:
+        """Keep input `rec`?  (1 / 0.)  An own failure holds the input (see
+        _HeldInput): the next c_next takes it up again -- calling the predicate
+        again if its call was what the failure interrupted, else going on from
+        the verdict that call returned."""
         cdef int64_t pos = self.in_pos
         self.in_pos += 1
+        self.fn_raised = False
+        k = self.held.output()               # a held input's completed call's verdict
+        try:
+            if k is _NOT_CALLED:
+                k = self._predicate(rec, pos)
+            return self._verdict(k, pos)
+        except BaseException as e:
+            self.held.hold(e, self.fn_raised, rec, k, &self.in_pos, pos)
+            raise
+
+    cdef object _predicate(self, rl_record *rec, int64_t pos):
+        """predicate(item `pos`, made from `rec`)."""
         item = None
         if self.incodec is not None:
             item = self._spare             # refilled when the predicate kept nothing (see MapReader)
@@ -1445,7 +1539,10 @@ cdef class FilterReader(DecoratedReader):
             raise
         if self.incodec is not None and self.incodec.L.n_lod == 0 and not self.incodec.L.bare:
             self._spare = item
-        item = None
+        return k
+
+    cdef int _verdict(self, object k, int64_t pos) except -1:
+        """The predicate's return `k` as 1 (keep) / 0; a TypeError if it is not a bool."""
         if isinstance(k, (bool, np.bool_)):
             return 1 if k else 0
         if isinstance(k, (int, np.integer)) or (isinstance(k, np.ndarray) and k.shape == ()):
@@ -1463,7 +1560,7 @@ cdef class FilterReader(DecoratedReader):
             self.track_ok = False           # the reader below raised: its count no longer adds up
         while True:
             self.in_upstream = True
-            r = _next_input(self.reader, &self.held_in, &self.has_held_in, out)
+            r = self.held.next(self.reader, out)
             self.in_upstream = False
             if r <= 0:
                 if not self.at_end and self.track_ok:
@@ -1510,8 +1607,13 @@ cdef class FilterReader(DecoratedReader):
 
     cdef int _skip_below_to(self, int64_t up, str what) except -1:
         """The reader below skips to its item `up` with its own c_skip (the
-        predicate is not called); a ValueError when it has fewer items."""
-        cdef int64_t want = up - self.in_pos, got
+        predicate is not called); a ValueError when it has fewer items.  An
+        input held (an interrupted predicate call's) was taken from below
+        already: it is the first of those skipped."""
+        cdef int64_t want, got
+        if up > self.in_pos:
+            self.held.skip(&self.in_pos)
+        want = up - self.in_pos
         self.in_upstream = True
         try:
             with nogil:
@@ -1619,7 +1721,7 @@ cdef class FilterReader(DecoratedReader):
         if E - <int64_t>a < lo:
             return None
         # (an item held by an interrupted predicate call was taken too)
-        return int(self.in_pos - self._count(E - <int64_t>a)) + (1 if self.has_held_in else 0)
+        return int(self.in_pos - self._count(E - <int64_t>a)) + self.held.count()
 
     def _resume_state(self, above):
         """get_state's live part: the input counts after each of the outputs the
@@ -1704,9 +1806,15 @@ cdef class FilterReader(DecoratedReader):
         self.epoch += 1
         self.track_ok = True
         self.in_upstream = False
-        self.has_held_in = False
+        self.held.drop()
         self._spare = None
         return self.reader.c_reset()
+
+    cdef int c_close(self) except -1:
+        self.held.drop()
+        self._spare = None
+        self.reader.close()
+        return 0
 
     def _describe(self):
         return {"predicate": _callable_name(self.predicate)}
