@@ -74,7 +74,7 @@ from posix.mman cimport mmap, munmap, madvise, PROT_READ, MAP_SHARED, MAP_FAILED
 
 from readerlib._mapped cimport (
     rl_map, rl_dblock, rl_dchunk, rl_mapped_api, rl_mapped, rl_mapped_import,
-    rl_record_is_deferred, rl_dchunk_new, rl_dchunk_done, rl_deferred_new, rl_deferred_materialize, rl_map_all_zero,
+    rl_record_is_deferred, rl_dchunk_new, rl_dchunk_done, rl_deferred_new, deferred_verified_copy, rl_map_all_zero,
     rl_map_incref, rl_map_new, rl_map_defers, RL_MAP_PREAD_BASE, RL_MAP_RECORDIO, RL_DEF_OK, RL_DEF_MISMATCH, RL_DEF_SHRUNK, RL_DEF_NOMEM, RL_DEF_LAYOUT,
     RL_DEF_PADDING, RL_DEF_IO, RL_MAP_TFRECORD)
 
@@ -1667,17 +1667,10 @@ cdef class RecordIOReader(FileReader):
         cdef int code
         cdef int64_t off
         cdef int64_t i = self.cur_i - 1
-        cdef rl_block *nb = rl_deferred_materialize(out, &code, &off)
+        cdef rl_block *nb = deferred_verified_copy(out, &self.layout, &code, &off)
         if nb == NULL:
             with gil:
-                err = _deferred_error_of(out, code, off)
-                rl_block_decref(self.cur_blocks[i])
-                self.cur_blocks[i] = NULL
-                raise err
-        if self.layout.n_lod and layout_parse(&self.layout, nb.data, nb.size, self._ptrs, self._rows) != 0:
-            with gil:
-                err = _deferred_error_of(out, RL_DEF_LAYOUT, out.data - self.dmap.base, self.schema)
-                rl_block_decref(nb)
+                err = _deferred_error_of(out, code, off, self.schema if code == RL_DEF_LAYOUT else None)
                 rl_block_decref(self.cur_blocks[i])
                 self.cur_blocks[i] = NULL
                 raise err
