@@ -29,6 +29,7 @@
 #ifndef READERLIB_RL_ARGMAX_H
 #define READERLIB_RL_ARGMAX_H
 #include <stddef.h>
+#include "rl_isa.h"
 
 #if defined(__SSE2__) || defined(_M_X64) || (defined(_M_IX86_FP) && _M_IX86_FP >= 2)
 #include <emmintrin.h>
@@ -252,14 +253,11 @@ static rl_argmax_idx rl_argmax_f32_avx512_auto(const float* row, rl_argmax_idx n
 typedef rl_argmax_idx (*rl_argmax_f32_fn)(const float*, rl_argmax_idx);
 static rl_argmax_f32_fn rl_argmax_f32 = rl_argmax_f32_sse2;
 
-static int rl_ctc_select_isa(int want) {   /* want: 0 best, 1 sse2, 2 avx2, 3 avx512 */
-    int best = 1;
-#ifdef RL_CTC_X86_DISPATCH
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2")) best = 2;
-    if (__builtin_cpu_supports("avx512f")) best = 3;
+static int rl_ctc_select_isa(int want) {   /* want: 0 best, 1 sse2, 2 avx2, 3 avx512 (rl_isa.h) */
+    want = rl_isa_choose(want);
+#ifndef RL_CTC_X86_DISPATCH
+    want = RL_ISA_BASE;
 #endif
-    if (want == 0 || want > best) want = best;
     rl_argmax_f32 = rl_argmax_f32_sse2;
 #ifdef RL_CTC_X86_DISPATCH
     if (want == 2) rl_argmax_f32 = rl_argmax_f32_avx2;

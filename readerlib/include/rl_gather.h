@@ -53,6 +53,7 @@
 #ifndef READERLIB_RL_GATHER_H
 #define READERLIB_RL_GATHER_H
 #include <stddef.h>
+#include "rl_isa.h"
 #include <stdint.h>
 #include <string.h>
 
@@ -174,14 +175,11 @@ RL_GATHER_LOOP_OUTPF(rl_gather_avx512_i64, int64_t, RL_COPY_ZMM, RL_TARGET_AVX51
    at import, or by tests. */
 static int rl_gather_isa = 1;
 
-static int rl_gather_select_isa(int want) {   /* want: 0 best, 1 baseline, 2 avx2, 3 avx512 */
-    int best = 1;
-#ifdef RL_GATHER_X86_DISPATCH
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2")) best = 2;
-    if (best == 2 && __builtin_cpu_supports("avx512f")) best = 3;
+static int rl_gather_select_isa(int want) {   /* want: 0 best, 1 baseline, 2 avx2, 3 avx512 (rl_isa.h) */
+    want = rl_isa_choose(want);
+#ifndef RL_GATHER_X86_DISPATCH
+    want = RL_ISA_BASE;
 #endif
-    if (want == 0 || want > best) want = best;
     rl_gather_isa = want;
     return want;
 }

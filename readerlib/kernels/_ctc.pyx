@@ -53,6 +53,7 @@ cimport cython
 
 cimport numpy as cnp
 import numpy as np
+from readerlib.kernels._isa import Dispatch
 
 from readerlib._typedefs cimport float32_t, float64_t, int32_t, int64_t, intp_t, real_t
 from libc.stdlib cimport free, malloc
@@ -68,13 +69,16 @@ cdef extern from "rl_argmax.h":
     int rl_ctc_select_isa(int want) noexcept nogil
 
 
-_ISA_NAMES = {1: "sse2", 2: "avx2", 3: "avx512"}
-_ISA = rl_ctc_select_isa(0)
+def _select(int want):
+    return rl_ctc_select_isa(want)
+
+
+_DISPATCH = Dispatch(_select)          # (readerlib/kernels/_isa.py, include/rl_isa.h)
 
 
 def isa():
     """The instruction set the float32 row argmax uses ('sse2', 'avx2' or 'avx512')."""
-    return _ISA_NAMES[_ISA]
+    return _DISPATCH.name()
 
 
 def _set_isa(name=None):
@@ -83,10 +87,7 @@ def _set_isa(name=None):
     Returns the name in use (a request above what the CPU has falls back).
     Not thread-safe: call it while no decode is running.
     """
-    global _ISA
-    want = 0 if name is None else {v: k for k, v in _ISA_NAMES.items()}[name]
-    _ISA = rl_ctc_select_isa(want)
-    return _ISA_NAMES[_ISA]
+    return _DISPATCH.force(name)
 
 
 cdef inline intp_t _row_argmax(const real_t* row, intp_t n) noexcept nogil:

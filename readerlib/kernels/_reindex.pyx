@@ -63,6 +63,7 @@ from libc.string cimport memcpy, memset
 
 cimport numpy as cnp
 import numpy as np
+from readerlib.kernels._isa import Dispatch
 
 from readerlib._typedefs cimport (float32_t, float64_t, index_t, int32_t, int64_t,
                                   intp_t, uint8_t, uint16_t, uint32_t, uint64_t)
@@ -154,15 +155,18 @@ cdef extern from "rl_gather.h":
                               intp_t e, char* dst, intp_t pf) noexcept nogil
 
 
-_ISA_NAMES = {1: "sse2", 2: "avx2", 3: "avx512"}
-_ISA = rl_gather_select_isa(0)
+def _select(int want):
+    return rl_gather_select_isa(want)
+
+
+_DISPATCH = Dispatch(_select)          # (readerlib/kernels/_isa.py, include/rl_isa.h)
 
 
 def isa():
     """The instruction set of the forward's cached row loop ('sse2', 'avx2' or
     'avx512'; with 'avx512', rows that are not a multiple of 64 bytes use AVX2,
     and 32-byte rows always use SSE2)."""
-    return _ISA_NAMES[_ISA]
+    return _DISPATCH.name()
 
 
 def _set_isa(name=None):
@@ -171,10 +175,7 @@ def _set_isa(name=None):
     Returns the name in use (a request above what the CPU has falls back).
     Not thread-safe: call it while no gather is running.
     """
-    global _ISA
-    want = 0 if name is None else {v: k for k, v in _ISA_NAMES.items()}[name]
-    _ISA = rl_gather_select_isa(want)
-    return _ISA_NAMES[_ISA]
+    return _DISPATCH.force(name)
 
 
 # Rows up to this size (and a multiple of 32 bytes) are copied with inlined moves.

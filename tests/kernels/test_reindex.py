@@ -564,6 +564,13 @@ def test_gather_isa_is_the_widest_the_cpu_has():
     assert _reindex.isa() == want
 
 
+def test_every_kernel_probes_the_cpu_alike():
+    # one probe (include/rl_isa.h): CTC's argmax had taken AVX-512F alone as
+    # its widest level, where reindex asked for AVX2 as well
+    from readerlib.kernels import _ctc
+    assert _ctc.isa() == _reindex.isa()
+
+
 # each side of every branch of _gather_range: machine words (1, 2, 4, 8), the
 # memcpy loop (12, 20, 40, 1040: not a multiple of 32 / longer than 1 KiB),
 # cached moves (32 .. 1024: with AVX-512, 64-byte multiples take the 64-byte
