@@ -207,8 +207,14 @@ for name in NAMES:
     c = make()
     t0 = time.perf_counter()
     ref = rest(c)
-    dur = time.perf_counter() - t0             # the timer's range follows the epoch's length
+    dur = time.perf_counter() - t0             # the timer's range follows the epoch's length:
     c.close()
+    for _ in range(2):                         # its shortest of three (one epoch slowed by the
+        c = make()                             # machine's other load put most alarms after the
+        t0 = time.perf_counter()               # end of a 0.4 ms epoch: no hit in 12 attempts)
+        rest(c)
+        dur = min(dur, time.perf_counter() - t0)
+        c.close()
     hits = 0
     for attempt in range(12):
         c = make()
