@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import readerlib as rl
 from readerlib.formats._tfrecord import TFRecordReader, TFRecordWriter
-from readerlib.readers._global_shuffle import GlobalShuffleReader, WindowShuffleReader, _permute_py
+from readerlib.readers._global_shuffle import (GlobalShuffleReader, WindowShuffleReader, _permute_py,
+                                               _window_order_py)
 
 from helpers import (array_reader, assert_checkpoint_equal, assert_exactly_once, canon, drain_canon,
                      make_columns, unbatch, write_recordio)
@@ -272,6 +273,49 @@ def test_window_shuffle_permutes_within_windows():
     assert sorted(e1) == list(range(n)) and e1 != e0
     assert _ids(rl.ArrayReader(np.arange(n)).shuffle(w, seed=3, mode="window")) == e0
     assert isinstance(r, WindowShuffleReader) and len(r) == n
+    # each window's order is the Fisher-Yates table drawn from (seed, epoch, window)
+    assert e0 == [k + t for k in range(0, n, w) for t in _window_order_py(3, 0, k // w, min(w, n - k))]
+
+
+def test_window_shuffle_orders_are_permutations():
+    for n in (1, 2, 3, 16, 100, 1000):
+        for key in range(4):
+            for feistel in (False, True):
+                assert sorted(_window_order_py(key, 0, 0, n, feistel)) == list(range(n))
+
+
+def test_window_shuffle_restores_a_state_saved_before_the_fisher_yates_order():
+    # states saved before 2026-12-05 have no "order": the windows then came in
+    # the Feistel bijection's order, and a restore must go on in it (the items
+    # of the interrupted window not yet read are exactly its rest)
+    import json
+    n, w, seed = 100, 16, 3
+    r = rl.ArrayReader(np.arange(n)).shuffle(w, seed=seed, mode="window")
+    it = iter(r)
+    [next(it) for _ in range(21)]
+    state = json.loads(json.dumps(r.get_state()))
+    assert state["order"] == "fisher-yates"
+    del state["order"]
+    old = [k + t for k in range(0, n, w) for t in _window_order_py(seed, 0, k // w, min(w, n - k), True)]
+    r2 = rl.ArrayReader(np.arange(n)).shuffle(w, seed=seed, mode="window")
+    r2.set_state(state)
+    assert _ids(r2) == old[21:]
+    nxt = [k + t for k in range(0, n, w) for t in _window_order_py(seed, 1, k // w, min(w, n - k), True)]
+    it2 = iter(r2)                                      # the next epoch: the same order kept
+    assert [int(next(it2)[0]) for _ in range(5)] == nxt[:5]
+    s2 = r2.get_state()
+    assert s2["order"] == "feistel"                     # ... and saved
+    r3 = rl.ArrayReader(np.arange(n)).shuffle(w, seed=seed, mode="window")
+    r3.set_state(s2)
+    assert _ids(r3) == nxt[5:]
+    bad = dict(state, order="bogus")
+    with pytest.raises(ValueError, match="unknown window shuffle order"):
+        rl.ArrayReader(np.arange(n)).shuffle(w, seed=seed, mode="window").set_state(bad)
+
+
+def test_window_shuffle_refuses_a_window_beyond_its_table():
+    with pytest.raises(ValueError, match="window_size must be at most"):
+        rl.ArrayReader(np.arange(10)).shuffle(1 << 32, seed=1, mode="window")
 
 
 # ------------------------------------------------------------ exact resume
