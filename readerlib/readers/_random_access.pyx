@@ -31,9 +31,10 @@ Design:
 
     Deferred records.  A BatchReader above a global shuffle asks, through
     it, for the clone's deferred records (`_mapped_negotiate`: RecordIO
-    version 2 chunks of big records, as sequential reading gives them to a
-    batch): a chunk loaded while that batch pulls holds descriptors (file
-    offset, size, the record's CRC from the chunk's verified table), and the
+    version 2 chunks of big records, or an uncompressed TFRecord file's, as
+    sequential reading gives them to a batch): a chunk loaded while that
+    batch pulls holds descriptors (file offset, size, the record's CRC from
+    the chunk's verified table, or TFRecord's own data CRC), and the
     batch reads each record straight into its row and checks it there -- one
     copy of the bytes instead of the chunk's pread plus the batch's copy.  A
     deferred record asked for at any other time (``reader[i]``, a consumer
@@ -326,12 +327,16 @@ cdef class ChunkCache(FileReader):
 
     def _mapped_negotiate(self):
         """For a BatchReader above a global shuffle over this cache (see
-        Design, "Deferred records"): the clone's mapping with a reference for
-        the caller, or 0 (not a RecordIO clone, or the clone says no)."""
+        Design, "Deferred records"): the clone's map with a reference for
+        the caller, or 0 (not a RecordIO or TFRecord clone, or the clone says
+        no).  A TFRecord clone's deferred records are always pread."""
         from readerlib.formats._recordio import RecordIOReader
-        if type(self.clone) is not RecordIOReader:
-            return 0
-        return self.clone._mapped_negotiate(pread=self.defer_pread)
+        from readerlib.formats._tfrecord import TFRecordReader
+        if type(self.clone) is RecordIOReader:
+            return self.clone._mapped_negotiate(pread=self.defer_pread)
+        if type(self.clone) is TFRecordReader:
+            return self.clone._mapped_negotiate()
+        return 0
 
     cdef int c_next(self, rl_record *out) except -1 nogil:
         with gil:

@@ -88,3 +88,78 @@ def test_resume_is_exact(tmp_path):
     p = tmp_path / "big.rio"
     _write(p, 120, per=30)
     assert_checkpoint_equal(lambda: rl.RecordIOReader(str(p)).global_shuffle(seed=2, window_chunks=2).batch(16))
+
+
+# -- an uncompressed TFRecord file under the global shuffle (its own data CRCs) --
+
+def _write_tfrecord(path, n, seed=0):
+    from readerlib.formats._tfrecord import TFRecordWriter
+    x = np.random.default_rng(seed).integers(0, 256, size=(n, RB), dtype=np.uint8)
+    with TFRecordWriter(str(path)) as w:
+        w.write_batch(x)
+    return x
+
+
+def _tfrecord_reader(path):
+    return rl.TFRecordReader(str(path), schema=rl.Schema([rl.Field("x", "uint8", (RB,))]))
+
+
+def test_batch_over_a_global_shuffle_of_tfrecord_takes_deferred_records(tmp_path):
+    p = tmp_path / "big.tfrecord"
+    x = _write_tfrecord(p, 200)
+    g = _tfrecord_reader(p).global_shuffle(seed=3, window_chunks=2)
+    b = g.batch(16)
+    assert b._mapped
+    seen = 0
+    for _ in range(2):
+        got = np.concatenate([_rows(bt) for bt in b])
+        perm = g.permutation()
+        assert sorted(perm.tolist()) == list(range(len(x)))
+        assert np.array_equal(got, x[perm])
+        assert g._records_deferred > seen           # chunks loaded in the epoch came as descriptors
+        seen = g._records_deferred
+    b.close()
+
+
+def test_a_corrupted_tfrecord_record_under_a_global_shuffle_raises_naming_the_file(tmp_path):
+    p = tmp_path / "big.tfrecord"
+    _write_tfrecord(p, 60)
+    with open(p, "r+b") as f:                      # inside record 7's data
+        f.seek(7 * (RB + 16) + 12 + 999)
+        v = f.read(1)
+        f.seek(7 * (RB + 16) + 12 + 999)
+        f.write(bytes([v[0] ^ 0x40]))
+    b = _tfrecord_reader(p).global_shuffle(seed=1).batch(8)
+    with pytest.raises(rl.TFRecordError, match=re.escape(f"{p}: corrupted record at {7 * (RB + 16)}")):
+        drain(b)
+    b.close()
+
+
+def test_a_global_shuffle_of_tfrecord_never_hands_a_descriptor_to_another_consumer(tmp_path):
+    p = tmp_path / "big.tfrecord"
+    x = _write_tfrecord(p, 60)
+    np.save(tmp_path / "x.npy", x)
+    run_ok_script(f"""
+import numpy as np, readerlib as rl
+RB = {RB}
+x = np.load({str(tmp_path / "x.npy")!r})
+g = rl.TFRecordReader({str(p)!r}, schema=rl.Schema([rl.Field("x", "uint8", (RB,))])).global_shuffle(seed=5)
+perm = g.permutation()
+b = g.batch(4)
+it = iter(b)
+first = np.asarray(next(it)["x"]).reshape(-1, RB)
+assert g._records_deferred > 0
+assert np.array_equal(first, x[perm[:4]])
+assert np.array_equal(np.asarray(g.read_next()["x"]), x[perm[4]])
+for i in range(len(x)):
+    assert np.array_equal(np.asarray(g[i]["x"]), x[perm[i]]), i
+rest = np.concatenate([np.asarray(t["x"]).reshape(-1, RB) for t in it])
+assert np.array_equal(rest, x[perm[5:]])
+print("OK")
+""", timeout=120)
+
+
+def test_a_global_shuffle_of_tfrecord_resumes_exactly(tmp_path):
+    p = tmp_path / "big.tfrecord"
+    _write_tfrecord(p, 60)
+    assert_checkpoint_equal(lambda: _tfrecord_reader(p).global_shuffle(seed=2, window_chunks=2).batch(8))
