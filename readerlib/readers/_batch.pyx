@@ -57,10 +57,12 @@ __all__ = ["BatchReader"]
 def _pass_through_types():
     # decorators that only move items (never read a record's bytes): a batch
     # above them may take deferred records from the file reader below
+    # (the shuffles, which buffer items, hand a deferred one to any other consumer verified)
     from readerlib.readers._shuffle import ShuffleReader
+    from readerlib.readers._global_shuffle import WindowShuffleReader
     from readerlib.readers._passes import MultiPassReader
     from readerlib.readers._base import ReaderHolder
-    return (ShuffleReader, MultiPassReader, ReaderHolder)
+    return (ShuffleReader, WindowShuffleReader, MultiPassReader, ReaderHolder)
 
 
 cdef object _mapped_source(object reader):

@@ -163,3 +163,61 @@ def test_a_global_shuffle_of_tfrecord_resumes_exactly(tmp_path):
     p = tmp_path / "big.tfrecord"
     _write_tfrecord(p, 60)
     assert_checkpoint_equal(lambda: _tfrecord_reader(p).global_shuffle(seed=2, window_chunks=2).batch(8))
+
+
+# -- the window shuffle passes deferred records through, as the buffer shuffle does --
+
+def _window_want(p, w, seed):
+    return np.stack([np.asarray(i[0]) for i in drain(rl.RecordIOReader(str(p)).shuffle(w, seed=seed, mode="window"))])
+
+
+def test_batch_over_a_window_shuffle_takes_deferred_records(tmp_path):
+    p = tmp_path / "big.rio"
+    x = _write(p, 150)
+    want = _window_want(p, 32, 4)                       # the ordinary path
+    src = rl.RecordIOReader(str(p))
+    b = src.shuffle(32, seed=4, mode="window").batch(16)
+    assert b._mapped
+    got = np.concatenate([_rows(bt) for bt in b])
+    assert np.array_equal(got, want)
+    assert sorted(map(bytes, got)) == sorted(map(bytes, x))
+    assert src._records_deferred == len(x)
+    b.close()
+
+
+def test_a_corrupted_record_under_a_window_shuffle_raises_naming_the_file(tmp_path):
+    p = tmp_path / "big.rio"
+    _write(p, 100)
+    corrupt_chunk(str(p), chunk=1, at=20000)
+    b = rl.RecordIOReader(str(p)).shuffle(16, seed=1, mode="window").batch(8)
+    with pytest.raises(rl.RecordIOError, match=re.escape(str(p))):
+        drain(b)
+    b.close()
+
+
+def test_a_window_shuffle_never_hands_a_descriptor_to_another_consumer(tmp_path):
+    p = tmp_path / "big.rio"
+    _write(p, 100)
+    np.save(tmp_path / "want.npy", _window_want(p, 32, 6))
+    run_ok_script(f"""
+import numpy as np, readerlib as rl
+RB = {RB}
+want = np.load({str(tmp_path / "want.npy")!r})
+src = rl.RecordIOReader({str(p)!r})
+w = src.shuffle(32, seed=6, mode="window")
+b = w.batch(4)
+it = iter(b)
+assert np.array_equal(np.asarray(next(it)["x"]).reshape(-1, RB), want[:4])
+assert src._records_deferred > 0                        # the window was filled in the batch's pull
+for i in range(4, 20):                                  # the window shuffle read directly
+    assert np.array_equal(np.asarray(w.read_next()["x"]), want[i]), i
+rest = np.concatenate([np.asarray(t["x"]).reshape(-1, RB) for t in it])
+assert np.array_equal(rest, want[20:])
+print("OK")
+""", timeout=120)
+
+
+def test_a_window_shuffle_with_deferred_records_resumes_exactly(tmp_path):
+    p = tmp_path / "big.rio"
+    _write(p, 90, per=30)
+    assert_checkpoint_equal(lambda: rl.RecordIOReader(str(p)).shuffle(16, seed=2, mode="window").batch(8))
