@@ -60,9 +60,9 @@ def _pass_through_types():
     # (the shuffles, which buffer items, hand a deferred one to any other consumer verified)
     from readerlib.readers._shuffle import ShuffleReader
     from readerlib.readers._global_shuffle import WindowShuffleReader
-    from readerlib.readers._passes import MultiPassReader
+    from readerlib.readers._passes import MultiPassReader, ShardReader
     from readerlib.readers._base import ReaderHolder
-    return (ShuffleReader, WindowShuffleReader, MultiPassReader, ReaderHolder)
+    return (ShuffleReader, WindowShuffleReader, MultiPassReader, ShardReader, ReaderHolder)
 
 
 cdef object _mapped_source(object reader):

@@ -221,3 +221,24 @@ def test_a_window_shuffle_with_deferred_records_resumes_exactly(tmp_path):
     p = tmp_path / "big.rio"
     _write(p, 90, per=30)
     assert_checkpoint_equal(lambda: rl.RecordIOReader(str(p)).shuffle(16, seed=2, mode="window").batch(8))
+
+
+@pytest.mark.parametrize("shuffle", ["buffer", "window", "global"])
+def test_a_shard_passes_deferred_records_through(tmp_path, shuffle):
+    # shard only moves items (tf.data's shard: keeps every k-th, skips the rest)
+    p = tmp_path / "big.rio"
+    x = _write(p, 120)
+
+    def chain(src):
+        s = src.global_shuffle(seed=5) if shuffle == "global" else src.shuffle(24, seed=5, mode=shuffle)
+        return s, s.shard(3, 1)
+    want = np.stack([np.asarray(i[0]) for i in drain(chain(rl.RecordIOReader(str(p)))[1])])
+    src = rl.RecordIOReader(str(p))
+    s, sh = chain(src)
+    b = sh.batch(8)
+    assert b._mapped
+    assert np.array_equal(np.concatenate([_rows(t) for t in b]), want)
+    assert len(want) == 40
+    deferred = s._records_deferred if shuffle == "global" else src._records_deferred
+    assert deferred >= len(x)                           # (the shard's skipped ones never read)
+    b.close()
