@@ -7,7 +7,7 @@
 # state, includes the header itself (RL_MAPPED_OWNER).
 from readerlib._typedefs cimport int64_t, uint32_t
 from readerlib.readers._base cimport (
-    rl_block, rl_record, rl_layout, layout_parse, rl_block_decref, RL_MAX_FIELDS)
+    ReaderBase, rl_block, rl_record, rl_layout, layout_parse, rl_block_decref, RL_MAX_FIELDS)
 
 cdef extern from "rl_mapped.h":
     ctypedef struct rl_map:
@@ -82,3 +82,26 @@ cdef inline rl_block *deferred_verified_copy(const rl_record *r, const rl_layout
         off[0] = r.data - (<rl_dblock *>r.block).map.base
         return NULL
     return nb
+
+
+cdef inline int hand_out_verified(ReaderBase reader, rl_record *out, rl_block **held) except -1 nogil:
+    """For a reader that buffers deferred records (open_files' reader, the
+    window shuffle): *out, one asked for by a consumer other than the batch
+    that negotiated it, replaced by a verified copy that *held keeps until
+    the next call (the previous one let go then), or its error (file,
+    offset) raised (the record is then dropped)."""
+    cdef int code
+    cdef int64_t off
+    cdef rl_block *nb = deferred_verified_copy(out, &reader.layout, &code, &off)
+    if nb == NULL:
+        with gil:
+            from readerlib.formats._recordio import _deferred_error_py
+            raise _deferred_error_py(<size_t>out.block, code, off,
+                                     reader.schema if code == RL_DEF_LAYOUT else None)
+    if held[0] != NULL:
+        rl_block_decref(held[0])
+    held[0] = nb
+    out.block = nb
+    out.data = nb.data
+    out.size = nb.size
+    return 0

@@ -62,7 +62,7 @@ from readerlib.readers._base cimport (
     rl_hash3, rl_core_import, ITEM_INSTANCE)
 from readerlib.readers._base import _check_positive_int, _check_reader
 from readerlib._mapped cimport (
-    rl_mapped_import, rl_record_is_deferred, rl_deferred_may_go_out, deferred_verified_copy, RL_DEF_LAYOUT)
+    rl_mapped_import, rl_record_is_deferred, rl_deferred_may_go_out, hand_out_verified)
 
 rl_core_import()
 rl_mapped_import()
@@ -682,9 +682,10 @@ cdef class WindowShuffleReader(DecoratedReader):
     and its order as a table (see the module doc).  A batch above negotiates
     deferred records through it (readers/_batch.pyx, as through a buffer
     shuffle): a window filled during that batch's pull may hold them, and
-    one asked for by anyone else goes out as a verified copy (_materialize).  Each item's first cache
-    line is requested as it enters the window (in source order, so an
-    in-memory source streams in) and again RING places before it goes out.
+    one asked for by anyone else goes out as a verified copy
+    (hand_out_verified).  Each item's first cache line is requested as it
+    enters the window (in source order, so an in-memory source streams in)
+    and again RING places before it goes out.
 
     Parameters
     ----------
@@ -697,7 +698,7 @@ cdef class WindowShuffleReader(DecoratedReader):
     cdef rl_block **blocks         # one reference per run of the window's items from one block
     cdef int64_t nblocks
     cdef uint32_t *tab             # the window's order: item tab[i] goes out i-th
-    cdef rl_block *mat             # the last verified copy handed out (_materialize), or NULL
+    cdef rl_block *mat             # the last verified copy handed out (hand_out_verified), or NULL
     cdef bint feistel_order        # the order of states saved before 2026-12-05 (see the module doc)
     cdef readonly int64_t window_size
     cdef int64_t count             # items in the current window
@@ -793,28 +794,9 @@ cdef class WindowShuffleReader(DecoratedReader):
             rl_ws_prefetch(self.buf[self.tab[self.i + RING]].data)
         self.i += 1
         if rl_record_is_deferred(out) and not rl_deferred_may_go_out(out):
-            self._materialize(out)           # (raises: the item is dropped)
+            hand_out_verified(self, out, &self.mat)    # (raises: the item is dropped)
         return 1
 
-    cdef int _materialize(self, rl_record *out) except -1 nogil:
-        """A deferred item asked for by a consumer other than the batch that
-        negotiated it: a verified copy (valid until the next read), or its
-        error (file, offset)."""
-        cdef int code
-        cdef int64_t off
-        cdef rl_block *nb = deferred_verified_copy(out, &self.layout, &code, &off)
-        if nb == NULL:
-            with gil:
-                from readerlib.formats._recordio import _deferred_error_py
-                raise _deferred_error_py(<size_t>out.block, code, off,
-                                         self.schema if code == RL_DEF_LAYOUT else None)
-        if self.mat != NULL:
-            rl_block_decref(self.mat)
-        self.mat = nb
-        out.block = nb
-        out.data = nb.data
-        out.size = nb.size
-        return 0
 
     cdef int64_t c_skip(self, int64_t n) except -1 nogil:
         cdef int64_t done = 0, k, whole, got

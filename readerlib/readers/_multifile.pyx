@@ -84,7 +84,7 @@ from readerlib._parallel import start_threads
 from readerlib.errors import DataLossError
 from readerlib._mapped cimport (
     rl_map, rl_mapped, rl_mapped_import, rl_map_new, rl_map_incref, rl_map_set_gate,
-    rl_record_is_deferred, deferred_verified_copy, RL_MAP_RECORDIO, RL_DEF_LAYOUT)
+    rl_record_is_deferred, hand_out_verified, RL_MAP_RECORDIO)
 
 rl_core_import()
 rl_mapped_import()
@@ -398,7 +398,7 @@ cdef class MultiFileReader(FileReader):
     cdef double timeout
     cdef int64_t signals_ns       # when c_next last checked for Ctrl-C
     cdef rl_map *umap             # the gate a batch above negotiated (see Design), or NULL
-    cdef rl_block *mat            # the last verified copy handed out (_materialize), or NULL
+    cdef rl_block *mat            # the last verified copy handed out (hand_out_verified), or NULL
     cdef readonly int64_t _records_deferred   # test hook: deferred records handed to the batch
 
     def __cinit__(self):
@@ -575,7 +575,7 @@ cdef class MultiFileReader(FileReader):
                     self.emitted += 1
                     if self.umap != NULL and rl_record_is_deferred(out):
                         if not self.umap.pull:
-                            self._materialize(out)    # (raises: the record is dropped)
+                            hand_out_verified(self, out, &self.mat)    # (raises: the record is dropped)
                         else:
                             self._records_deferred += 1
                     return 1
@@ -608,25 +608,6 @@ cdef class MultiFileReader(FileReader):
             self.hold = p
             self.hold_i = 0
 
-    cdef int _materialize(self, rl_record *out) except -1 nogil:
-        """A deferred record pulled by a consumer other than the negotiated
-        batch: replaced by a verified copy (valid until the next read, as the
-        packet's records are), or its error (file, offset) raised."""
-        cdef int code
-        cdef int64_t off
-        cdef rl_block *nb = deferred_verified_copy(out, &self.layout, &code, &off)
-        if nb == NULL:
-            with gil:
-                from readerlib.formats._recordio import _deferred_error_py
-                raise _deferred_error_py(<size_t>out.block, code, off,
-                                         self.schema if code == RL_DEF_LAYOUT else None)
-        if self.mat != NULL:
-            rl_block_decref(self.mat)
-        self.mat = nb
-        out.block = nb
-        out.data = nb.data
-        out.size = nb.size
-        return 0
 
     def _mapped_negotiate(self):
         """A BatchReader above (through decorators that only move items) asks

@@ -52,16 +52,17 @@ def test_a_corrupted_big_record_raises_naming_the_file(tmp_path):
     b.close()
 
 
-def test_other_consumers_never_see_a_descriptor(tmp_path):
-    # in a child: a descriptor read as bytes would be a wild pointer (a crash)
-    p = tmp_path / "big.rio"
-    x = _write(p, 100)                                  # 4 chunks: all stay in the cache
+def _no_descriptor_escapes(tmp_path, src, x):
+    """A batch above `src`'s global shuffle (`src`: Python source making the
+    reader; `x`: its records in index order) takes descriptors, and reading
+    the shuffle directly or by index never gives one: in a child, where a
+    descriptor read as bytes would be a wild pointer (a crash)."""
     np.save(tmp_path / "x.npy", x)
     run_ok_script(f"""
 import numpy as np, readerlib as rl
 RB = {RB}
 x = np.load({str(tmp_path / "x.npy")!r})
-g = rl.RecordIOReader({str(p)!r}).global_shuffle(seed=5)
+g = ({src}).global_shuffle(seed=5)
 perm = g.permutation()
 b = g.batch(4)
 it = iter(b)
@@ -77,11 +78,23 @@ first2 = np.asarray(next(it2)["x"]).reshape(-1, RB)
 perm2 = g.permutation()
 assert np.array_equal(first2, x[perm2[:4]])
 for i in range(len(x)):                                 # random access into the cached chunks
-    assert np.array_equal(np.asarray(g[i]["x"]), x[perm2[i]])
+    assert np.array_equal(np.asarray(g[i]["x"]), x[perm2[i]]), i
 rest = np.concatenate([np.asarray(bt["x"]).reshape(-1, RB) for bt in it2])
 assert np.array_equal(rest, x[perm2[4:]])
 print("OK")
 """, timeout=120)
+
+
+def test_other_consumers_never_see_a_descriptor(tmp_path):
+    p = tmp_path / "big.rio"
+    x = _write(p, 100)                                  # 4 chunks: all stay in the cache
+    _no_descriptor_escapes(tmp_path, f"rl.RecordIOReader({str(p)!r})", x)
+
+
+def test_other_consumers_of_a_global_shuffle_of_files_never_see_a_descriptor(tmp_path):
+    paths = [tmp_path / f"part{k}.rio" for k in range(3)]
+    x = np.concatenate([_write(p, 20, per=5, seed=k) for k, p in enumerate(paths)])
+    _no_descriptor_escapes(tmp_path, f"rl.open_files({[str(p) for p in paths]!r})", x)
 
 
 def test_resume_is_exact(tmp_path):
@@ -138,25 +151,7 @@ def test_a_corrupted_tfrecord_record_under_a_global_shuffle_raises_naming_the_fi
 def test_a_global_shuffle_of_tfrecord_never_hands_a_descriptor_to_another_consumer(tmp_path):
     p = tmp_path / "big.tfrecord"
     x = _write_tfrecord(p, 60)
-    np.save(tmp_path / "x.npy", x)
-    run_ok_script(f"""
-import numpy as np, readerlib as rl
-RB = {RB}
-x = np.load({str(tmp_path / "x.npy")!r})
-g = rl.TFRecordReader({str(p)!r}, schema=rl.Schema([rl.Field("x", "uint8", (RB,))])).global_shuffle(seed=5)
-perm = g.permutation()
-b = g.batch(4)
-it = iter(b)
-first = np.asarray(next(it)["x"]).reshape(-1, RB)
-assert g._records_deferred > 0
-assert np.array_equal(first, x[perm[:4]])
-assert np.array_equal(np.asarray(g.read_next()["x"]), x[perm[4]])
-for i in range(len(x)):
-    assert np.array_equal(np.asarray(g[i]["x"]), x[perm[i]]), i
-rest = np.concatenate([np.asarray(t["x"]).reshape(-1, RB) for t in it])
-assert np.array_equal(rest, x[perm[5:]])
-print("OK")
-""", timeout=120)
+    _no_descriptor_escapes(tmp_path, f"rl.TFRecordReader({str(p)!r}, schema=rl.Schema([rl.Field('x', 'uint8', ({RB},))]))", x)
 
 
 def test_a_global_shuffle_of_tfrecord_resumes_exactly(tmp_path):

@@ -185,31 +185,6 @@ def test_a_global_shuffle_of_files_reports_a_corrupted_record_naming_its_file(tm
     b.close()
 
 
-def test_a_global_shuffle_of_files_never_hands_a_descriptor_to_another_consumer(tmp_path):
-    # in a child: a descriptor read as bytes would be a wild pointer (a crash)
-    x, paths = _write(tmp_path, 3, 20)
-    np.save(tmp_path / "x.npy", x)
-    run_ok_script(f"""
-import numpy as np, readerlib as rl
-RB = {RB}
-x = np.load({str(tmp_path / "x.npy")!r})
-g = rl.open_files({paths!r}).global_shuffle(seed=5)
-perm = g.permutation()
-b = g.batch(4)
-it = iter(b)
-first = np.asarray(next(it)["x"]).reshape(-1, RB)       # the window built in the batch's pull
-assert g._records_deferred > 0
-assert np.array_equal(first, x[perm[:4]])
-inst = g.read_next()                                    # the shuffle read directly
-assert np.array_equal(np.asarray(inst["x"]), x[perm[4]])
-for i in range(len(x)):                                 # random access into the cached chunks
-    assert np.array_equal(np.asarray(g[i]["x"]), x[perm[i]]), i
-rest = np.concatenate([np.asarray(t["x"]).reshape(-1, RB) for t in it])
-assert np.array_equal(rest, x[perm[5:]])
-print("OK")
-""", timeout=120)
-
-
 def test_a_global_shuffle_of_files_resumes_exactly(tmp_path):
     _, paths = _write(tmp_path, 3, 20, per_chunk=5)
     assert_checkpoint_equal(lambda: rl.open_files(paths).global_shuffle(seed=2, window_chunks=2).batch(8))
