@@ -64,6 +64,7 @@ cdef extern from "rl_mapped.h":
     int RL_DEF_OK, RL_DEF_MISMATCH, RL_DEF_SHRUNK, RL_DEF_NOMEM, RL_DEF_LAYOUT, RL_DEF_PADDING, RL_DEF_IO
     int RL_DEF_MAX_PIECES
     int RL_MAP_RECORDIO, RL_MAP_TFRECORD
+    int RL_MAP_MAX_GATED
 
 
 cdef inline rl_block *deferred_verified_copy(const rl_record *r, const rl_layout *L, int *code,

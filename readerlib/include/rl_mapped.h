@@ -268,6 +268,12 @@ static inline int rl_map_defers(const rl_map *m) {
 
 static inline void rl_map_incref(rl_map *m) { __atomic_add_fetch(&m->refcnt, 1, __ATOMIC_RELAXED); }
 
+/* The most maps one gate keeps gated at once (open_files' workers, a global
+ * shuffle's chunk caches): each holds a descriptor (pread mode) while one of
+ * its deferred records is out, and a buffer or window above can hold records
+ * of many small files; files opened beyond it are read the ordinary way. */
+#define RL_MAP_MAX_GATED 64
+
 /* m's deferred records go out when g's pull says so (m takes a reference to
  * g); m's reader defers in every load from now on (`always`: a reader that
  * reads ahead of the batch, open_files' workers), or while g's pull is set

@@ -771,7 +771,8 @@ cdef class WindowShuffleReader(DecoratedReader):
                 rl_block_incref(rec.block)
                 self.blocks[self.nblocks] = rec.block
                 self.nblocks += 1
-            rl_ws_prefetch(rec.data)
+            if not rl_record_is_deferred(&rec):  # (a deferred one's data is a file offset)
+                rl_ws_prefetch(rec.data)
             self.buf[self.count] = rec
             self.count += 1
         self.filling = False
@@ -831,6 +832,9 @@ cdef class WindowShuffleReader(DecoratedReader):
 
     cdef int c_close(self) except -1:
         self._release()
+        if self.mat != NULL:
+            rl_block_decref(self.mat)
+            self.mat = NULL
         self.reader.close()
         return 0
 

@@ -50,7 +50,7 @@ Design:
     reads each record straight into its row and checks its CRC there, as
     for one file.  A deferred record that this reader hands to anyone but
     the negotiated batch (umap.pull 0: read_next on it directly, say) is
-    replaced here by a verified copy first.  At most MAX_GATED files' maps
+    replaced here by a verified copy first.  At most RL_MAP_MAX_GATED files' maps
     live at once (each holds a descriptor until its last deferred record
     goes: a shuffle buffer can hold records of many small files); files
     opened beyond that are read the ordinary way.
@@ -84,7 +84,7 @@ from readerlib._parallel import start_threads
 from readerlib.errors import DataLossError
 from readerlib._mapped cimport (
     rl_map, rl_mapped, rl_mapped_import, rl_map_new, rl_map_incref, rl_map_set_gate,
-    rl_record_is_deferred, hand_out_verified, RL_MAP_RECORDIO)
+    rl_record_is_deferred, hand_out_verified, RL_MAP_RECORDIO, RL_MAP_MAX_GATED)
 
 rl_core_import()
 rl_mapped_import()
@@ -96,7 +96,6 @@ cdef enum:
     PACKET_BYTES = 4194304
     QUEUE_PACKETS = 256
     QUEUE_BYTES = 33554432        # record bytes a thread may queue ahead (32 MiB)
-    MAX_GATED = 64                # files whose maps a run's gate keeps (deferred records; see Design)
 
 
 cdef struct _packet:
@@ -239,7 +238,7 @@ cdef class _Run:
         that negotiated with the reader (see Design): the file's map, gated,
         with a reference the worker lets go with the file; 0 where not."""
         cdef size_t addr
-        if self.umap == NULL or self.umap.gated >= MAX_GATED:
+        if self.umap == NULL or self.umap.gated >= RL_MAP_MAX_GATED:
             return 0
         f = getattr(cache, "_mapped_negotiate", None)
         addr = f() if f is not None else 0

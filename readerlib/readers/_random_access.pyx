@@ -52,7 +52,7 @@ from readerlib.readers._base cimport (
 from readerlib.readers._sources cimport _ChunkedSource, ArrayReader
 from readerlib._mapped cimport (
     rl_map, rl_mapped, rl_mapped_import, rl_map_new, rl_map_incref, rl_map_set_gate, rl_record_is_deferred,
-    rl_deferred_may_go_out, RL_MAP_RECORDIO)
+    rl_deferred_may_go_out, RL_MAP_RECORDIO, RL_MAP_MAX_GATED)
 
 cnp.import_array()
 rl_core_import()
@@ -547,9 +547,12 @@ cdef class MultiFileRecords(FileReader):
         return <size_t>self.gate
 
     cdef _gate_cache(self, ChunkCache c):
-        """c's clone defers while the gate's pull is set (the cache keeps the map's reference)."""
+        """c's clone defers while the gate's pull is set (the cache keeps the
+        map's reference); not beyond RL_MAP_MAX_GATED files' maps alive (each
+        holds a descriptor while a deferred record of it is out: a window or
+        a buffer above can hold records of many small files)."""
         cdef size_t addr
-        if c.gated != NULL:
+        if c.gated != NULL or self.gate.gated >= RL_MAP_MAX_GATED:
             return
         addr = c._mapped_negotiate()
         if addr:
@@ -636,11 +639,12 @@ cdef class MultiFileRecords(FileReader):
                 oc.close()
             c = open_file_records(self.plan, f, self._expect.get(f))
             self.caches[f] = c
+            self.lru.append(f)                # (before the gating below, which may raise)
             if self.gate != NULL:
                 self._gate_cache(c)
         else:
             self.lru.remove(f)
-        self.lru.append(f)
+            self.lru.append(f)
         self.cur = c
         self.cur_seg = s
         return 0

@@ -188,3 +188,23 @@ def test_a_global_shuffle_of_files_reports_a_corrupted_record_naming_its_file(tm
 def test_a_global_shuffle_of_files_resumes_exactly(tmp_path):
     _, paths = _write(tmp_path, 3, 20, per_chunk=5)
     assert_checkpoint_equal(lambda: rl.open_files(paths).global_shuffle(seed=2, window_chunks=2).batch(8))
+
+
+def test_a_global_shuffle_of_many_small_files_keeps_a_bounded_number_of_descriptors(tmp_path):
+    # one chunk cache per file, each gated map holding a descriptor while a
+    # deferred record of its file is out: a window over 100 files' chunks
+    x, paths = _write(tmp_path, 100, 2, per_chunk=2)
+    before = _open_fds()
+    g = rl.open_files(paths).global_shuffle(seed=4, window_chunks=100)
+    b = g.batch(10)
+    it = iter(b)
+    got = [_rows(next(it))]
+    assert _open_fds() - before <= 64 + 64 + 4          # gated maps, the caches' open files, slack
+    got += [_rows(t) for t in it]
+    perm = g.permutation()
+    assert np.array_equal(np.concatenate(got), x[perm])
+    assert 0 < g._records_deferred < len(x)             # beyond the bound, files read the ordinary way
+    b.close()
+    del b, g, it
+    gc.collect()
+    assert _open_fds() <= before
