@@ -183,11 +183,20 @@ cdef struct _order:             # one window's order: tab[i] = window-local reco
     int64_t cap
 
 
+cdef inline void _fisher_yates(uint32_t *tab, int64_t n, uint64_t key) noexcept nogil:
+    # tab[0..n) = a uniform permutation of [0, n) drawn from `key`: inside-out
+    # Fisher-Yates, one pass, the table's random accesses independent
+    cdef uint64_t st = key
+    cdef int64_t i, j
+    for i in range(n):
+        j = <int64_t>rl_gs_below(&st, <uint64_t>(i + 1))
+        tab[i] = tab[j]
+        tab[j] = <uint32_t>i
+
+
 cdef int _order_make(_order *o, int64_t k, int64_t n, int64_t nch, uint64_t key) except -1 nogil:
     """o.tab = a uniform permutation of [0, n) drawn from `key` (o.cum: the caller's)."""
     cdef uint32_t *t2
-    cdef uint64_t st = key
-    cdef int64_t i, j
     o.k = -1
     if n > <int64_t>0xFFFFFFFF:
         with gil:
@@ -199,11 +208,7 @@ cdef int _order_make(_order *o, int64_t k, int64_t n, int64_t nch, uint64_t key)
                 raise MemoryError(f"global_shuffle: a window of {n} records")
         o.tab = t2
         o.cap = n
-    # inside-out Fisher-Yates: one pass, the table's random accesses independent
-    for i in range(n):
-        j = <int64_t>rl_gs_below(&st, <uint64_t>(i + 1))
-        o.tab[i] = o.tab[j]
-        o.tab[j] = <uint32_t>i
+    _fisher_yates(o.tab, n, key)
     o.n = n
     o.nch = nch
     o.k = k
@@ -645,19 +650,15 @@ cdef inline int64_t min64(int64_t a, int64_t b) noexcept nogil:
 # ------------------------------------------------------------------ window
 cdef void _window_order(uint32_t *tab, int64_t n, uint64_t key, bint feistel) noexcept nogil:
     """tab[0..n) = window shuffle's order of a window of n items drawn from `key`:
-    an inside-out Fisher-Yates pass, or (`feistel`) the Feistel bijection's."""
+    a global shuffle window's Fisher-Yates pass, or (`feistel`) the Feistel bijection's."""
     cdef _feistel f
-    cdef uint64_t st = key
-    cdef int64_t i, j
-    if feistel:
-        _feistel_init(&f, key, <uint64_t>n)
-        for i in range(n):
-            tab[i] = <uint32_t>_permute(&f, <uint64_t>i)
+    cdef int64_t i
+    if not feistel:
+        _fisher_yates(tab, n, key)
         return
+    _feistel_init(&f, key, <uint64_t>n)
     for i in range(n):
-        j = <int64_t>rl_gs_below(&st, <uint64_t>(i + 1))
-        tab[i] = tab[j]
-        tab[j] = <uint32_t>i
+        tab[i] = <uint32_t>_permute(&f, <uint64_t>i)
 
 
 def _window_order_py(uint64_t seed, int64_t epoch, int64_t window, int64_t n, bint feistel=False):
