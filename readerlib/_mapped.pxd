@@ -106,3 +106,31 @@ cdef inline int hand_out_verified(ReaderBase reader, rl_record *out, rl_block **
     out.data = nb.data
     out.size = nb.size
     return 0
+
+
+cdef inline size_t gate_ref(rl_map **gate) except 0:
+    """A reader that stands for many files (open_files' reader, a global
+    shuffle's per-file caches) answers a batch's negotiation with a *gate*
+    (rl_map_set_gate): made in *gate on first use, a map of no file.
+    Returns its address with a reference for the caller."""
+    if gate[0] == NULL:
+        gate[0] = rl_map_new(b"open_files", NULL, 0, -1, RL_MAP_RECORDIO)
+        if gate[0] == NULL:
+            raise MemoryError()
+    rl_map_incref(gate[0])
+    return <size_t>gate[0]
+
+
+cdef inline size_t gate_file(rl_map *gate, object reader, int always) except? 0:
+    """`reader`'s map, gated by `gate` (rl_map_set_gate, `always` as there),
+    with its negotiation's reference for the caller to let go; 0 when the
+    reader declines, or RL_MAP_MAX_GATED maps are gated already."""
+    cdef size_t addr = 0
+    if gate.gated >= RL_MAP_MAX_GATED:
+        return 0
+    f = getattr(reader, "_mapped_negotiate", None)
+    if f is not None:
+        addr = f()
+    if addr:
+        rl_map_set_gate(<rl_map *>addr, gate, always)
+    return addr

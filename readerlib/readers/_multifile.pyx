@@ -83,8 +83,8 @@ from readerlib.readers._base import _check_positive_int, _check_reader
 from readerlib._parallel import start_threads
 from readerlib.errors import DataLossError
 from readerlib._mapped cimport (
-    rl_map, rl_mapped, rl_mapped_import, rl_map_new, rl_map_incref, rl_map_set_gate,
-    rl_record_is_deferred, hand_out_verified, RL_MAP_RECORDIO, RL_MAP_MAX_GATED)
+    rl_map, rl_mapped, rl_mapped_import, rl_map_incref, rl_record_is_deferred, hand_out_verified, gate_ref,
+    gate_file)
 
 rl_core_import()
 rl_mapped_import()
@@ -237,14 +237,7 @@ cdef class _Run:
         """The worker's new file reader defers its big records for the batch
         that negotiated with the reader (see Design): the file's map, gated,
         with a reference the worker lets go with the file; 0 where not."""
-        cdef size_t addr
-        if self.umap == NULL or self.umap.gated >= RL_MAP_MAX_GATED:
-            return 0
-        f = getattr(cache, "_mapped_negotiate", None)
-        addr = f() if f is not None else 0
-        if addr:
-            rl_map_set_gate(<rl_map *>addr, self.umap, 1)
-        return addr
+        return 0 if self.umap == NULL else gate_file(self.umap, cache, 1)
 
     # -- queues (no GIL) -------------------------------------------------------
     cdef int _push(self, int t, _packet *p) noexcept nogil:
@@ -614,12 +607,7 @@ cdef class MultiFileReader(FileReader):
         Design) with a reference for the caller.  Runs started from now on
         let their files' readers defer; each file's reader still decides
         (version-2 big records, not compressed, deferred reads on)."""
-        if self.umap == NULL:
-            self.umap = rl_map_new(b"open_files", NULL, 0, -1, RL_MAP_RECORDIO)
-            if self.umap == NULL:
-                raise MemoryError()
-        rl_map_incref(self.umap)
-        return <size_t>self.umap
+        return gate_ref(&self.umap)
 
     cdef int64_t c_skip(self, int64_t n) except -1 nogil:
         # At the start of an epoch (set_state: after c_reset) whole units are

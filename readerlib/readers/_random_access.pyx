@@ -51,8 +51,7 @@ from readerlib.readers._base cimport (
     rl_block_incref, rl_block_decref, rl_block_new_static, ITEM_INSTANCE)
 from readerlib.readers._sources cimport _ChunkedSource, ArrayReader
 from readerlib._mapped cimport (
-    rl_map, rl_mapped, rl_mapped_import, rl_map_new, rl_map_incref, rl_map_set_gate, rl_record_is_deferred,
-    rl_deferred_may_go_out, RL_MAP_RECORDIO, RL_MAP_MAX_GATED)
+    rl_map, rl_mapped, rl_mapped_import, rl_record_is_deferred, rl_deferred_may_go_out, gate_ref, gate_file)
 
 cnp.import_array()
 rl_core_import()
@@ -536,28 +535,21 @@ cdef class MultiFileRecords(FileReader):
         """For a BatchReader above a global shuffle over these files: this
         reader's gate (see the class doc) with a reference for the caller.
         Each file's clone still decides (RecordIO version 2 big records)."""
-        if self.gate == NULL:
-            self.gate = rl_map_new(b"open_files", NULL, 0, -1, RL_MAP_RECORDIO)
-            if self.gate == NULL:
-                raise MemoryError()
-            for f, c in enumerate(self.caches):
+        cdef bint first = self.gate == NULL
+        cdef size_t addr = gate_ref(&self.gate)
+        if first:
+            for c in self.caches:
                 if c is not None:
                     self._gate_cache(c)
-        rl_map_incref(self.gate)
-        return <size_t>self.gate
+        return addr
 
     cdef _gate_cache(self, ChunkCache c):
         """c's clone defers while the gate's pull is set (the cache keeps the
         map's reference); not beyond RL_MAP_MAX_GATED files' maps alive (each
         holds a descriptor while a deferred record of it is out: a window or
         a buffer above can hold records of many small files)."""
-        cdef size_t addr
-        if c.gated != NULL or self.gate.gated >= RL_MAP_MAX_GATED:
-            return
-        addr = c._mapped_negotiate()
-        if addr:
-            rl_map_set_gate(<rl_map *>addr, self.gate, 0)
-            c.gated = <rl_map *>addr
+        if c.gated == NULL:
+            c.gated = <rl_map *>gate_file(self.gate, c, 0)
 
     cdef _cache_closed(self, ChunkCache c):
         """A file's cache is about to close: its counts kept."""
