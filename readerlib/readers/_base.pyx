@@ -375,11 +375,10 @@ cdef object _decode_instance(ReaderBase r, rl_record *rec):
 
 # ------------------------------------------------------- state (checkpoints)
 STATE_VERSION = 2
-# A state holding a window shuffle whose windows come in the Fisher-Yates
-# order (since 2026-12-05) is version 3: a readerlib from before would take
-# its "order" for the Feistel one it knew and restore the window to other
-# items; it refuses a version other than 2 instead.  Both are read here.
-STATE_VERSION_ORDERED = 3
+# The newest version read here.  A state is STATE_VERSION unless a reader of
+# its chain needs a later one (its `_state_version()`): one a readerlib from
+# before could not restore right, which refuses any version but 2.
+STATE_VERSION_MAX = 3
 
 
 def _nest(flat):
@@ -784,8 +783,8 @@ cdef class ReaderBase:
                     r._resume_after_state(token)
                 self._lock.release()
         state.update(_nest(flat))
-        if any(d.get("order") == "fisher-yates" for d in flat):
-            state["version"] = STATE_VERSION_ORDERED
+        state["version"] = max([STATE_VERSION] + [r._state_version() for r in readers
+                                                  if hasattr(r, "_state_version")])
         return state
 
     def set_state(self, state):
@@ -800,8 +799,8 @@ cdef class ReaderBase:
             a shuffle drew itself (no ``seed=``) is taken from the state.
         """
         self._check_open()
-        if not isinstance(state, dict) or state.get("version") not in (STATE_VERSION, STATE_VERSION_ORDERED):
-            raise ValueError(f"set_state takes a dict made by get_state() (version {STATE_VERSION}), "
+        if not isinstance(state, dict) or state.get("version") not in range(STATE_VERSION, STATE_VERSION_MAX + 1):
+            raise ValueError(f"set_state takes a dict made by get_state() (version {STATE_VERSION} to {STATE_VERSION_MAX}), "
                              f"got {'version ' + repr(state.get('version')) if isinstance(state, dict) else type(state).__name__}")
         readers = self._walk()
         saved = _flatten(state)

@@ -850,6 +850,11 @@ cdef class WindowShuffleReader(DecoratedReader):
         return {"seed": int(self.seed), "epoch": int(self.epoch),
                 "order": "feistel" if self.feistel_order else "fisher-yates"}
 
+    def _state_version(self):
+        # a readerlib from before the Fisher-Yates order (it reads version 2
+        # only) would restore such a window in the Feistel order: other items
+        return 2 if self.feistel_order else 3
+
     def _set_epoch_state(self, state):
         order = state.get("order", "feistel")        # (no key: saved before 2026-12-05)
         if order not in ("feistel", "fisher-yates"):
