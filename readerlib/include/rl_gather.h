@@ -80,34 +80,28 @@ static inline void rl_gather_prefetch(const char* p, rl_gidx nbytes) {
 #endif
 }
 
-/* The loop: copy rows [b, e), prefetching `pf` rows ahead; COPY(d, s, n). */
-#define RL_GATHER_LOOP(NAME, IDX_T, COPY, FENCE)                               \
-static void NAME(const char* src, rl_gidx rb, const IDX_T* idx,                \
+/* The loop: copy rows [b, e), prefetching the source row `pf` rows ahead;
+   COPY(d, s, n); OUTPF(d, n): what it does for the output row it will write
+   `pf` rows later (RL_OUTPF: prefetch it, RL_NO_OUTPF: nothing); ATTR: a
+   target attribute or nothing. */
+#define RL_GATHER_LOOP_X(NAME, IDX_T, COPY, FENCE, OUTPF, ATTR)                \
+ATTR static void NAME(const char* src, rl_gidx rb, const IDX_T* idx,           \
                       rl_gidx b, rl_gidx e, char* dst, rl_gidx pf) {           \
     rl_gidx i, stop = e - pf > b ? e - pf : b;                                 \
     for (i = b; i < stop; ++i) {                                               \
         rl_gather_prefetch(src + (rl_gidx)idx[i + pf] * rb, rb);               \
+        OUTPF(dst + (i + pf) * rb, rb);                                        \
         COPY(dst + i * rb, src + (rl_gidx)idx[i] * rb, rb);                    \
     }                                                                          \
     for (; i < e; ++i)                                                         \
         COPY(dst + i * rb, src + (rl_gidx)idx[i] * rb, rb);                    \
     FENCE;                                                                     \
 }
-
-/* The same loop that also prefetches the output row it writes `pf` rows
-   later (the AVX2 / AVX-512 cached bodies); ATTR: the target attribute. */
-#define RL_GATHER_LOOP_OUTPF(NAME, IDX_T, COPY, ATTR)                          \
-ATTR static void NAME(const char* src, rl_gidx rb, const IDX_T* idx,           \
-                      rl_gidx b, rl_gidx e, char* dst, rl_gidx pf) {           \
-    rl_gidx i, stop = e - pf > b ? e - pf : b;                                 \
-    for (i = b; i < stop; ++i) {                                               \
-        rl_gather_prefetch(src + (rl_gidx)idx[i + pf] * rb, rb);               \
-        rl_gather_prefetch(dst + (i + pf) * rb, rb);                           \
-        COPY(dst + i * rb, src + (rl_gidx)idx[i] * rb, rb);                    \
-    }                                                                          \
-    for (; i < e; ++i)                                                         \
-        COPY(dst + i * rb, src + (rl_gidx)idx[i] * rb, rb);                    \
-}
+#define RL_OUTPF(d, n) rl_gather_prefetch((d), (n))
+#define RL_NO_OUTPF(d, n) ((void)0)
+#define RL_NO_ATTR
+#define RL_GATHER_LOOP(NAME, IDX_T, COPY, FENCE)                               \
+    RL_GATHER_LOOP_X(NAME, IDX_T, COPY, FENCE, RL_NO_OUTPF, RL_NO_ATTR)
 
 /* Cached: n % 32 == 0.  memcpy of a constant 32 (64) bytes is one (two) moves. */
 #define RL_COPY_CACHED32(d, s, n) do {                                         \
@@ -162,10 +156,10 @@ RL_GATHER_LOOP(rl_gather_stream_i64, int64_t, RL_COPY_STREAM16, RL_SFENCE)
 } while (0)
 #define RL_TARGET_AVX2 __attribute__((target("avx2")))
 #define RL_TARGET_AVX512 __attribute__((target("avx512f")))
-RL_GATHER_LOOP_OUTPF(rl_gather_avx2_i32, int32_t, RL_COPY_YMM, RL_TARGET_AVX2)
-RL_GATHER_LOOP_OUTPF(rl_gather_avx2_i64, int64_t, RL_COPY_YMM, RL_TARGET_AVX2)
-RL_GATHER_LOOP_OUTPF(rl_gather_avx512_i32, int32_t, RL_COPY_ZMM, RL_TARGET_AVX512)
-RL_GATHER_LOOP_OUTPF(rl_gather_avx512_i64, int64_t, RL_COPY_ZMM, RL_TARGET_AVX512)
+RL_GATHER_LOOP_X(rl_gather_avx2_i32, int32_t, RL_COPY_YMM, RL_NOFENCE, RL_OUTPF, RL_TARGET_AVX2)
+RL_GATHER_LOOP_X(rl_gather_avx2_i64, int64_t, RL_COPY_YMM, RL_NOFENCE, RL_OUTPF, RL_TARGET_AVX2)
+RL_GATHER_LOOP_X(rl_gather_avx512_i32, int32_t, RL_COPY_ZMM, RL_NOFENCE, RL_OUTPF, RL_TARGET_AVX512)
+RL_GATHER_LOOP_X(rl_gather_avx512_i64, int64_t, RL_COPY_ZMM, RL_NOFENCE, RL_OUTPF, RL_TARGET_AVX512)
 #endif
 
 /* The cached body in use: 1 baseline, 2 AVX2, 3 AVX-512 (rows of 64-byte
