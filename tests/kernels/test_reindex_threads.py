@@ -29,6 +29,15 @@ def decisions(kind, n):
     return [_reindex._tune_choose_py(kind) for _ in range(n)]
 
 
+def split_against_steady_one_thread(split_ns_per_mib, one_thread=150_000):
+    """The streaming chooser's windows: the split's recent times as given, one
+    thread steady (ns per MiB)."""
+    for v in split_ns_per_mib:
+        _reindex._tune_record_py(STREAM, 1, v)
+    for _ in range(WINDOW):
+        _reindex._tune_record_py(STREAM, 0, one_thread)
+
+
 @pytest.mark.parametrize("kind", [CACHED, STREAM])
 @pytest.mark.parametrize("faster", [0, 1])
 def test_the_faster_mode_runs_and_the_other_is_explored(chooser, kind, faster):
@@ -46,10 +55,7 @@ def test_a_split_that_loses_most_calls_does_not_run(chooser):
     # the split is faster undisturbed (best 50 us/MiB) but loses most calls to
     # scheduling (most calls 400): its lower quartile is 400; one thread is
     # steady at 150: one thread runs
-    for v in (50_000, 400_000, 400_000, 420_000, 60_000, 450_000, 400_000, 410_000):
-        _reindex._tune_record_py(STREAM, 1, v)
-    for _ in range(WINDOW):
-        _reindex._tune_record_py(STREAM, 0, 150_000)
+    split_against_steady_one_thread((50_000, 400_000, 400_000, 420_000, 60_000, 450_000, 400_000, 410_000))
     assert decisions(STREAM, EXPLORE - 1).count(0) >= EXPLORE - 2
 
 
@@ -134,16 +140,10 @@ def test_the_lower_quartile_decides(chooser):
     # bimodal, as on a shared machine: one thread steady at 150 us/MiB.  A
     # split fast in 6 of 8 calls (lower quartile 60) runs; one fast in only
     # 2 of 8 (lower quartile 400) does not.
-    for v in (60_000, 400_000, 60_000, 60_000, 400_000, 60_000, 60_000, 60_000):
-        _reindex._tune_record_py(STREAM, 1, v)
-    for _ in range(WINDOW):
-        _reindex._tune_record_py(STREAM, 0, 150_000)
+    split_against_steady_one_thread((60_000, 400_000, 60_000, 60_000, 400_000, 60_000, 60_000, 60_000))
     assert decisions(STREAM, EXPLORE - 1).count(1) >= EXPLORE - 2
     _reindex._tune_reset()
-    for v in (60_000, 400_000, 400_000, 400_000, 400_000, 60_000, 400_000, 400_000):
-        _reindex._tune_record_py(STREAM, 1, v)
-    for _ in range(WINDOW):
-        _reindex._tune_record_py(STREAM, 0, 150_000)
+    split_against_steady_one_thread((60_000, 400_000, 400_000, 400_000, 400_000, 60_000, 400_000, 400_000))
     assert decisions(STREAM, EXPLORE - 1).count(0) >= EXPLORE - 2
 
 
