@@ -254,10 +254,7 @@ typedef rl_argmax_idx (*rl_argmax_f32_fn)(const float*, rl_argmax_idx);
 static rl_argmax_f32_fn rl_argmax_f32 = rl_argmax_f32_sse2;
 
 static int rl_ctc_select_isa(int want) {   /* want: 0 best, 1 sse2, 2 avx2, 3 avx512 (rl_isa.h) */
-    want = rl_isa_choose(want);
-#ifndef RL_CTC_X86_DISPATCH
-    want = RL_ISA_BASE;
-#endif
+    want = rl_isa_choose(want);         /* (the baseline where no wider body is compiled) */
     rl_argmax_f32 = rl_argmax_f32_sse2;
 #ifdef RL_CTC_X86_DISPATCH
     if (want == 2) rl_argmax_f32 = rl_argmax_f32_avx2;

@@ -170,10 +170,7 @@ RL_GATHER_LOOP_X(rl_gather_avx512_i64, int64_t, RL_COPY_ZMM, RL_NOFENCE, RL_OUTP
 static int rl_gather_isa = 1;
 
 static int rl_gather_select_isa(int want) {   /* want: 0 best, 1 baseline, 2 avx2, 3 avx512 (rl_isa.h) */
-    want = rl_isa_choose(want);
-#ifndef RL_GATHER_X86_DISPATCH
-    want = RL_ISA_BASE;
-#endif
+    want = rl_isa_choose(want);         /* (the baseline where no wider body is compiled) */
     rl_gather_isa = want;
     return want;
 }

@@ -26,7 +26,9 @@ static inline int rl_isa_best(void) {
 }
 
 /* The level to use for a request: 0 the best the CPU has; a level above it
- * falls back to it. */
+ * falls back to it.  Where rl_isa_best cannot probe (not GCC/Clang on x86)
+ * it is the baseline: exactly where rl_argmax.h and rl_gather.h compile no
+ * AVX2 / AVX-512 body (the same condition), so no caller checks again. */
 static inline int rl_isa_choose(int want) {
     int best = rl_isa_best();
     return (want <= 0 || want > best) ? best : want;
