@@ -108,6 +108,16 @@ cdef int layout_parse(const rl_layout *L, const char *data, int64_t size,
 cdef rl_block *encode_instance(object schema, const rl_layout *L, object instance) except NULL
 
 
+# What the readers of one chain share (every decorator joins its reader's):
+# the lock that serialises their Python entry points, how many of them were
+# closed, and the prefetchers whose thread reads them.
+cdef class _Chain:
+    cdef readonly object lock       # _thread.RLock
+    cdef int64_t closed             # readers of the chain closed (or with a close pending)
+    cdef list pumps                 # weakrefs to the chain's PrefetchReaders
+    cdef int64_t version            # bumped when a prefetcher joins or a holder swaps its chain
+
+
 cdef class ReaderBase:
     cdef readonly object schema
     cdef readonly int item_kind
@@ -117,7 +127,11 @@ cdef class ReaderBase:
     cdef bint _resuming             # set_state() positioned the chain mid-epoch
     cdef readonly int64_t _position  # items read_next() returned this epoch
     cdef object _epoch_snapshot     # per-reader epoch state at the epoch's start
-    cdef object _lock               # serialises read_next/reset/close across threads
+    cdef object _lock               # serialises read_next/reset/close across threads: the chain's (_chain.lock)
+    cdef _Chain _chain              # shared with every reader of the chain (see _Chain)
+    cdef int64_t _free_at           # the chain's version at which no prefetcher's thread read
+                                    # what this reader reads (_check_chain), or -1
+    cdef int64_t _closed_ok         # the chain's `closed` count at which none below this reader was
     cdef bint _close_pending        # close() from another thread did not get the lock: the read holding it closes
     cdef object _restore_error      # why the last set_state() failed part-way (reads raise until reset/set_state), or None
     # An item c_next gave read_next whose hand-over raised (a KeyboardInterrupt in
@@ -135,6 +149,13 @@ cdef class ReaderBase:
     # started (snapshot of the chain's epoch state, position 0), or takes up a
     # set_state() position.  Every reading entry point calls it.
     cdef int _begin_read(self) except -1
+    # Called under _lock by every entry point that uses the chain below this
+    # reader: raises when a reader below was closed, or when a prefetcher's
+    # thread reads this reader.  Two loads when neither can be.
+    cdef int _check_chain(self) except -1
+    cdef int _join_chain(self, ReaderBase up) except -1
+    cdef int _move_chain(self, _Chain c) except -1
+    cdef int _set_closed(self) except -1
     # Positioning and random access (readers/_random_access.pyx, docs/random_access.md).
     # Drop the next n items of the epoch, as n c_next calls would; returns how
     # many there were (fewer at the end).  Default: c_next n times.  Readers that

@@ -25,6 +25,7 @@ Design:
 import os
 import warnings
 from _thread import RLock as _RLock
+from _thread import get_ident as _get_ident
 
 import numpy as np
 
@@ -50,6 +51,7 @@ rl_core_import()
 __all__ = ["ReaderBase", "FileReader", "DecoratedReader", "ReaderHolder"]
 
 cdef double _CLOSE_LOCK_WAIT_S = 0.25   # close() waits this long for a read in another thread
+cdef double _PUMP_LEAVE_S = 5.0         # a read waits this long for a dropped prefetcher's thread to leave
 
 
 # --------------------------------------------------------------------- layout
@@ -462,6 +464,21 @@ _ABSTRACT_READERS = frozenset({"ReaderBase", "FileReader", "DecoratedReader", "_
 _ITEM_METHODS = ("read_next", "reset", "__iter__", "__next__", "_skip")
 
 
+cdef class _Chain:
+    """What the readers of one chain share: a decorator joins its reader's
+    chain when it is built (_join_chain), so a reader and everything built on
+    it take one lock.  Reading an inner reader of a chain while its outer reader
+    is read in another thread is then serialised, as read_next() is on one
+    reader (the two took separate locks and ran the same shuffle buffer from
+    two threads: SIGSEGV).  `closed` lets a read refuse, in two loads, a chain
+    with a closed reader below (whose buffers are gone); `pumps` (with
+    `version`, bumped when one is added) lets a read refuse a reader that a
+    prefetcher's thread reads."""
+    def __cinit__(self):
+        self.lock = _RLock()            # (the C type: no Python frame, see ReaderBase.__cinit__)
+        self.pumps = []
+
+
 cdef class ReaderBase:
     """Base of every reader: `read_next()` returns the next item or None.
 
@@ -500,7 +517,8 @@ cdef class ReaderBase:
         self._closed = False
         self._started = False
         self.item_kind = ITEM_INSTANCE
-        self._lock = _RLock()
+        self._chain = _Chain()
+        self._lock = self._chain.lock
 
     cdef int _set_schema(self, object schema, int item_kind) except -1:
         self.schema = Schema.coerce(schema)
@@ -578,6 +596,7 @@ cdef class ReaderBase:
         cdef int64_t n, i
         with self._lock:
             self._check_open()
+            self._check_chain()
             n = self.c_num_records()
             if n < 0:
                 self._open_random_access()          # raises, naming the reader
@@ -619,6 +638,7 @@ cdef class ReaderBase:
             with self._lock:
                 if self._closed:
                     self._check_open()
+                self._check_chain()
                 self._begin_read()
                 if self._has_held:
                     rec = self._held
@@ -657,6 +677,7 @@ cdef class ReaderBase:
         """Restart the whole chain; shuffles draw a new order (next epoch)."""
         with self._lock:
             self._check_open()
+            self._check_chain()
             self._has_held = False           # the item belonged to the epoch being left
             self.c_reset()
             self._resuming = False
@@ -679,6 +700,116 @@ cdef class ReaderBase:
                 self._position = 0
             self._mark_started(True)
         return 0
+
+    # -- the chain this reader belongs to (_Chain) ----------------------------
+    cdef int _join_chain(self, ReaderBase up) except -1:
+        """This reader reads `up`: from now on it takes up's chain's lock."""
+        self._chain = up._chain
+        self._lock = up._chain.lock
+        self._free_at = -1                   # checked on the first read
+        self._closed_ok = -1
+        return 0
+
+    cdef int _move_chain(self, _Chain c) except -1:
+        """This reader and everything below it join `c` (a holder took it)."""
+        cdef _Chain old = self._chain
+        cdef ReaderBase rb
+        if old is c:
+            return 0
+        for r in self._walk():
+            rb = <ReaderBase>r
+            rb._chain = c
+            rb._lock = c.lock
+            rb._free_at = -1
+            rb._closed_ok = -1
+            if rb._closed:
+                c.closed += 1
+        have = {id(e) for e in c.pumps}
+        c.pumps.extend(e for e in old.pumps if id(e) not in have)
+        c.version += 1                       # what each reader of c reads changed
+        return 0
+
+    cdef int _set_closed(self) except -1:
+        if not self._closed:
+            self._closed = True
+            self._chain.closed += 1
+        return 0
+
+    cdef int _check_chain(self) except -1:
+        if self._chain.closed != self._closed_ok:
+            self._check_below_open()
+        if self._free_at != self._chain.version:
+            self._check_not_pumped()
+        return 0
+
+    def _check_below_open(self):
+        for r in self._walk():
+            if (<ReaderBase>r)._closed:
+                if r is self:
+                    self._check_open()
+                if (<ReaderBase>r)._close_pending:
+                    r.close()                # its close() left it to whoever holds the lock: us
+                raise ValueError(
+                    f"I/O operation on closed reader ({type(r).__name__}, which {type(self).__name__} "
+                    f"reads): a chain cannot be read once a reader in it is closed")
+        self._closed_ok = self._chain.closed  # (another branch's reader: not ours)
+
+    def _pumps_reading(self):
+        """The prefetchers whose thread reads what this reader reads (this
+        reader, or one below it) while this reader does not read through them:
+        [(prefetcher, its current run's pump)], outermost first.  An open
+        prefetcher counts (it starts its thread again on its next read); a
+        closed or dropped one while its last thread is still inside the chain
+        (prefetcher None when dropped)."""
+        mine = self._walk()
+        ids = {id(r) for r in mine}
+        live, out = [], []
+        for entry in self._chain.pumps:
+            p, pump = entry[0](), entry[1]
+            running = pump is not None and pump.thread is not None and pump.thread.is_alive()
+            if running and pump.thread.ident == _get_ident():
+                continue                     # its own thread (closing the chain as it leaves)
+            if not running and (p is None or (<ReaderBase>p)._closed):
+                continue                     # gone for good
+            live.append(entry)
+            if p is not None and id(p) in ids:
+                continue                     # read through it (its ring)
+            below = (pump.upstream if pump is not None else (<DecoratedReader>p).reader)._walk()
+            if any(id(r) in ids for r in below):
+                out.append((len(below), None if p is not None and (<ReaderBase>p)._closed else p, pump))
+        self._chain.pumps = live
+        out.sort(key=lambda t: -t[0])
+        return [(p, pump) for _, p, pump in out]
+
+    def _check_not_pumped(self):
+        for p, pump in self._pumps_reading():
+            if p is not None:
+                raise RuntimeError(
+                    f"{type(self).__name__}: a PrefetchReader's thread reads this chain ({p!r}); "
+                    f"while it runs it owns the readers below it.  Read, reset and save the state "
+                    f"through the PrefetchReader (or a reader built on it), or close the "
+                    f"PrefetchReader first")
+            # closed or dropped: its thread was told to stop and leaves after its item
+            pump.thread.join(_PUMP_LEAVE_S)
+            if pump.thread.is_alive():
+                raise RuntimeError(
+                    f"{type(self).__name__}: the thread of a closed or dropped PrefetchReader is "
+                    f"still inside this chain after {_PUMP_LEAVE_S:g} s (a slow source?); "
+                    f"try again later")
+        self._free_at = self._chain.version
+
+    def _close_pumps_reading(self):
+        """close(): the prefetchers reading this reader close first; returns
+        False when a thread of one is still inside the chain (it closes the
+        chain below its prefetcher when it leaves)."""
+        for p, pump in self._pumps_reading():
+            if p is not None:
+                p.close()                    # stops its thread, or hands it the close
+        for p, pump in self._pumps_reading():
+            pump.thread.join(_CLOSE_LOCK_WAIT_S)
+            if pump.thread.is_alive():
+                return False
+        return True
 
     def _mark_started(self, bint started):
         """Flag every reader of the chain as mid-epoch (or fresh after reset)."""
@@ -748,6 +879,12 @@ cdef class ReaderBase:
         and seed, ...), the identity of its file (name, size and a checksum
         of its first and last 4 KiB), and its epoch.
         """
+        with self._lock:                     # not while another thread reads the chain
+            if not self._closed:
+                self._check_chain()
+            return self._get_state()
+
+    def _get_state(self):
         for r in self._walk():
             f = getattr(r, "_state_inexact", None)
             why = f() if f is not None else None
@@ -798,7 +935,12 @@ cdef class ReaderBase:
             as ``batch_size`` or ``seed``, a file's identity).  A seed that
             a shuffle drew itself (no ``seed=``) is taken from the state.
         """
-        self._check_open()
+        with self._lock:                     # not while another thread reads the chain
+            self._check_open()
+            self._check_chain()
+            self._set_state(state)
+
+    def _set_state(self, state):
         if not isinstance(state, dict) or state.get("version") not in range(STATE_VERSION, STATE_VERSION_MAX + 1):
             raise ValueError(f"set_state takes a dict made by get_state() (version {STATE_VERSION} to {STATE_VERSION_MAX}), "
                              f"got {'version ' + repr(state.get('version')) if isinstance(state, dict) else type(state).__name__}")
@@ -839,6 +981,7 @@ cdef class ReaderBase:
         cdef int64_t i = 0, held = 0, want = n
         with self._lock:
             self._check_open()
+            self._check_chain()
             self._begin_read()
             if want > 0 and self._has_held:  # the next item is the one read_next holds
                 self._has_held = False
@@ -876,8 +1019,17 @@ cdef class ReaderBase:
         if self._closed and not self._close_pending:
             return
         if self.schema is None:          # never initialised: nothing of it is open
-            self._closed = True
+            self._set_closed()
             return
+        if self._chain.pumps:
+            # a prefetcher's thread reads this reader: it goes first (its
+            # close() stops the thread, then closes the chain below it)
+            if not self._close_pumps_reading():
+                self._close_pending = True   # the next read through this reader, or the
+                self._set_closed()           # thread as it leaves, closes it
+                return
+            if self._closed and not self._close_pending:
+                return
         for r in self._walk():
             r._interrupt()
         # The interrupts wake a read_next() (another thread's, holding the lock)
@@ -888,13 +1040,13 @@ cdef class ReaderBase:
         # interleaving).
         if not self._lock.acquire(True, _CLOSE_LOCK_WAIT_S):
             self._close_pending = True
-            self._closed = True             # reads from now on raise
+            self._set_closed()              # reads from now on raise
             if not self._lock.acquire(False):
                 return
         try:
             if self._close_pending or not self._closed:
                 self._close_pending = False
-                self._closed = True
+                self._set_closed()
                 self._has_held = False
                 self.c_close()
                 if self._random_access is not None:
@@ -906,6 +1058,11 @@ cdef class ReaderBase:
     @property
     def closed(self):
         return self._closed
+
+    @property
+    def _shared_chain(self):
+        """Test hook: what every reader of this chain shares (its lock, ...)."""
+        return self._chain
 
     @property
     def bare_instances(self):
@@ -1148,6 +1305,7 @@ cdef class DecoratedReader(ReaderBase):
         if reader._started:          # a fresh chain starts at the top of an epoch
             reader.reset()
         self.reader = reader
+        self._join_chain(reader)
         self._set_schema(reader.schema, reader.item_kind)
         # instances pass through unchanged, in the form their source gives them
         self.layout.bare = reader.layout.bare if reader.item_kind == ITEM_INSTANCE else 0
@@ -1205,6 +1363,7 @@ cdef class ReaderHolder(ReaderBase):
                 reader._prefixed_instances()
             except (NotImplementedError, RuntimeError) as e:
                 raise ValueError(f"ReaderHolder.reset_reader: {e}") from None
+        (<ReaderBase>reader)._move_chain(self._chain)
         self._held = reader
         self._set_schema(reader.schema, reader.item_kind)
         self.layout.bare = (<ReaderBase>reader).layout.bare if reader.item_kind == ITEM_INSTANCE else 0

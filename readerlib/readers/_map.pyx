@@ -1307,6 +1307,7 @@ cdef class MapBatchesReader(DecoratedReader):
             with self._lock:
                 if self._closed:
                     self._check_open()
+                self._check_chain()
                 self._begin_read()
                 if self.hold != NULL:
                     rl_block_decref(self.hold)

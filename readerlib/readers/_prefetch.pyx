@@ -226,7 +226,7 @@ def _pumps_alive():
 cdef class _Pump:
     """One background run: the thread, its ring, and what it ended with."""
     cdef pf_state *st
-    cdef ReaderBase upstream
+    cdef readonly ReaderBase upstream
     cdef readonly object thread
     cdef readonly object error
     cdef object error_tb
@@ -392,8 +392,10 @@ cdef class PrefetchReader(DecoratedReader):
     Parameters
     ----------
     reader : ReaderBase
-        The chain to run in the background.  While the prefetcher runs, it
-        owns the chain: do not read or reset `reader` directly.
+        The chain to run in the background.  The prefetcher owns it: reading,
+        resetting or saving the state of `reader` (or of a reader below it, or
+        another reader built on those) raises RuntimeError while the
+        prefetcher is open; closing one of them closes the prefetcher first.
     capacity : int, default 2
         Items kept ready (2 is Paddle's double buffer).  Memory: `capacity`
         items plus the one the consumer holds.
@@ -435,6 +437,8 @@ cdef class PrefetchReader(DecoratedReader):
     cdef bint reset_pending                 # a reset() could not stop the thread
     cdef int64_t signals_ns                 # when c_next last checked for Ctrl-C
     cdef object _stager
+    cdef object __weakref__                 # (the chain's list of prefetchers, _Chain.pumps)
+    cdef object _chain_entry                # [weakref to self, the current run's _Pump]: in _Chain.pumps
 
     def __init__(self, reader, capacity=2, device=None, timeout=None):
         _check_reader(reader, "PrefetchReader")
@@ -450,6 +454,12 @@ cdef class PrefetchReader(DecoratedReader):
             raise TypeError("PrefetchReader(device='cuda') stages batches; call .batch() before "
                             ".prefetch(device='cuda')")
         DecoratedReader.__init__(self, reader)
+        # From here this thread reads the chain below: reads, resets and states
+        # of the readers below (or of another reader built on them) are refused
+        # while it runs (ReaderBase._check_chain), closing one closes this first.
+        self._chain_entry = [weakref.ref(self), None]
+        self._chain.pumps.append(self._chain_entry)
+        self._chain.version += 1
         self.capacity = cap
         self.timeout = timeout
         self.timeout_ns = -1 if timeout is None else <int64_t>(timeout * 1e9)
@@ -476,6 +486,7 @@ cdef class PrefetchReader(DecoratedReader):
             _pf_decref(self.st)
         self.st = pump.st
         self.pump = pump
+        self._chain_entry[1] = pump              # (a dropped prefetcher's thread may outlive it)
         pump.start(f"readerlib-prefetch-{id(self):x}")
         return 0
 
