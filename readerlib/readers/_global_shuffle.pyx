@@ -624,8 +624,11 @@ cdef class GlobalShuffleReader(DecoratedReader):
     def _epoch_state(self):
         return {"seed": int(self.seed), "epoch": int(self.epoch)}
 
+    def _check_epoch_state(self, state):
+        _check_saved_seed_epoch(state)
+
     def _set_epoch_state(self, state):
-        self.seed = <uint64_t>int(state["seed"])
+        self.seed = <uint64_t>int(state["seed"])      # (checked: _check_epoch_state)
         self.epoch = int(state["epoch"])
         self._plan()
 

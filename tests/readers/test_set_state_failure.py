@@ -162,3 +162,31 @@ def test_a_window_shuffle_state_without_its_seed_is_refused_naming_the_key():
         r.set_state(bad)
     assert len(first) == 5 and len(_window_ids(r)) == 295
     r.close()
+
+
+def _shuffle_chain(kind):
+    src = rl.ArrayReader(np.arange(300, dtype=np.int64))
+    return src.global_shuffle() if kind == "global" else src.shuffle(32)      # drawn seeds
+
+
+_BAD_SHUFFLE_EPOCHS = [(kind, key, value) for kind in ("buffer", "global")
+                       for key, value in [("seed", "7"), ("seed", -1), ("epoch", 2.5), ("epoch", 1 << 63)]] + \
+    [("buffer", "buffer", [1, 2]), ("buffer", "buffer", {"rng": [0, 0, 0, 0]})]   # (a global shuffle saves none)
+
+
+@pytest.mark.parametrize("kind,key,value", _BAD_SHUFFLE_EPOCHS)
+def test_a_shuffle_state_with_a_bad_epoch_is_refused_before_the_chain_moves(kind, key, value):
+    # as the window shuffle's: the buffer and global shuffles' saved seed,
+    # epoch and buffer were converted / checked after the chain was reset
+    r = _shuffle_chain(kind)
+    _window_ids(r, 50)
+    a = r.get_state()
+    want = _window_ids(r, 30)
+    bad = dict(a, **{key: value})
+    with pytest.raises(ValueError, match=f"reader 0 from the top \\({type(r).__name__}\\)") as err:
+        r.set_state(bad)
+    assert "buffer" in str(err.value) if key == "buffer" else repr(key) in str(err.value)
+    rest = _window_ids(r)                               # reads on where it was
+    r.set_state(a)
+    assert _window_ids(r) == want + rest
+    r.close()
