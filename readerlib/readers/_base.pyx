@@ -707,6 +707,10 @@ cdef class ReaderBase:
     def _set_epoch_state(self, state):
         pass
 
+    def _state_inexact(self):
+        """Why this epoch's position cannot be saved exactly (None: it can)."""
+        return self._dropped
+
     def _check_epoch_state(self, state):
         """Raise ValueError naming what in `state` (this reader's entry of a
         saved state) `_set_epoch_state` could not take.  set_state calls it for
@@ -756,8 +760,7 @@ cdef class ReaderBase:
         of its first and last 4 KiB), and its epoch.
         """
         for r in self._walk():
-            f = getattr(r, "_state_inexact", None)
-            why = f() if f is not None else None
+            why = r._state_inexact()
             if why is not None:
                 raise RuntimeError(
                     f"get_state: {type(r).__name__} dropped a record this epoch ({why}); "

@@ -831,6 +831,7 @@ cdef class WindowShuffleReader(DecoratedReader):
 
     cdef int c_reset(self) except -1:
         self.epoch += 1
+        self._dropped = None
         self._restart()
         return self.reader.c_reset()
 

@@ -1892,7 +1892,8 @@ cdef class ShuffleReader(DecoratedReader):
     cdef int _verify_slot(self, int64_t j) except -1 nogil:
         """Slot j holds a deferred record and the caller is not the batch that
         asked for it: a verified copy replaces it (or, failing, the slot is
-        dropped and the error raised: reading on loses only that record)."""
+        dropped and the error raised: reading on loses only that record, and
+        get_state refuses this epoch, see ReaderBase._dropped)."""
         cdef int code
         cdef int64_t off, size = self._size(j)
         cdef rl_record cur
@@ -1904,6 +1905,7 @@ cdef class ShuffleReader(DecoratedReader):
                 from readerlib.formats._recordio import _deferred_error_py
                 err = _deferred_error_py(<size_t>cur.block, code, off,
                                          self.schema if code == RL_DEF_LAYOUT else None)
+                self._dropped = str(err)
             self._release(self.slots[j].ref, size)
             self.count -= 1
             self.slots[j] = self.slots[self.count]
@@ -1961,6 +1963,7 @@ cdef class ShuffleReader(DecoratedReader):
 
     cdef int c_reset(self) except -1:
         self.epoch += 1
+        self._dropped = None
         self._restart()
         return self.reader.c_reset()
 
