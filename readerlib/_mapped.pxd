@@ -90,15 +90,18 @@ cdef inline int hand_out_verified(ReaderBase reader, rl_record *out, rl_block **
     window shuffle): *out, one asked for by a consumer other than the batch
     that negotiated it, replaced by a verified copy that *held keeps until
     the next call (the previous one let go then), or its error (file,
-    offset) raised (the record is then dropped)."""
+    offset) raised (the record is then dropped, and `reader._dropped` says
+    so: the caller's position no longer counts it, see ReaderBase)."""
     cdef int code
     cdef int64_t off
     cdef rl_block *nb = deferred_verified_copy(out, &reader.layout, &code, &off)
     if nb == NULL:
         with gil:
             from readerlib.formats._recordio import _deferred_error_py
-            raise _deferred_error_py(<size_t>out.block, code, off,
+            err = _deferred_error_py(<size_t>out.block, code, off,
                                      reader.schema if code == RL_DEF_LAYOUT else None)
+            reader._dropped = str(err)
+            raise err
     if held[0] != NULL:
         rl_block_decref(held[0])
     held[0] = nb

@@ -1663,7 +1663,8 @@ cdef class RecordIOReader(FileReader):
     cdef int _materialize(self, rl_record *out) except -1 nogil:
         """A deferred record of the current chunk pulled by a consumer other
         than the negotiated batch: replaced by a verified copy (or an error;
-        the record is then dropped, as the pread path drops a chunk)."""
+        the record is then dropped, as the pread path drops a chunk, and
+        get_state refuses this epoch: ReaderBase._dropped)."""
         cdef int code
         cdef int64_t off
         cdef int64_t i = self.cur_i - 1
@@ -1671,6 +1672,7 @@ cdef class RecordIOReader(FileReader):
         if nb == NULL:
             with gil:
                 err = _deferred_error_of(out, code, off, self.schema if code == RL_DEF_LAYOUT else None)
+                self._dropped = str(err)
                 rl_block_decref(self.cur_blocks[i])
                 self.cur_blocks[i] = NULL
                 raise err
@@ -1709,6 +1711,7 @@ cdef class RecordIOReader(FileReader):
         self.cur_n = 0
         self.cur_i = 0
         self.iorder = 0
+        self._dropped = None
         return 0
 
     def _select_all(self):

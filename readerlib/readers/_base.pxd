@@ -134,6 +134,12 @@ cdef class ReaderBase:
     cdef int64_t _closed_ok         # the chain's `closed` count at which none below this reader was
     cdef bint _close_pending        # close() from another thread did not get the lock: the read holding it closes
     cdef object _restore_error      # why the last set_state() failed part-way (reads raise until reset/set_state), or None
+    # Why a record this reader took this epoch was lost (a deferred record whose
+    # verified copy failed its check: BatchReader's own copy, or hand_out_verified
+    # in readerlib/_mapped.pxd), or None.  Reading on goes on after it, one record
+    # more than the position says: get_state refuses (naming it) until this
+    # reader's c_reset clears it.
+    cdef object _dropped
     # An item c_next gave read_next whose hand-over raised (a KeyboardInterrupt in
     # the Python objects' making, a MemoryError): still borrowed (no c_next since),
     # not counted in _position; the next read_next hands it out.

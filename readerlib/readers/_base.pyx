@@ -838,6 +838,17 @@ cdef class ReaderBase:
     def _set_epoch_state(self, state):
         pass
 
+    def _state_inexact(self):
+        """Why this epoch's position cannot be saved exactly (None: it can)."""
+        return self._dropped
+
+    def _check_epoch_state(self, state):
+        """Raise ValueError naming what in `state` (this reader's entry of a
+        saved state) `_set_epoch_state` could not take.  set_state calls it for
+        every reader before it touches the chain, so a refused state leaves
+        the chain reading where it was."""
+        pass
+
     def _describe(self):
         """What makes this reader yield what it yields (its parameters, its
         file's identity), as JSON values: a state is refused by a reader
@@ -886,8 +897,7 @@ cdef class ReaderBase:
 
     def _get_state(self):
         for r in self._walk():
-            f = getattr(r, "_state_inexact", None)
-            why = f() if f is not None else None
+            why = r._state_inexact()
             if why is not None:
                 raise RuntimeError(
                     f"get_state: {type(r).__name__} dropped a record this epoch ({why}); "
@@ -950,6 +960,11 @@ cdef class ReaderBase:
         position = state.get("position")
         if isinstance(position, bool) or not isinstance(position, int) or position < 0:
             raise ValueError(f"state position must be an int >= 0, got {position!r}")
+        for k, (r, d) in enumerate(zip(readers, saved)):
+            try:
+                r._check_epoch_state({key: v for key, v in d.items() if key != "type"})
+            except ValueError as e:
+                raise ValueError(f"set_state: reader {k} from the top ({type(r).__name__}): {e}") from None
         cdef int64_t i, n_skip = position
         # from here a failure leaves the chain part-way into the saved epoch:
         # reads raise (naming the failure) until a set_state() succeeds or reset()
@@ -1327,6 +1342,18 @@ def _check_positive_int(value, name, allow_zero=False):
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
     return int(value)
+
+
+def _check_saved_seed_epoch(state):
+    """A shuffle's `_check_epoch_state`: its saved "seed" (uint64) and "epoch"
+    (int64 >= 0) are ints its C fields hold (a hand-edited or truncated
+    state: a string, a float, a negative or huge number)."""
+    for key, top in (("seed", 64), ("epoch", 63)):
+        if key not in state:
+            raise ValueError(f"the state has no {key!r}")
+        v = state[key]
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v < (1 << top):
+            raise ValueError(f"{key!r} must be an int in [0, 2**{top}), got {v!r:.80}")
 
 
 def _check_reader(reader, who):

@@ -233,8 +233,8 @@ cdef class BatchReader(DecoratedReader):
     cdef int64_t *doffs
     # A deferred record that failed its check this epoch was dropped: the
     # batches after it hold one record more of the source than position x
-    # batch_size says, so get_state refuses (names it) until the next epoch.
-    cdef object _dropped
+    # batch_size says, so get_state refuses (ReaderBase._dropped names it)
+    # until the next epoch.
 
     def __init__(self, reader, batch_size, drop_last=False):
         _check_reader(reader, "BatchReader")
@@ -313,10 +313,6 @@ cdef class BatchReader(DecoratedReader):
         err = _deferred_error_py(<size_t>r.block, code, off, self.schema)
         self._dropped = str(err)
         return err
-
-    def _state_inexact(self):
-        """Why this epoch's position cannot be saved exactly (None: it can)."""
-        return self._dropped
 
     cdef void _release(self) noexcept nogil:
         cdef int64_t i

@@ -60,7 +60,7 @@ from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
 from readerlib.readers._base cimport (
     ReaderBase, DecoratedReader, rl_record, rl_block, rl_block_incref, rl_block_decref,
     rl_hash3, rl_core_import, ITEM_INSTANCE)
-from readerlib.readers._base import _check_positive_int, _check_reader
+from readerlib.readers._base import _check_positive_int, _check_reader, _check_saved_seed_epoch
 from readerlib._mapped cimport (
     rl_mapped_import, rl_record_is_deferred, rl_deferred_may_go_out, hand_out_verified)
 
@@ -624,8 +624,11 @@ cdef class GlobalShuffleReader(DecoratedReader):
     def _epoch_state(self):
         return {"seed": int(self.seed), "epoch": int(self.epoch)}
 
+    def _check_epoch_state(self, state):
+        _check_saved_seed_epoch(state)
+
     def _set_epoch_state(self, state):
-        self.seed = <uint64_t>int(state["seed"])
+        self.seed = <uint64_t>int(state["seed"])      # (checked: _check_epoch_state)
         self.epoch = int(state["epoch"])
         self._plan()
 
@@ -828,6 +831,7 @@ cdef class WindowShuffleReader(DecoratedReader):
 
     cdef int c_reset(self) except -1:
         self.epoch += 1
+        self._dropped = None
         self._restart()
         return self.reader.c_reset()
 
@@ -855,10 +859,15 @@ cdef class WindowShuffleReader(DecoratedReader):
         # only) would restore such a window in the Feistel order: other items
         return 2 if self.feistel_order else 3
 
-    def _set_epoch_state(self, state):
+    def _check_epoch_state(self, state):
+        _check_saved_seed_epoch(state)
         order = state.get("order", "feistel")        # (no key: saved before 2026-12-05)
-        if order not in ("feistel", "fisher-yates"):
-            raise ValueError(f"set_state: unknown window shuffle order {order!r}")
+        if not isinstance(order, str) or order not in ("feistel", "fisher-yates"):
+            raise ValueError(f"unknown window shuffle order {order!r:.80} in 'order' "
+                             f"(a state saves 'fisher-yates', or 'feistel' before 2026-12-05)")
+
+    def _set_epoch_state(self, state):
+        order = state.get("order", "feistel")        # (checked: _check_epoch_state)
         self.seed = <uint64_t>int(state["seed"])
         self.epoch = int(state["epoch"])
         self.feistel_order = order == "feistel"

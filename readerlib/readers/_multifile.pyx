@@ -667,6 +667,7 @@ cdef class MultiFileReader(FileReader):
             self._stop_threads()
         self.failed = False
         self._failure = None
+        self._dropped = None
         self.epoch += 1
         self.emitted = 0
         self.cur_unit = 0

@@ -19,7 +19,7 @@ from readerlib.readers._base cimport (
     rl_record_consumed, rl_copy_big, rl_copy_fence, rl_rng_seed, rl_rng_below, rl_store_i64,
     columns_encoded_size, columns_encode, encode_instance,
     ITEM_INSTANCE, ITEM_BATCH)
-from readerlib.readers._base import _check_positive_int, _check_reader
+from readerlib.readers._base import _check_positive_int, _check_reader, _check_saved_seed_epoch
 
 rl_core_import()
 
@@ -545,7 +545,7 @@ def _check_saved_buffer(dict buf):
     words, not all zero (a hand-edited state: a short list read past its end,
     the all-zero state drew forever, others raised OverflowError / TypeError
     / KeyError in the int64-typed restore)."""
-    where = "set_state: the shuffle's saved buffer is inconsistent"
+    where = "the shuffle's saved buffer is inconsistent"
     for key in ("epoch", "emitted", "source_position", "count", "done_at", "anchor") + \
             (("base_position",) if "base_position" in buf else ()):
         v = buf.get(key)
@@ -1892,7 +1892,8 @@ cdef class ShuffleReader(DecoratedReader):
     cdef int _verify_slot(self, int64_t j) except -1 nogil:
         """Slot j holds a deferred record and the caller is not the batch that
         asked for it: a verified copy replaces it (or, failing, the slot is
-        dropped and the error raised: reading on loses only that record)."""
+        dropped and the error raised: reading on loses only that record, and
+        get_state refuses this epoch, see ReaderBase._dropped)."""
         cdef int code
         cdef int64_t off, size = self._size(j)
         cdef rl_record cur
@@ -1904,6 +1905,7 @@ cdef class ShuffleReader(DecoratedReader):
                 from readerlib.formats._recordio import _deferred_error_py
                 err = _deferred_error_py(<size_t>cur.block, code, off,
                                          self.schema if code == RL_DEF_LAYOUT else None)
+                self._dropped = str(err)
             self._release(self.slots[j].ref, size)
             self.count -= 1
             self.slots[j] = self.slots[self.count]
@@ -1961,6 +1963,7 @@ cdef class ShuffleReader(DecoratedReader):
 
     cdef int c_reset(self) except -1:
         self.epoch += 1
+        self._dropped = None
         self._restart()
         return self.reader.c_reset()
 
@@ -2637,17 +2640,19 @@ cdef class ShuffleReader(DecoratedReader):
             d["seed"] = int(self.seed)
         return d
 
-    def _set_epoch_state(self, state):
-        self.seed = <uint64_t>int(state["seed"])
-        self.epoch = int(state["epoch"])
-        self._restart()
+    def _check_epoch_state(self, state):
+        _check_saved_seed_epoch(state)
         buf = state.get("buffer")
         if buf is not None and not isinstance(buf, dict):
-            raise ValueError(f"set_state: the shuffle's saved buffer must be a dict, got "
-                             f"{type(buf).__name__}")
+            raise ValueError(f"the shuffle's saved buffer must be a dict, got {type(buf).__name__}")
         if buf is not None:
             _check_saved_buffer(buf)
-        self._pending = buf
+
+    def _set_epoch_state(self, state):
+        self.seed = <uint64_t>int(state["seed"])      # (checked: _check_epoch_state)
+        self.epoch = int(state["epoch"])
+        self._restart()
+        self._pending = state.get("buffer")
 
     def _reduce_args(self):
         return (int(self.cap),), {"seed": None if self.seed_drawn else int(self.seed)}

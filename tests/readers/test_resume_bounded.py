@@ -636,4 +636,5 @@ def test_a_damaged_saved_buffer_is_a_value_error_in_a_subprocess(key, value):
     p = subprocess.run([sys.executable, "-c", _DAMAGED_BUFFER_SCRIPT, json.dumps([key, value])],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
-    assert "VALUEERROR set_state: the shuffle's saved buffer" in p.stdout, p.stdout + p.stderr[-2000:]
+    assert "VALUEERROR set_state: reader 1 from the top (ShuffleReader): the shuffle's saved buffer" \
+        in p.stdout, p.stdout + p.stderr[-2000:]
