@@ -1377,6 +1377,12 @@ cdef class ReaderHolder(ReaderBase):
     def reset_reader(self, reader):
         _check_reader(reader, "ReaderHolder")
         reader._check_open()
+        with self._lock:                     # not while a read of this chain is inside the held reader
+            if self._free_at != self._chain.version:
+                self._check_not_pumped()     # nor while a prefetcher's thread is
+            self._reset_reader(reader)
+
+    def _reset_reader(self, reader):
         if self._held is not None and reader.item_kind == ITEM_INSTANCE and \
                 reader.bare_instances != self.bare_instances:
             # decorators above took this holder's instance form when they were

@@ -255,3 +255,40 @@ def test_a_thread_blocked_on_the_chain_lock_waits_for_the_read(tmp_path):
     t2.join(30)
     assert np.asarray(out["b"][0].data).ravel().tolist() == [0, 1, 2, 3]
     assert int(np.asarray(got[0][0]).ravel()[0]) == 4
+
+
+def test_a_holder_does_not_swap_its_reader_under_a_read(tmp_path):
+    """ReaderHolder.reset_reader waits for a read of the chain that is inside
+    the held reader (it dropped that reader under the read before), and is
+    refused while a prefetcher's thread reads the holder."""
+    inside = threading.Event()
+    release = threading.Event()
+    schema = rl.Schema([rl.Field("i", "int64", (1,))])
+    def gen():
+        for i in range(8):
+            if i == 2:
+                inside.set()
+                release.wait(30)
+            yield (np.array([i], dtype=np.int64),)
+    h = rl.ReaderHolder(rl.PythonReader(gen, schema))
+    b = h.batch(4)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("b", b.read_next()))
+    t.start()
+    assert inside.wait(30)
+    new = rl.ArrayReader({"i": np.arange(100, 104, dtype=np.int64).reshape(4, 1)})
+    t2 = threading.Thread(target=lambda: h.reset_reader(new))
+    t2.start()
+    t2.join(0.3)
+    assert t2.is_alive()           # waiting for the read inside the old reader
+    release.set()
+    t.join(30)
+    t2.join(30)
+    assert np.asarray(out["b"][0].data).ravel().tolist() == [0, 1, 2, 3]
+    b.reset()
+    assert [int(v) for bb in b for v in np.asarray(bb[0].data).ravel()] == [100, 101, 102, 103]
+    pf = rl.ReaderHolder(rl.ArrayReader({"i": np.arange(8, dtype=np.int64).reshape(8, 1)}))
+    top = pf.prefetch(2)
+    with pytest.raises(RuntimeError, match="PrefetchReader's thread"):
+        pf.reset_reader(new)
+    top.close()
