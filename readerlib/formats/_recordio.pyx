@@ -505,12 +505,14 @@ cdef class RecordIOWriter(FileWriter):
 
     def write(self, instance):
         """Append one instance: a tuple, list or dict of values (one per field)."""
-        self._check_open()
-        cdef rl_block *b = encode_instance(self.schema, &self.layout, instance)
-        try:
-            self._add(b.data, b.size)
-        finally:
-            rl_block_decref(b)
+        cdef rl_block *b
+        with self._lock:                 # (FileWriter: writes from several threads)
+            self._check_open()
+            b = encode_instance(self.schema, &self.layout, instance)
+            try:
+                self._add(b.data, b.size)
+            finally:
+                rl_block_decref(b)
 
     def write_batch(self, columns):
         """Append many instances given column-wise, as ArrayReader takes them.
@@ -519,6 +521,10 @@ cdef class RecordIOWriter(FileWriter):
         for sequence fields) or a tuple in schema order; row i of each is
         instance i.  Much faster than `write` per instance.
         """
+        with self._lock:                 # (FileWriter: writes from several threads)
+            self._write_batch(columns)
+
+    def _write_batch(self, columns):
         self._check_open()
         if not isinstance(columns, (dict, tuple, list)) or (
                 isinstance(columns, list) and len(self.schema) == 1 and self.schema[0].lod_level):
@@ -648,9 +654,10 @@ cdef class RecordIOWriter(FileWriter):
 
     def flush(self):
         """End the current chunk and push it to the OS."""
-        self._check_open()
-        self._write_chunk()
-        self._f.flush()
+        with self._lock:
+            self._check_open()
+            self._write_chunk()
+            self._f.flush()
 
     def _finish(self):
         """The last chunk, the index footer and the trailer (close() calls this)."""

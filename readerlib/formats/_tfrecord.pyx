@@ -1453,16 +1453,22 @@ cdef class TFRecordWriter(FileWriter):
 
     def write(self, record):
         """Append one record: bytes-like, or an array (its raw bytes, C order)."""
-        self._check_open()
+        cdef const unsigned char[::1] v
         if isinstance(record, np.ndarray):
             record = np.ascontiguousarray(record).reshape(-1).view(np.uint8)
         elif isinstance(record, str):
             raise TypeError("a record is bytes-like (encode str first), got str")
-        cdef const unsigned char[::1] v = memoryview(record).cast("B")
-        self._append(<const char *>&v[0] if v.shape[0] else <const char *>"", v.shape[0])
+        v = memoryview(record).cast("B")
+        with self._lock:                 # (FileWriter: writes from several threads)
+            self._check_open()
+            self._append(<const char *>&v[0] if v.shape[0] else <const char *>"", v.shape[0])
 
     def write_batch(self, records):
         """Append many records: the rows of a 2-D array, or an iterable of bytes-like."""
+        with self._lock:                 # (FileWriter: writes from several threads)
+            self._write_batch(records)
+
+    def _write_batch(self, records):
         self._check_open()
         cdef const unsigned char[:, ::1] m
         cdef int64_t i
@@ -1480,11 +1486,12 @@ cdef class TFRecordWriter(FileWriter):
 
     def flush(self):
         """Push buffered records to the OS (a compressed stream is sync-flushed)."""
-        self._check_open()
-        self._drain()
-        if self._z is not None:
-            self._pending = self._z.flush(_pyzlib.Z_SYNC_FLUSH)
+        with self._lock:
+            self._check_open()
             self._drain()
+            if self._z is not None:
+                self._pending = self._z.flush(_pyzlib.Z_SYNC_FLUSH)
+                self._drain()
 
     def _finish(self):
         """Buffered records and the end of the compressed stream (close() calls this)."""

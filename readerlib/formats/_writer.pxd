@@ -3,3 +3,4 @@
 cdef class FileWriter:
     cdef object _f                  # the open file object
     cdef bint _closed
+    cdef object _lock               # serialises writes, flush and close across threads

@@ -10,6 +10,7 @@ Design:
 """
 import os
 import warnings
+from _thread import RLock as _RLock
 
 from readerlib._signature import ClassSignature as _ClassSignature
 
@@ -72,6 +73,9 @@ cdef class FileWriter:
     ``close()``, which runs the subclass's ``_finish()`` (last buffered data,
     footers) and then closes the file, once.  A context manager.
 
+    Writes, flush() and close() may come from several threads: they are
+    serialised (one lock per writer), each record whole and counted once.
+
     A failed write raises (OSError naming the file and offset) and leaves the
     file readable up to its last complete piece; what was not written stays
     buffered, so a later write, flush() or close() retries it.  close()
@@ -84,6 +88,7 @@ cdef class FileWriter:
 
     def __cinit__(self, *args, **kwargs):
         self._closed = True
+        self._lock = _RLock()        # (the C type: no Python frame in __cinit__)
 
     def __del__(self):
         if not self._closed and self._f is not None:
@@ -115,11 +120,12 @@ cdef class FileWriter:
 
         Raises (OSError) when the file cannot be finished; the writer then
         stays open, so close() can be retried (e.g. after freeing space)."""
-        if self._closed:
-            return
-        self._finish()               # raises: still open, the file ends at its last good piece
-        self._closed = True
-        self._f.close()
+        with self._lock:             # not while another thread writes
+            if self._closed:
+                return
+            self._finish()           # raises: still open, the file ends at its last good piece
+            self._closed = True
+            self._f.close()
 
     @property
     def closed(self):
