@@ -290,11 +290,19 @@ class IterableDataset(torch.utils.data.IterableDataset):
         cur = {"epoch": epoch, "start": start, "shard": [k, index], "view": view,
                "offset": offset, "rank": rank, "world": world}
         self._cur = cur
-        return self._generate(view)
+        return self._generate(view, cur)
 
-    def _generate(self, view):
+    def _generate(self, view, cur):
         convert = self.convert
         while True:
+            if self._cur is not cur:
+                # a later iter() repositioned the chain this pass reads: reading
+                # on would split the new pass's items between the two iterators
+                raise RuntimeError(
+                    "this iterator of the IterableDataset was invalidated: another iterator was "
+                    "created from the same dataset in this process (a new pass, e.g. a second "
+                    "iter(loader)), and both read one reader chain.  Finish or drop an iterator "
+                    "before starting the next pass")
             item = view.read_next()
             if item is None:
                 return

@@ -510,3 +510,20 @@ def test_a_failed_start_keeps_the_loaded_state_and_close_releases_the_chain():
     other.close()
     assert chain.closed
     assert sorted(_loader_ids(other, 0)) == list(range(N))   # a new chain on the next pass
+
+
+def test_a_second_iterator_in_one_process_invalidates_the_first():
+    """Two passes over one dataset in one process share its chain: the first
+    iterator, read on after a second was made, got items of the second's pass
+    (each item to one of the two, silently).  Now it raises, like torchdata's
+    single-iterator rule; the second pass is a whole epoch."""
+    ds = IterableDataset(make_chain, rank=0, world_size=1)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0)
+    first = iter(loader)
+    head = next(first)[0].reshape(-1).tolist()
+    second = iter(loader)
+    got = [t for item in second for t in item[0].reshape(-1).tolist()]
+    with pytest.raises(RuntimeError, match="invalidated: another iterator was created"):
+        next(first)
+    want = _reference_epochs(make_chain, 2)
+    assert head == want[0][:len(head)] and got == want[1]
