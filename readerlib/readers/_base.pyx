@@ -765,7 +765,7 @@ cdef class ReaderBase:
         ids = {id(r) for r in mine}
         live, out = [], []
         for entry in self._chain.pumps:
-            p, pump = entry[0](), entry[1]
+            p, pump = entry[0](), (entry[1]() if entry[1] is not None else None)
             running = pump is not None and pump.thread is not None and pump.thread.is_alive()
             if running and pump.thread.ident == _get_ident():
                 continue                     # its own thread (closing the chain as it leaves)

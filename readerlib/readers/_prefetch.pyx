@@ -438,7 +438,7 @@ cdef class PrefetchReader(DecoratedReader):
     cdef int64_t signals_ns                 # when c_next last checked for Ctrl-C
     cdef object _stager
     cdef object __weakref__                 # (the chain's list of prefetchers, _Chain.pumps)
-    cdef object _chain_entry                # [weakref to self, the current run's _Pump]: in _Chain.pumps
+    cdef object _chain_entry                # [weakrefs to self and to the current run's _Pump]: in _Chain.pumps
 
     def __init__(self, reader, capacity=2, device=None, timeout=None):
         _check_reader(reader, "PrefetchReader")
@@ -486,7 +486,8 @@ cdef class PrefetchReader(DecoratedReader):
             _pf_decref(self.st)
         self.st = pump.st
         self.pump = pump
-        self._chain_entry[1] = pump              # (a dropped prefetcher's thread may outlive it)
+        self._chain_entry[1] = weakref.ref(pump) # (a dropped prefetcher's thread may outlive it;
+                                                 # weak: the chain must not keep its reader alive)
         pump.start(f"readerlib-prefetch-{id(self):x}")
         return 0
 

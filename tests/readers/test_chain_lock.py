@@ -292,3 +292,29 @@ def test_a_holder_does_not_swap_its_reader_under_a_read(tmp_path):
     with pytest.raises(RuntimeError, match="PrefetchReader's thread"):
         pf.reset_reader(new)
     top.close()
+
+
+def test_a_dropped_prefetcher_chain_is_freed_by_reference_counting(tmp_path):
+    """The chain's list of prefetchers holds weak references only: a dropped
+    chain with a prefetcher goes (its file closed) when its thread leaves,
+    without waiting for the cyclic garbage collector."""
+    import gc
+    p = str(tmp_path / "a.rio")
+    _write(p, n=256)
+    def fds_of_file():
+        return sum(1 for fd in os.listdir("/proc/self/fd")
+                   if os.path.realpath(f"/proc/self/fd/{fd}") == os.path.realpath(p))
+    gc.collect()
+    gc.disable()
+    try:
+        src = rl.RecordIOReader(p)
+        pf = src.shuffle(64, seed=0).batch(8).prefetch(2)
+        pf.read_next()
+        thread = pf.thread
+        assert fds_of_file() >= 1
+        del src, pf
+        thread.join(10)
+        assert not thread.is_alive()
+        assert fds_of_file() == 0
+    finally:
+        gc.enable()
