@@ -118,3 +118,20 @@ def test_kernel_exceptions_live_in_errors():
     assert k.FailedPreconditionError is FailedPreconditionError
     assert k.InvalidArgumentError is InvalidArgumentError
     assert FailedPreconditionError.__module__ == "readerlib.errors"
+
+
+@pytest.mark.parametrize("make, exc, words", [
+    (lambda r: r.batch(2 ** 62), MemoryError, ["BatchReader", "batch_size=4611686018427387904"]),
+    (lambda r: r.global_shuffle(seed=0, window_chunks=2 ** 40), ValueError,
+     ["window_chunks must be <= 1073741824, got 1099511627776"]),
+    (lambda r: r[2 ** 70], IndexError, ["ArrayReader index 1180591620717411303424 out of range for 10"]),
+    (lambda r: r.read_many([3, -2 ** 70]), IndexError, ["out of range for 10 records"]),
+])
+def test_absurd_sizes_and_indices_are_named(make, exc, words):
+    """Sizes and indices beyond what the C fields hold raise naming the
+    argument and its value (they raised a bare MemoryError(), or OverflowError
+    "Python int too large to convert to C long")."""
+    r = rl.ArrayReader({"x": np.arange(10, dtype=np.int64)})
+    with pytest.raises(exc) as e:
+        make(r)
+    assert all(w in str(e.value) for w in words), e.value

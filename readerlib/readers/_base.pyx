@@ -604,15 +604,16 @@ cdef class ReaderBase:
             out = []
             for index in indices:
                 try:
-                    i = index.__index__()
+                    j = index.__index__()
                 except AttributeError:
                     raise TypeError(f"{type(self).__name__} indices must be integers, got "
                                     f"{type(index).__name__}") from None
-                if i < 0:
-                    i += n
-                if i < 0 or i >= n:
+                if j < 0:
+                    j += n
+                if j < 0 or j >= n:               # (before the int64: 2**70 is out of range too)
                     raise IndexError(f"{type(self).__name__} index {index} out of range for "
                                      f"{n} records")
+                i = j
                 with nogil:
                     self.c_read_at(i, &rec)
                 out.append(_decode_instance(self, &rec))

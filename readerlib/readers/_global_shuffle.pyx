@@ -228,6 +228,9 @@ cdef inline int64_t _order_chunk(const _order *o, int64_t r) noexcept nogil:
 
 
 # ------------------------------------------------------------------ global
+_MAX_WINDOW_CHUNKS = (1 << 30)
+
+
 cdef class GlobalShuffleReader(DecoratedReader):
     """Every record of a random-access source once per epoch, globally shuffled.
 
@@ -297,6 +300,8 @@ cdef class GlobalShuffleReader(DecoratedReader):
     def __init__(self, reader, seed=None, window_chunks=8):
         _check_reader(reader, "GlobalShuffleReader")
         w = _check_positive_int(window_chunks, "window_chunks")
+        if w > _MAX_WINDOW_CHUNKS:          # (the chunk cache's size is a C int)
+            raise ValueError(f"window_chunks must be <= {_MAX_WINDOW_CHUNKS}, got {w}")
         if reader.item_kind != ITEM_INSTANCE:
             raise TypeError("global_shuffle shuffles a source's records; this reader yields batches "
                             "(call .global_shuffle() before .batch())")
