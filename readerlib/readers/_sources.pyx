@@ -165,7 +165,8 @@ cdef class ArrayReader(_ChunkedSource):
         arrays, makes a sequence field (lod_level=1).
     schema : Schema, optional
         Checked against the arrays; inferred (names `f0`, `f1`, ... or the
-        dict's keys) when omitted.
+        dict's keys) when omitted.  A dict's keys must be the schema's field
+        names (in any order); they are matched by name.
 
     Examples
     --------
@@ -178,7 +179,18 @@ cdef class ArrayReader(_ChunkedSource):
             schema = Schema.coerce(schema)
         if isinstance(arrays, dict):
             names = list(arrays)
-            values = list(arrays.values())
+            if schema is not None and names != list(schema.names):
+                # by name, in the schema's order (they were paired by position:
+                # {"b": .., "a": ..} swapped same-typed fields silently)
+                missing = [n for n in schema.names if n not in arrays]
+                unknown = [n for n in names if n not in schema.names]
+                if missing or unknown:
+                    raise ValueError(
+                        f"ArrayReader: the dict's keys {names} are not the schema's fields "
+                        f"{list(schema.names)}" + (f"; missing {missing}" if missing else "")
+                        + (f"; not in the schema {unknown}" if unknown else ""))
+                names = list(schema.names)
+            values = [arrays[n] for n in names]
         elif isinstance(arrays, (tuple, list)) and arrays and not (
                 isinstance(arrays, list) and all(isinstance(a, np.ndarray) for a in arrays)
                 and schema is not None and len(schema) == 1 and schema[0].lod_level):

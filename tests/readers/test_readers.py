@@ -479,7 +479,10 @@ def test_decorator_bad_input(make, exc, match):
     (({"x": np.zeros((3, 2))},), {"schema": [("x", "int64", (2,))]}, TypeError, "'x'.*dtype"),
     (({"x": np.zeros((3, 2))},), {"schema": [("x", "float64", (2,), 1)]}, ValueError, "'x'.*lod_level"),
     (({"x": [np.zeros((1, 2))]},), {"schema": [("x", "float64", (2,))]}, ValueError, "'x'.*lod_level"),
-    (({"x": np.zeros(3)},), {"schema": [("x", "float64"), ("y", "int64")]}, ValueError, "2 fields"),
+    (({"x": np.zeros(3)},), {"schema": [("x", "float64"), ("y", "int64")]}, ValueError, r"missing \['y'\]"),
+    ((np.zeros(3),), {"schema": [("x", "float64"), ("y", "int64")]}, ValueError, "2 fields"),
+    (({"x": np.zeros(3), "z": np.zeros(3)},), {"schema": [("x", "float64"), ("y", "int64")]},
+     ValueError, r"missing \['y'\]; not in the schema \['z'\]"),
     (({"x": np.zeros(3)},), {"chunk_records": 0}, ValueError, "chunk_records"),
 ])
 def test_array_reader_bad_input(args, kwargs, exc, match):
@@ -567,6 +570,21 @@ def test_python_reader_round_trip_and_epochs():
 
 
 # ================================================================ sources
+def test_array_reader_matches_a_dicts_keys_to_the_schema_by_name(tmp_path):
+    """A dict in another key order than the schema: its arrays go to the fields
+    of their names.  They were paired by position, so same-typed fields came out
+    swapped, silently, and RecordIOWriter.write_batch (which reads a dict of
+    columns through ArrayReader) wrote them swapped."""
+    schema = rl.Schema([rl.Field("a", "int64"), rl.Field("b", "int64")])
+    cols = {"b": np.array([1, 2]), "a": np.array([10, 20])}
+    inst = rl.ArrayReader(cols, schema=schema).read_next()
+    assert (int(inst["a"]), int(inst["b"])) == (10, 1)
+    p = str(tmp_path / "ab.rio")
+    with rl.RecordIOWriter(p, schema) as w:
+        w.write_batch(cols)
+    assert [(int(i["a"]), int(i["b"])) for i in rl.RecordIOReader(p)] == [(10, 1), (20, 2)]
+
+
 def test_array_reader_forms():
     x = np.arange(12, dtype=np.float32).reshape(6, 2)
     y = np.arange(6)
