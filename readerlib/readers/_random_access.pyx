@@ -52,6 +52,7 @@ from readerlib.readers._base cimport (
 from readerlib.readers._sources cimport _ChunkedSource, ArrayReader
 from readerlib._mapped cimport (
     rl_map, rl_mapped, rl_mapped_import, rl_record_is_deferred, rl_deferred_may_go_out, gate_ref, gate_file)
+from readerlib.errors import DataLossError
 
 cnp.import_array()
 rl_core_import()
@@ -207,7 +208,7 @@ cdef class ChunkCache(FileReader):
             if not s.deferred or not rl_record_is_deferred(out) or rl_deferred_may_go_out(out):
                 return 1
             with gil:                      # a descriptor, and not for the batch that asked
-                self._load(self.last, s.chunk)
+                self._load(self.last, s.chunk, index - self.starts[s.chunk])
             _slot_get(s, index - self.starts[s.chunk], out)
             return 1
         if index < 0 or index >= self.num_records:
@@ -219,26 +220,35 @@ cdef class ChunkCache(FileReader):
         victim = 0
         for k in range(self.nslots):
             if self.slots[k].chunk == c:
-                victim = -1
-                self.last = k
+                if index - self.starts[c] < self.slots[k].n:
+                    victim = -1
+                    self.last = k
+                else:                      # kept part of a chunk whose load failed: load it again
+                    victim = k
                 break
             if self.slots[k].tick < self.slots[victim].tick:
                 victim = k
         if victim >= 0:
             with gil:
-                self._load(victim, c)
+                self._load(victim, c, index - self.starts[c])
             self.last = victim
         s = &self.slots[self.last]
         s.tick = self.tick
         _slot_get(s, index - self.starts[c], out)
         if s.deferred and rl_record_is_deferred(out) and not rl_deferred_may_go_out(out):
             with gil:                      # (as above: loaded during the batch's pull)
-                self._load(self.last, c)
+                self._load(self.last, c, index - self.starts[c])
             _slot_get(s, index - self.starts[c], out)
         return 1
 
-    cdef int _load(self, int k, int64_t c) except -1:
-        """Chunk c into slot k, read by the clone's sequential path (every check)."""
+    cdef int _load(self, int k, int64_t c, int64_t want) except -1:
+        """Chunk c into slot k, read by the clone's sequential path (every check).
+
+        A chunk whose load fails part-way (TFRecord hands out the records before
+        a record that fails its CRC, as TensorFlow does) keeps the records read
+        before the failure when record `want` of it is one of them: a read of
+        one of those succeeds, as sequential reading gives them, and a read of
+        a record after them loads the chunk again (and raises)."""
         cdef _slot *s = &self.slots[k]
         cdef int64_t n = self.starts[c + 1] - self.starts[c], i, got = 0
         cdef rl_record rec
@@ -310,6 +320,12 @@ cdef class ChunkCache(FileReader):
                 raise ValueError(f"{self._name}: chunk {c} gave {got} records, its index says {n}")
             if not s.strided:
                 _slot_stride(s)
+        except DataLossError:
+            if s.strided or got <= want or got >= n:
+                _slot_release(s)
+                raise
+            n = got                       # the records before the failure (see above)
+            _slot_stride(s)
         except BaseException:
             _slot_release(s)
             raise

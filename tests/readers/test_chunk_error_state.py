@@ -2,7 +2,10 @@
 
 A RecordIO chunk that fails a check (here its body CRC) is raised once
 (on_error="raise") or skipped with a RecordIOWarning (on_error="skip"); either
-way reading on gives every record of the epoch but the chunk's.  What a state saved after that restores to, per chain:
+way reading on gives every record of the epoch but the chunk's.  A TFRecord
+record failing its data CRC drops the rest of its chunk the same way, and a
+record header failing its checks in a chunk that the index knows drops the
+chunk.  What a state saved after that restores to, per chain:
 
 * raise mode: the position counts delivered items, and set_state positions
   by the chunk table (c_skip steps whole chunks by their index counts): the
@@ -11,18 +14,23 @@ way reading on gives every record of the epoch but the chunk's.  What a state sa
   out other records than the original.  Now get_state refuses (RuntimeError
   naming the file, chunk and offset: ReaderBase._dropped) until the next
   epoch; a state saved before the error restores exactly, the error
-  included.
+  included.  The same for TFRecord, whose indexed chunk failing its header
+  checks was raised on every read (now stepped over, as RecordIO's), and
+  whose chunk cache failed a buffer shuffle's restore of a state saved
+  before the error (it now keeps the records before the bad one).
 * skip mode: a RecordIO reader in skip mode positions by reading (its c_skip
   reads), so a restore skips the same chunk and counts the same: exact, and
   these tests keep it so.
 """
 import json
+import os
 import warnings
 
 import numpy as np
 import pytest
 
 import readerlib as rl
+from readerlib.formats._tfrecord import TFRecordReader, TFRecordWriter, build_index
 
 from helpers import corrupt_chunk
 
@@ -191,3 +199,72 @@ def test_skip_mode_a_state_after_the_skipped_chunk_restores_exactly(rio, chain):
     # too, and its position counts what was delivered (not the chunk table)
     _restores_exactly(make, states, events, _sample(0, len(states), 5))
     c.close()
+
+
+# -------------------------------------------------------------- TFRecord
+SIZE = 8192                # 8 KiB records: 128 a chunk (1 MiB), not deferred (< 32 KiB)
+
+
+def _write_tfrecord(path, n, bad, what, index):
+    """n records, record i's first 8 bytes = i; record `bad` damaged in its data
+    ("data") or its length's CRC ("length").  With `index`, the sidecar index is
+    built first and the file's mtime kept, so the index still holds."""
+    with TFRecordWriter(path) as w:
+        for i in range(n):
+            x = np.full(SIZE, i % 251, np.uint8)
+            x[:8] = np.frombuffer(np.int64(i).tobytes(), np.uint8)
+            w.write(x)
+    if index:
+        build_index(path)
+    st = os.stat(path)
+    at = (SIZE + 16) * bad + (12 + 100 if what == "data" else 9)
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x5A]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return (SIZE + 16) * bad            # the bad record's offset
+
+
+TF_CASES = [("data", True), ("data", False), ("length", True)]   # (a length without an index: nothing after it is reachable)
+
+
+@pytest.mark.parametrize("what,index", TF_CASES)
+@pytest.mark.parametrize("chain", ["reader", "batch", "buffer"])
+def test_tfrecord_a_state_after_a_dropped_chunk_is_refused(tmp_path, what, index, chain):
+    path = str(tmp_path / "bad.tfrecord")
+    n, bad = 640, 128 + 40                                  # a record of the second chunk
+    off = _write_tfrecord(path, n, bad, what, index)
+    make = lambda: CHAINS[chain](TFRecordReader(path, index=path + ".idx" if index else False))
+    c = make()
+    assert c._walk()[-1].has_index == index
+    lo, hi = 128, 256                                       # the bad record's chunk (128 records a chunk)
+    events, states, errors = _read(c)
+    assert len(errors) == 1 and isinstance(errors[0], rl.TFRecordError), errors
+    why = "data checksum mismatch" if what == "data" else "length checksum mismatch"
+    assert f"{path}: corrupted record at {off} ({why})" in str(errors[0])
+    gone = set(range(bad, hi)) if what == "data" else set(range(lo, hi))
+    assert _records(events) == sorted(set(range(n)) - gone)
+    _check_refused_after(make, states, events, events.index("err"),
+                         f"TFRecordReader dropped a record this epoch .*{path}: corrupted record at {off}")
+    c.reset()
+    assert c.get_state()["position"] == 0
+    c.close()
+
+
+def test_tfrecord_random_access_gives_the_records_before_a_bad_one_in_its_chunk(tmp_path):
+    """As sequential reading gives them (TensorFlow's order): the chunk cache
+    keeps the records read before the failure, so a read of one of them
+    succeeds -- a buffer shuffle over the file restores a state saved before
+    the error by reading its buffer so (set_state raised the error) --, and a
+    read of one after them raises it."""
+    path = str(tmp_path / "bad.tfrecord")
+    off = _write_tfrecord(path, 640, 168, "data", True)
+    r = TFRecordReader(path, index=path + ".idx")
+    assert [_ids(x) for x in r.read_many([130, 167, 0, 300])] == [(130,), (167,), (0,), (300,)]
+    for i in (168, 200, 255):
+        with pytest.raises(rl.TFRecordError, match=f"corrupted record at {off} "):
+            r[i]
+    assert _ids(r[131]) == (131,)
+    r.close()
