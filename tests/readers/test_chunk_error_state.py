@@ -20,7 +20,12 @@ chunk.  What a state saved after that restores to, per chain:
   before the error (it now keeps the records before the bad one).
 * skip mode: a RecordIO reader in skip mode positions by reading (its c_skip
   reads), so a restore skips the same chunk and counts the same: exact, and
-  these tests keep it so.
+  these tests keep it so.  open_files over files opened in skip mode stepped
+  over whole units by the plan's chunk counts, the skipped chunk's too (the
+  restore came out records later than the original); their units now count
+  as unknown without reading, so the restore reads them: exact.
+* open_files in raise mode raises the same error on every call until reset
+  (documented): a state saved after it restores to the same.
 """
 import json
 import os
@@ -31,6 +36,7 @@ import pytest
 
 import readerlib as rl
 from readerlib.formats._tfrecord import TFRecordReader, TFRecordWriter, build_index
+from readerlib.readers.files import open_files, register_file_reader, unregister_file_reader
 
 from helpers import corrupt_chunk
 
@@ -268,3 +274,45 @@ def test_tfrecord_random_access_gives_the_records_before_a_bad_one_in_its_chunk(
             r[i]
     assert _ids(r[131]) == (131,)
     r.close()
+
+
+# -------------------------------------------------------------- open_files
+def test_open_files_raise_mode_a_state_after_the_error_restores_to_the_same(rio):
+    path, lost, off = rio
+    make = lambda: open_files([path], num_threads=2)
+    c = make()
+    events, states, errors = _read(c)
+    # (the stream's documented rule: after a worker's error, the same error on every call)
+    k = events.index("err")
+    assert events[:k] == [(i,) for i in range(min(lost))] and set(events[k:]) == {"err"}
+    assert len(errors) == LIMIT + 1 and len({str(e) for e in errors}) == 1
+    for j in (k - 1, k, k + 1, k + 5):
+        other = make()
+        other.set_state(states[j])
+        rest, _, errs = _read(other, save=False)
+        assert rest[:k - j if j < k else 0] == events[j:k] and "err" in rest
+        assert str(errs[0]) == str(errors[0])
+        other.close()
+    c.close()
+
+
+@pytest.fixture
+def skip_suffix():
+    register_file_reader(".skip.rio", lambda p, schema=None: rl.RecordIOReader(p, on_error="skip"))
+    yield ".skip.rio"
+    unregister_file_reader(".skip.rio")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_open_files_over_skip_mode_files_restores_exactly_after_a_skipped_chunk(tmp_path, skip_suffix, threads):
+    paths = [str(tmp_path / f"f{i}{skip_suffix}") for i in range(2)]
+    for p in paths:
+        _write_rio(p)                     # each file: its chunk 3 corrupt (records 48..63 of each)
+    make = lambda: open_files(paths, num_threads=threads)
+    c = make()
+    events, states, errors = _read(c)
+    assert errors == [] and len(events) == 2 * (N - 16)
+    # the restore steps over whole units by the plan's chunk counts only where a
+    # count is certain: a unit of a skip-mode file may deliver fewer
+    _restores_exactly(make, states, events, _sample(0, len(states), 23))
+    c.close()
