@@ -760,6 +760,7 @@ cdef class RecordIOReader(FileReader):
     cdef int64_t cur_chunk             # the chunk _load_chunk is loading
     cdef readonly int64_t _records_deferred  # test hook: records handed out deferred
     cdef int64_t _min_size             # the smallest record the schema allows (no rows)
+    cdef object _last_error            # (error message, skip mode's warning or None) of the last chunk error
 
     def __cinit__(self):
         self.fd = -1
@@ -1703,8 +1704,12 @@ cdef class RecordIOReader(FileReader):
         if code == CK_IO:
             msg += f" ({os.strerror(self.err_errno)})"
         where = f"{self.path}: {msg} at byte offset {self.err_off}"
-        # (not the chunk's fault, a read error or a file that shrank: raised in skip mode too)
-        if code not in (CK_NOMEM, CK_SHRUNK, CK_IO) and self.skip_errors:
+        # what skip mode would warn for it (None: raised even in skip mode, not
+        # the chunk's fault): a chunk cache over a skip-mode reader asks (_skip_message)
+        skippable = code not in (CK_NOMEM, CK_SHRUNK, CK_IO)
+        self._last_error = (where, f"{self.path}: skipped chunk: {msg} at byte offset {self.err_off}"
+                            if skippable else None)
+        if skippable and self.skip_errors:
             self.skipped_chunks += 1
             warnings.warn(f"{self.path}: skipped chunk: {msg} at byte offset {self.err_off}",
                           RecordIOWarning, stacklevel=2)
@@ -1716,6 +1721,14 @@ cdef class RecordIOReader(FileReader):
             raise RecordIOSchemaError(f"{where}: schema {self.schema}", self.path, self.err_off,
                                       self.err_record)
         raise RecordIOError(where, self.path, self.err_off)
+
+    def _skip_message(self, err):
+        """The RecordIOWarning message skip mode gives for the chunk whose load
+        raised `err` (the last chunk error), or None: not a chunk fault (a read
+        error, a file that shrank: raised in skip mode too), or another error."""
+        if self._last_error is None or not str(err).startswith(self._last_error[0]):
+            return None
+        return self._last_error[1]
 
     @property
     def on_error(self):

@@ -133,8 +133,10 @@ cdef class ChunkCache(FileReader):
     cdef object run_of             # clone._current_run (RecordIO) or None
     cdef object defer_pread        # _mapped_negotiate: the batch preads deferred records (else a mapping)
     cdef rl_map *gated             # the clone's map, gated by a MultiFileRecords (a reference), or NULL
+    cdef bint skip_errors          # the source skips bad chunks (RecordIOReader(on_error="skip"))
 
-    def __init__(self, ReaderBase clone not None, starts, int nslots=2, name="", defer_pread=None):
+    def __init__(self, ReaderBase clone not None, starts, int nslots=2, name="", defer_pread=None,
+                 skip_errors=False):
         cdef int64_t i
         st = np.ascontiguousarray(starts, dtype=np.int64)
         if st.ndim != 1 or st.shape[0] < 1 or st[0] != 0 or np.any(np.diff(st) < 0):
@@ -160,6 +162,7 @@ cdef class ChunkCache(FileReader):
         self.last = 0
         self._name = name
         self.defer_pread = defer_pread
+        self.skip_errors = bool(skip_errors)
 
     def __dealloc__(self):
         cdef int i
@@ -240,6 +243,14 @@ cdef class ChunkCache(FileReader):
                 self._load(self.last, c, index - self.starts[c])
             _slot_get(s, index - self.starts[c], out)
         return 1
+
+    def _skip_message(self, err):
+        """The RecordIOWarning message with which the source (on_error="skip")
+        skips the chunk whose load raised `err` (what a global shuffle over it
+        does), or None: the source raises it (raise mode, TFRecord, or not a
+        chunk fault: a read error, a file that shrank)."""
+        f = getattr(self.clone, "_skip_message", None)
+        return f(err) if self.skip_errors and f is not None else None
 
     cdef int _load(self, int k, int64_t c, int64_t want) except -1:
         """Chunk c into slot k, read by the clone's sequential path (every check).
@@ -446,12 +457,15 @@ def open_random_access(ReaderBase source not None, int slots=2):
         starts = np.append(np.arange(0, n, cr, dtype=np.int64), np.int64(n))
         return ChunkCache(clone, starts, slots, name)
     defer_pread = None
+    skip_errors = False
     if isinstance(source, RecordIOReader):
-        # raise on every error (a skipped chunk cannot be addressed); low_memory off:
+        # raise on every error (a skipped chunk cannot be addressed: the cache
+        # says what the source would skip, _skip_message); low_memory off:
         # cached records are read again after a consumer copied them (deferred
         # records, though, are read as the source would read them for a batch)
         clone = RecordIOReader(source.path, on_error="raise", low_memory=False)
         defer_pread = bool(source.low_memory)
+        skip_errors = source.on_error == "skip"
     elif isinstance(source, TFRecordReader):
         source._ensure_index()
         args, kwargs = source._reduce_args()
@@ -468,7 +482,7 @@ def open_random_access(ReaderBase source not None, int slots=2):
         clone.close()
         raise ValueError(f"{name}: the chunk table holds {int(starts[-1])} records, the reader "
                          f"{len(source)}")
-    return ChunkCache(clone, starts, slots, name, defer_pread)
+    return ChunkCache(clone, starts, slots, name, defer_pread, skip_errors)
 
 
 # ------------------------------------------------------------------ many files
@@ -656,6 +670,11 @@ cdef class MultiFileRecords(FileReader):
         self.cur = c
         self.cur_seg = s
         return 0
+
+    def _skip_message(self, err):
+        """ChunkCache._skip_message of the file whose chunk raised `err` (the
+        last read's: its file's cache is the current one)."""
+        return None if self.cur is None else self.cur._skip_message(err)
 
     cdef int c_next(self, rl_record *out) except -1 nogil:
         with gil:

@@ -26,6 +26,11 @@ chunk.  What a state saved after that restores to, per chain:
   as unknown without reading, so the restore reads them: exact.
 * open_files in raise mode raises the same error on every call until reset
   (documented): a state saved after it restores to the same.
+* global_shuffle raised the error on every read without moving on (an epoch
+  that could never end); it now raises once (skips, with the warning, over a
+  skip-mode source), reads on with every other record once, and refuses
+  get_state until the next epoch (its O(1) set_state positions by the
+  permutation, where the lost chunk's records still count).
 """
 import json
 import os
@@ -316,3 +321,74 @@ def test_open_files_over_skip_mode_files_restores_exactly_after_a_skipped_chunk(
     # count is certain: a unit of a skip-mode file may deliver fewer
     _restores_exactly(make, states, events, _sample(0, len(states), 23))
     c.close()
+
+
+# -------------------------------------------------------------- global shuffle
+def _tfrecord_source(tmp_path):
+    path = str(tmp_path / "bad.tfrecord")
+    off = _write_tfrecord(path, 640, 128 + 40, "data", True)
+    return (lambda: TFRecordReader(path, index=path + ".idx"), set(range(128, 256)), 640,
+            f"{path}: corrupted record at {off} \\(data checksum mismatch\\)")
+
+
+SOURCES = ["rio", "rio_skip", "open_files", "open_files_skip", "tfrecord"]
+
+
+@pytest.mark.parametrize("batch", [False, True])
+@pytest.mark.parametrize("source", SOURCES)
+def test_global_shuffle_reads_on_past_a_bad_chunk(tmp_path, source, batch, request):
+    if source == "tfrecord":
+        src, chunk, n, msg = _tfrecord_source(tmp_path)
+    else:
+        path = str(tmp_path / ("bad.skip.rio" if source == "open_files_skip" else "bad.rio"))
+        if source == "open_files_skip":
+            request.getfixturevalue("skip_suffix")
+        chunk, off = _write_rio(path)
+        n = N
+        msg = f"{path}: chunk body checksum mismatch \\(chunk {BAD}\\) at byte offset {off}"
+        src = {"rio": lambda: rl.RecordIOReader(path),
+               "rio_skip": lambda: rl.RecordIOReader(path, on_error="skip"),
+               "open_files": lambda: open_files([path]),
+               "open_files_skip": lambda: open_files([path])}[source]
+    skip = source.endswith("_skip")
+    make = lambda: (src().global_shuffle(seed=5, window_chunks=3).batch(6) if batch
+                    else src().global_shuffle(seed=5, window_chunks=3))
+    c = make()
+    for epoch in range(2):                                  # the next epoch meets the chunk again
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter("always")
+            events, states, errors = _read(c)
+        assert len(errors) <= LIMIT, f"stuck: {len(errors)} errors, {errors[0]}"
+        skipped = [str(w.message) for w in ws if issubclass(w.category, rl.RecordIOWarning)]
+        if skip:
+            assert errors == [] and len(skipped) == 1 and _match(msg.replace(": chunk body", ": skipped chunk: chunk body"),
+                                                                 skipped[0]), skipped
+        else:
+            assert len(errors) == 1 and _match(msg, str(errors[0])), errors
+        # every record not in the bad chunk, exactly once
+        assert _records(events) == sorted(set(range(n)) - chunk)
+        k_err = events.index("err") if not skip else next(
+            k for k, st in enumerate(states) if isinstance(st, RuntimeError)) - 1
+        _check_refused_after(make, states, events, k_err, f"GlobalShuffleReader dropped a record this epoch .*{msg}")
+        c.reset()
+    c.close()
+
+
+def test_global_shuffle_skip_after_a_lost_chunk_counts_records(rio):
+    """A bulk skip (c_skip: shard, skip, ...) after a lost chunk drops records,
+    not the lost chunk's places in the permutation."""
+    path, lost, off = rio
+    a = rl.RecordIOReader(path).global_shuffle(seed=5, window_chunks=3)
+    b = rl.RecordIOReader(path).global_shuffle(seed=5, window_chunks=3)
+    for r in (a, b):
+        while True:
+            try:
+                r.read_next()
+            except rl.RecordIOError:
+                break
+    assert a._skip(40) == 40
+    for _ in range(40):
+        assert b.read_next() is not None
+    assert _read(a, save=False)[0] == _read(b, save=False)[0]
+    a.close()
+    b.close()
