@@ -93,7 +93,7 @@ ATTR = {
     "buffer_size": "int", "num_passes": "int", "count": "int", "path": "str", "paths": "list[str]",
     "fn": "Callable[[Any], Any]", "predicate": "Callable[[Any], Any]", "transform": "RecordTransform",
     "input_schema": "Schema", "bound_output_schema": "Schema", "padded_flags": "tuple[bool, ...]",
-    "deterministic": "bool", "num_shards": "int", "index": "int", "capacity": "int",
+    "deterministic": "bool", "num_shards": "int", "index": "int", "capacity": "int", "on_error": "str",
 }
 WRITABLE = {("RecordTransform", "output_schema"): f"{SchemaLike} | None"}
 # Special methods that are slot wrappers (no signature at runtime).

@@ -693,11 +693,16 @@ cdef class RecordIOReader(FileReader):
     path : str or os.PathLike
     on_error : {"raise", "skip"}
         "raise" (default): any failed check raises RecordIOError naming the
-        file and byte offset.  "skip": a bad chunk is skipped, counted in
-        `skipped_chunks`, and reported with a RecordIOWarning.
+        file and byte offset; reading on goes on at the next chunk, and
+        get_state raises RuntimeError (the chunk's records are gone, the
+        position no longer adds up) until the next epoch.  "skip": a bad
+        chunk is skipped, counted in `skipped_chunks`, and reported with a
+        RecordIOWarning; a state saved after it restores exactly.
 
     Attributes
     ----------
+    on_error : str
+        As given.
     num_records, num_chunks : int
         From the index footer (or a scan of chunk headers when the file has
         no footer).
@@ -762,6 +767,7 @@ cdef class RecordIOReader(FileReader):
     cdef int64_t cur_chunk             # the chunk _load_chunk is loading
     cdef readonly int64_t _records_deferred  # test hook: records handed out deferred
     cdef int64_t _min_size             # the smallest record the schema allows (no rows)
+    cdef object _last_error            # (error message, skip mode's warning or None) of the last chunk error
 
     def __cinit__(self):
         self.fd = -1
@@ -1691,26 +1697,50 @@ cdef class RecordIOReader(FileReader):
         return 0
 
     cdef int _chunk_error(self, int code, int64_t c) except -1:
+        # Chunk c failed to load: c_next has stepped past it, so its records
+        # are gone from this epoch -- skipped (on_error="skip", with a warning),
+        # or raised.  Raised, the position no longer adds up (set_state steps
+        # over whole chunks by the index's counts, this one's too): get_state
+        # refuses until the next epoch (ReaderBase._dropped).  Skipped, a
+        # restore positions by reading (c_skip, skip mode) and skips it again.
         msg = _CHUNK_ERRORS.get(code, f"chunk error {code}")
         if self.err_record >= 0:
             msg += f" (record {self.err_record} of chunk {c})"
         else:
             msg += f" (chunk {c})"
-        if code == CK_NOMEM:
-            raise MemoryError(f"{self.path}: {msg}")
         if code == CK_IO:
             msg += f" ({os.strerror(self.err_errno)})"
-        if code in (CK_SHRUNK, CK_IO):
-            self._fail(msg, self.err_off)        # not the chunk's fault: never skipped
-        if not self.skip_errors:
-            if code == CK_RECORD:        # the one exception for a record that does not fit its schema
-                raise RecordIOSchemaError(f"{self.path}: {msg} at byte offset {self.err_off}: schema {self.schema}",
-                                        self.path, self.err_off, self.err_record)
-            self._fail(msg, self.err_off)
-        self.skipped_chunks += 1
-        warnings.warn(f"{self.path}: skipped chunk: {msg} at byte offset {self.err_off}",
-                      RecordIOWarning, stacklevel=2)
-        return 0
+        where = f"{self.path}: {msg} at byte offset {self.err_off}"
+        # what skip mode would warn for it (None: raised even in skip mode, not
+        # the chunk's fault): a chunk cache over a skip-mode reader asks (_skip_message)
+        skippable = code not in (CK_NOMEM, CK_SHRUNK, CK_IO)
+        self._last_error = (where, f"{self.path}: skipped chunk: {msg} at byte offset {self.err_off}"
+                            if skippable else None)
+        if skippable and self.skip_errors:
+            self.skipped_chunks += 1
+            warnings.warn(f"{self.path}: skipped chunk: {msg} at byte offset {self.err_off}",
+                          RecordIOWarning, stacklevel=2)
+            return 0
+        self._dropped = f"{where}: the chunk's records were not read"
+        if code == CK_NOMEM:
+            raise MemoryError(f"{self.path}: {msg}")
+        if code == CK_RECORD:        # the one exception for a record that does not fit its schema
+            raise RecordIOSchemaError(f"{where}: schema {self.schema}", self.path, self.err_off,
+                                      self.err_record)
+        raise RecordIOError(where, self.path, self.err_off)
+
+    def _skip_message(self, err):
+        """The RecordIOWarning message skip mode gives for the chunk whose load
+        raised `err` (the last chunk error), or None: not a chunk fault (a read
+        error, a file that shrank: raised in skip mode too), or another error."""
+        if self._last_error is None or not str(err).startswith(self._last_error[0]):
+            return None
+        return self._last_error[1]
+
+    @property
+    def on_error(self):
+        """The on_error given: "raise" or "skip"."""
+        return "skip" if self.skip_errors else "raise"
 
     cdef int c_reset(self) except -1:
         cdef int64_t i

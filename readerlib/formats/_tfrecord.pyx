@@ -1001,7 +1001,19 @@ cdef class TFRecordReader(FileReader):
         self.cur_i = 0
         return 0
 
-    cdef int _raise(self) except -1:
+    cdef int _raise(self, lost=None) except -1:
+        """Raise the error err_code/err_off describe.  `lost`: what of the
+        chunk reading on will not give (the rest of it, or all of it): then the
+        epoch's position no longer adds up (set_state steps over chunks by the
+        table's counts), and get_state refuses until the next epoch (ReaderBase._dropped)."""
+        try:
+            self._raise_error()
+        except BaseException as e:
+            if lost is not None:
+                self._dropped = f"{e}: {lost}"
+            raise
+
+    def _raise_error(self):
         off = self.err_off
         code = self.err_code
         where = " of the uncompressed stream" if self.ztype else ""
@@ -1074,8 +1086,11 @@ cdef class TFRecordReader(FileReader):
             self.pextent = (self.stream_end if self.complete else self.ck_pos[k] + self.last_bytes) - self.ck_pos[k]
         self.defer_scan = self._may_defer()
         if self._scan(self.ck_pos[k], self.ck_n[k], True) != 0:
+            # the table says where the next chunk starts: reading on goes on
+            # there (the chunk's records are gone), as RecordIO's does
+            self.iorder += 1
             with gil:
-                self._raise()
+                self._raise(f"chunk {k} was not read")
         self.iorder += 1
         self.cur_chunk = k
         return 1
@@ -1126,7 +1141,7 @@ cdef class TFRecordReader(FileReader):
                 self.err_off = self.ck_pos[self.cur_chunk] + self.cur_off[self.cur_i] - 12
             self.cur_i = self.cur_n            # the rest of this chunk is not handed out
             with gil:
-                self._raise()
+                self._raise(f"the rest of chunk {self.cur_chunk} was not read")
         self.cur_i += 1
         return 1
 
@@ -1158,7 +1173,7 @@ cdef class TFRecordReader(FileReader):
                     self.err_off = foff - 12
                 self.cur_i = self.cur_n            # the rest of this chunk is not handed out
                 with gil:
-                    self._raise()
+                    self._raise(f"the rest of chunk {self.cur_chunk} was not read")
         self.dlast = b
         out.block = b
         out.data = b.data
@@ -1209,6 +1224,7 @@ cdef class TFRecordReader(FileReader):
         self.cur_n = 0
         self.cur_i = 0
         self.iorder = 0
+        self._dropped = None
         return 0
 
     cdef int c_close(self) except -1:

@@ -52,9 +52,11 @@ Design:
     restores to that order, which the reader keeps from then on.
 """
 import os
+import warnings
 
 import numpy as np
 from libc.stdlib cimport malloc, calloc, realloc, free
+from libc.string cimport memset
 
 from readerlib._typedefs cimport int64_t, uint32_t, uint64_t
 from readerlib.readers._base cimport (
@@ -63,6 +65,7 @@ from readerlib.readers._base cimport (
 from readerlib.readers._base import _check_positive_int, _check_reader, _check_saved_seed_epoch
 from readerlib._mapped cimport (
     rl_mapped_import, rl_record_is_deferred, rl_deferred_may_go_out, hand_out_verified)
+from readerlib.errors import DataLossError, RecordIOWarning
 
 rl_core_import()
 rl_mapped_import()
@@ -167,6 +170,7 @@ def _check_seed(seed):
 
 cdef struct _wchunk:            # one chunk of the window the sequential path reads
     rl_block *block             # fixed-size records packed in one block: record o at base + o * stride
+                                # (a chunk lost this epoch: block NULL, base NULL, stride 0)
     const char *base
     int64_t stride
     rl_record *recs             # otherwise its records (rtab); NULL when strided
@@ -260,6 +264,12 @@ cdef class GlobalShuffleReader(DecoratedReader):
     TypeError
         `reader` has no random access (a stream or a decorated chain: put
         global_shuffle directly on the source, decorators after it).
+    DataLossError
+        From read_next, once, when a chunk fails to load (the format's error,
+        naming file, chunk and offset; a source opened with on_error="skip"
+        skips it with its RecordIOWarning instead).  Reading on gives every
+        other record of the epoch once, where the permutation puts it; until
+        the next epoch get_state raises RuntimeError naming the chunk.
 
     Examples
     --------
@@ -283,11 +293,17 @@ cdef class GlobalShuffleReader(DecoratedReader):
     cdef int64_t nwb
     cdef int64_t wbcap
     cdef rl_record ring[RING]       # the records of the next RING positions, their data prefetched
+                                    # (block NULL: a record of a lost chunk, skipped)
     cdef int64_t rnext              # window-local position the ring starts at (-1: refill)
     cdef bint wdeferred             # the window holds descriptors (built while a batch above pulled)
     # random access (c_read_at, permutation): a second window order, so that g[i]
     # never invalidates the sequential path's window
     cdef _order rnd
+    # chunks whose load failed with the format's error this epoch (_lose): their
+    # records are skipped where the permutation puts them
+    cdef char *ulost                # per chunk: 1 when lost
+    cdef int64_t nlost
+    cdef int64_t loading            # the chunk _build is reading (-1: none)
     cdef readonly uint64_t seed
     cdef readonly int64_t epoch
     cdef readonly bint seed_drawn
@@ -296,6 +312,7 @@ cdef class GlobalShuffleReader(DecoratedReader):
         self.seq.k = -1
         self.rnd.k = -1
         self.rnext = -1
+        self.loading = -1
 
     def __init__(self, reader, seed=None, window_chunks=8):
         _check_reader(reader, "GlobalShuffleReader")
@@ -323,8 +340,9 @@ cdef class GlobalShuffleReader(DecoratedReader):
         self.seq.cum = <int64_t *>malloc((w + 1) * sizeof(int64_t))
         self.rnd.cum = <int64_t *>malloc((w + 1) * sizeof(int64_t))
         self.wch = <_wchunk *>calloc(w, sizeof(_wchunk))
+        self.ulost = <char *>calloc(max(self.nunits, 1), 1)
         if not (self.ustart and self.slot_unit and self.wstart and self.seq.cum and self.rnd.cum
-                and self.wch):
+                and self.wch and self.ulost):
             raise MemoryError()
         for i in range(self.nunits + 1):
             self.ustart[i] = starts[i]
@@ -350,6 +368,8 @@ cdef class GlobalShuffleReader(DecoratedReader):
         self.seq.cum = self.rnd.cum = NULL
         free(self.ustart); free(self.slot_unit); free(self.wstart)
         self.ustart = self.slot_unit = self.wstart = NULL
+        free(self.ulost)
+        self.ulost = NULL
 
     # -- the plan: chunk order and windows ------------------------------------
     cdef void _plan(self) noexcept nogil:
@@ -463,8 +483,13 @@ cdef class GlobalShuffleReader(DecoratedReader):
             cnt = self.ustart[u + 1] - base
             c.recs = NULL
             c.stride = 0
+            if self.ulost[u]:              # lost this epoch: its records come out as block NULL
+                c.block = NULL
+                c.base = NULL
+                continue
             lastb = NULL
             strided = True
+            self.loading = u
             for o in range(cnt):
                 self.ra.c_read_at(base + o, &rec)   # raises (the format's error): nothing is kept
                 if o == 0:
@@ -490,6 +515,7 @@ cdef class GlobalShuffleReader(DecoratedReader):
                         self.wdeferred = True
                 if not strided:
                     c.rtab[o] = rec
+            self.loading = -1
             if cnt and strided:
                 c.block = first.block
                 c.base = first.data
@@ -499,6 +525,45 @@ cdef class GlobalShuffleReader(DecoratedReader):
         self._order_of(&self.seq, k)
         self.rnext = -1
         return 0
+
+    cdef int _build_window(self, int64_t k) except -1 nogil:
+        """_build(k); a chunk whose load raises the format's error is lost to
+        this epoch (_lose): the error raised once (the position stays; the next
+        read builds the window without it), or skipped with the source's
+        warning where the source skips bad chunks.  (The GIL once a window.)"""
+        with gil:
+            return self._build_lossy(k)
+
+    cdef int _build_lossy(self, int64_t k) except -1:
+        cdef int64_t u
+        while True:
+            try:
+                with nogil:
+                    self._build(k)
+                return 0
+            except DataLossError as e:
+                u = self.loading
+                self.loading = -1
+                if u < 0 or self.ulost[u] or not self._lose(u, e):
+                    raise
+
+    def _lose(self, int64_t u, err):
+        """Chunk u failed to load (`err`, naming file and offset): its records
+        are not in this epoch, and reading on gives every other record once,
+        where the permutation puts it.  The position (c_skip: O(1) over the
+        permutation) counts the lost records' places, so get_state refuses
+        until the next epoch (ReaderBase._dropped).  True: the source skips
+        the chunk (on_error="skip"; its warning is given), False: raise `err`."""
+        cdef int64_t a = self.ustart[u], b = self.ustart[u + 1]
+        f = getattr(self.ra, "_skip_message", None)
+        skip = f(err) if f is not None else None
+        self.ulost[u] = 1
+        self.nlost += 1
+        self._dropped = (f"{type(err).__name__}: {err}; the chunk's {b - a} records ({a} to {b - 1} "
+                         f"of the source) are not in this epoch")
+        if skip is not None:
+            warnings.warn(skip, RecordIOWarning, stacklevel=2)
+        return skip is not None
 
     cdef inline void _rec_at(self, int64_t i, rl_record *out) noexcept nogil:
         """The record at window-local position i of the loaded window."""
@@ -515,37 +580,47 @@ cdef class GlobalShuffleReader(DecoratedReader):
 
     cdef int c_next(self, rl_record *out) except -1 nogil:
         cdef int64_t i, n, q
-        if self.pos >= self.num_records:
-            return 0
-        if self.seq.k < 0 or self.pos >= self.wstart[self.seq.k + 1] or self.pos < self.wstart[self.seq.k]:
-            self._build(self._window_of(self.pos))    # raises (the format's error): the position stays
-        i = self.pos - self.wstart[self.seq.k]
-        n = self.seq.n
-        # records come from anywhere in a window of chunks (MBs): each one's
-        # first cache line is requested RING positions before it is handed out
-        if i != self.rnext:                # entered the window here (a build, a skip)
-            for q in range(i, min64(i + RING, n)):
-                self._rec_at(q, &self.ring[q % RING])
-                rl_gs_prefetch(self.ring[q % RING].data)
-        out[0] = self.ring[i % RING]
-        if self.wdeferred and rl_record_is_deferred(out) and not rl_deferred_may_go_out(out):
-            # a descriptor (the window was built while a batch above pulled:
-            # _mapped_negotiate) asked for by another consumer: the window
-            # again, its chunks reloaded the ordinary way (the cache's rule)
-            self._build(self.seq.k)
-            self._rec_at(i, out)
-            self.rnext = -1
+        while True:
+            if self.pos >= self.num_records:
+                return 0
+            if self.seq.k < 0 or self.pos >= self.wstart[self.seq.k + 1] or self.pos < self.wstart[self.seq.k]:
+                self._build_window(self._window_of(self.pos))    # raises (the format's error): the position stays
+            i = self.pos - self.wstart[self.seq.k]
+            n = self.seq.n
+            # records come from anywhere in a window of chunks (MBs): each one's
+            # first cache line is requested RING positions before it is handed out
+            if i != self.rnext:                # entered the window here (a build, a skip)
+                for q in range(i, min64(i + RING, n)):
+                    self._rec_at(q, &self.ring[q % RING])
+                    rl_gs_prefetch(self.ring[q % RING].data)
+            out[0] = self.ring[i % RING]
+            if out.block != NULL and self.wdeferred and rl_record_is_deferred(out) and \
+                    not rl_deferred_may_go_out(out):
+                # a descriptor (the window was built while a batch above pulled:
+                # _mapped_negotiate) asked for by another consumer: the window
+                # again, its chunks reloaded the ordinary way (the cache's rule)
+                self._build_window(self.seq.k)
+                self._rec_at(i, out)
+                self.rnext = -1
+                self.pos += 1
+                if out.block == NULL:          # its chunk failed to load now (skipped)
+                    continue
+                return 1
+            if i + RING < n:
+                self._rec_at(i + RING, &self.ring[i % RING])
+                rl_gs_prefetch(self.ring[i % RING].data)
+            self.rnext = i + 1
             self.pos += 1
-            return 1
-        if i + RING < n:
-            self._rec_at(i + RING, &self.ring[i % RING])
-            rl_gs_prefetch(self.ring[i % RING].data)
-        self.rnext = i + 1
-        self.pos += 1
-        return 1
+            if out.block != NULL:
+                return 1
+            # a record of a chunk lost this epoch (_lose): its place is skipped
 
     cdef int64_t c_skip(self, int64_t n) except -1 nogil:
         cdef int64_t k = self.num_records - self.pos
+        if self.nlost:
+            # places of lost records are not items: as n c_next calls would
+            # (the epoch's state is refused anyway, so no set_state comes here)
+            return ReaderBase.c_skip(self, n)
         if n < k:
             k = n if n > 0 else 0
         self.pos += k
@@ -582,8 +657,16 @@ cdef class GlobalShuffleReader(DecoratedReader):
 
     cdef int c_reset(self) except -1:
         self.epoch += 1
+        self._clear_lost()
         self._plan()
         return self.reader.c_reset()
+
+    cdef int _clear_lost(self) except -1:
+        if self.nlost:
+            memset(self.ulost, 0, max(self.nunits, 1))
+            self.nlost = 0
+        self._dropped = None
+        return 0
 
     cdef int c_close(self) except -1:
         self._drop_window()
@@ -635,6 +718,7 @@ cdef class GlobalShuffleReader(DecoratedReader):
     def _set_epoch_state(self, state):
         self.seed = <uint64_t>int(state["seed"])      # (checked: _check_epoch_state)
         self.epoch = int(state["epoch"])
+        self._clear_lost()
         self._plan()
 
     def _describe(self):

@@ -52,6 +52,7 @@ from readerlib.readers._base cimport (
 from readerlib.readers._sources cimport _ChunkedSource, ArrayReader
 from readerlib._mapped cimport (
     rl_map, rl_mapped, rl_mapped_import, rl_record_is_deferred, rl_deferred_may_go_out, gate_ref, gate_file)
+from readerlib.errors import DataLossError
 
 cnp.import_array()
 rl_core_import()
@@ -132,8 +133,10 @@ cdef class ChunkCache(FileReader):
     cdef object run_of             # clone._current_run (RecordIO) or None
     cdef object defer_pread        # _mapped_negotiate: the batch preads deferred records (else a mapping)
     cdef rl_map *gated             # the clone's map, gated by a MultiFileRecords (a reference), or NULL
+    cdef bint skip_errors          # the source skips bad chunks (RecordIOReader(on_error="skip"))
 
-    def __init__(self, ReaderBase clone not None, starts, int nslots=2, name="", defer_pread=None):
+    def __init__(self, ReaderBase clone not None, starts, int nslots=2, name="", defer_pread=None,
+                 skip_errors=False):
         cdef int64_t i
         st = np.ascontiguousarray(starts, dtype=np.int64)
         if st.ndim != 1 or st.shape[0] < 1 or st[0] != 0 or np.any(np.diff(st) < 0):
@@ -159,6 +162,7 @@ cdef class ChunkCache(FileReader):
         self.last = 0
         self._name = name
         self.defer_pread = defer_pread
+        self.skip_errors = bool(skip_errors)
 
     def __dealloc__(self):
         cdef int i
@@ -207,7 +211,7 @@ cdef class ChunkCache(FileReader):
             if not s.deferred or not rl_record_is_deferred(out) or rl_deferred_may_go_out(out):
                 return 1
             with gil:                      # a descriptor, and not for the batch that asked
-                self._load(self.last, s.chunk)
+                self._load(self.last, s.chunk, index - self.starts[s.chunk])
             _slot_get(s, index - self.starts[s.chunk], out)
             return 1
         if index < 0 or index >= self.num_records:
@@ -219,26 +223,43 @@ cdef class ChunkCache(FileReader):
         victim = 0
         for k in range(self.nslots):
             if self.slots[k].chunk == c:
-                victim = -1
-                self.last = k
+                if index - self.starts[c] < self.slots[k].n:
+                    victim = -1
+                    self.last = k
+                else:                      # kept part of a chunk whose load failed: load it again
+                    victim = k
                 break
             if self.slots[k].tick < self.slots[victim].tick:
                 victim = k
         if victim >= 0:
             with gil:
-                self._load(victim, c)
+                self._load(victim, c, index - self.starts[c])
             self.last = victim
         s = &self.slots[self.last]
         s.tick = self.tick
         _slot_get(s, index - self.starts[c], out)
         if s.deferred and rl_record_is_deferred(out) and not rl_deferred_may_go_out(out):
             with gil:                      # (as above: loaded during the batch's pull)
-                self._load(self.last, c)
+                self._load(self.last, c, index - self.starts[c])
             _slot_get(s, index - self.starts[c], out)
         return 1
 
-    cdef int _load(self, int k, int64_t c) except -1:
-        """Chunk c into slot k, read by the clone's sequential path (every check)."""
+    def _skip_message(self, err):
+        """The RecordIOWarning message with which the source (on_error="skip")
+        skips the chunk whose load raised `err` (what a global shuffle over it
+        does), or None: the source raises it (raise mode, TFRecord, or not a
+        chunk fault: a read error, a file that shrank)."""
+        f = getattr(self.clone, "_skip_message", None)
+        return f(err) if self.skip_errors and f is not None else None
+
+    cdef int _load(self, int k, int64_t c, int64_t want) except -1:
+        """Chunk c into slot k, read by the clone's sequential path (every check).
+
+        A chunk whose load fails part-way (TFRecord hands out the records before
+        a record that fails its CRC, as TensorFlow does) keeps the records read
+        before the failure when record `want` of it is one of them: a read of
+        one of those succeeds, as sequential reading gives them, and a read of
+        a record after them loads the chunk again (and raises)."""
         cdef _slot *s = &self.slots[k]
         cdef int64_t n = self.starts[c + 1] - self.starts[c], i, got = 0
         cdef rl_record rec
@@ -310,6 +331,12 @@ cdef class ChunkCache(FileReader):
                 raise ValueError(f"{self._name}: chunk {c} gave {got} records, its index says {n}")
             if not s.strided:
                 _slot_stride(s)
+        except DataLossError:
+            if s.strided or got <= want or got >= n:
+                _slot_release(s)
+                raise
+            n = got                       # the records before the failure (see above)
+            _slot_stride(s)
         except BaseException:
             _slot_release(s)
             raise
@@ -430,12 +457,15 @@ def open_random_access(ReaderBase source not None, int slots=2):
         starts = np.append(np.arange(0, n, cr, dtype=np.int64), np.int64(n))
         return ChunkCache(clone, starts, slots, name)
     defer_pread = None
+    skip_errors = False
     if isinstance(source, RecordIOReader):
-        # raise on every error (a skipped chunk cannot be addressed); low_memory off:
+        # raise on every error (a skipped chunk cannot be addressed: the cache
+        # says what the source would skip, _skip_message); low_memory off:
         # cached records are read again after a consumer copied them (deferred
         # records, though, are read as the source would read them for a batch)
         clone = RecordIOReader(source.path, on_error="raise", low_memory=False)
         defer_pread = bool(source.low_memory)
+        skip_errors = source.on_error == "skip"
     elif isinstance(source, TFRecordReader):
         source._ensure_index()
         args, kwargs = source._reduce_args()
@@ -452,7 +482,7 @@ def open_random_access(ReaderBase source not None, int slots=2):
         clone.close()
         raise ValueError(f"{name}: the chunk table holds {int(starts[-1])} records, the reader "
                          f"{len(source)}")
-    return ChunkCache(clone, starts, slots, name, defer_pread)
+    return ChunkCache(clone, starts, slots, name, defer_pread, skip_errors)
 
 
 # ------------------------------------------------------------------ many files
@@ -640,6 +670,11 @@ cdef class MultiFileRecords(FileReader):
         self.cur = c
         self.cur_seg = s
         return 0
+
+    def _skip_message(self, err):
+        """ChunkCache._skip_message of the file whose chunk raised `err` (the
+        last read's: its file's cache is the current one)."""
+        return None if self.cur is None else self.cur._skip_message(err)
 
     cdef int c_next(self, rl_record *out) except -1 nogil:
         with gil:

@@ -186,6 +186,11 @@ class FilePlan:
         self.by_chunks = by_chunks
         self.equal_batches = False
         self.identities = []                  # per file: what tells it from another (states)
+        # per file: whether its units give exactly their planned counts.  A
+        # reader that skips bad chunks (RecordIOReader(on_error="skip") from a
+        # registered factory) may give fewer: set_state cannot step over its
+        # units by their counts (epoch_counts), it reads them (and skips again)
+        self.counts_exact = []
         units = []            # (file index, chunks or None, record count or None)
         self._user_schema = schema
         first = None
@@ -194,6 +199,7 @@ class FilePlan:
             r = open_file(p, schema)
             try:
                 self.identities.append(_identity_of(r, p))
+                self.counts_exact.append(getattr(r, "on_error", "raise") != "skip")
                 bare.append(r.bare_instances)
                 if r.item_kind != 0:
                     raise TypeError(f"open_files reads instances; the reader for {p!r} yields batches")
@@ -294,8 +300,9 @@ class FilePlan:
 
     def epoch_counts(self, epoch):
         """Record counts of `epoch_units(epoch)`, in that order (None: not known
-        without reading the file; set_state's skip stops there)."""
-        return [n for _, _, n in self._epoch_order(epoch)]
+        without reading the file -- no chunk table, or a reader that skips bad
+        chunks --; set_state's skip stops there)."""
+        return [n if self.counts_exact[i] else None for i, _, n in self._epoch_order(epoch)]
 
     def describe(self):
         """What decides this plan's records and their order (for states): the
