@@ -494,19 +494,6 @@ def test_open_files_file_order_does_not_depend_on_tfrecord_sidecars(tmp_path):
     assert first + ids(drain(b)) == first + rest     # got [1, 1]: record 1 twice, record 0 lost
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ArrayReader(dict, schema=...) pairs the dict's values with the schema's fields by position, "
-    "ignoring the keys: same-typed fields are silently swapped, and unknown names are accepted"))
-def test_array_reader_matches_a_dict_to_the_schema_by_name():
-    schema = rl.Schema([rl.Field("a", "int64"), rl.Field("b", "int64")])
-    try:
-        r = rl.ArrayReader({"b": np.array([1]), "a": np.array([10])}, schema=schema)
-    except ValueError:
-        return                                       # refusing the mismatch is a fix too
-    inst = r.read_next()
-    assert (int(inst["a"]), int(inst["b"])) == (10, 1)   # got (1, 10)
-
-
 class _Calls:
     """A map function that counts its calls (made on the prefetch thread)."""
 
