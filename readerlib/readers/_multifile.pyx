@@ -680,17 +680,52 @@ cdef class MultiFileReader(FileReader):
 
     # checkpoint: (seed, epoch) fix the unit order; the core replays the position.
     # The seed is in the state even when open_files drew it (no seed=), so a
-    # chain restored in another process draws the same file order.
+    # chain restored in another process draws the same file order.  So is the
+    # plan's file_order (FilePlan): "files" (all the files permuted), or "units"
+    # (only those with units: states saved before 2026-12-06, which have no
+    # "file_order", and a chain restored from one, keep it).
     def _epoch_state(self):
         d = {"epoch": int(self.epoch)}
         if getattr(self._plan, "shuffle_files", False):
             d["seed"] = int(self._plan.seed)
+            if hasattr(self._plan, "file_order"):
+                d["file_order"] = str(self._plan.file_order)
         return d
+
+    def _state_version(self):
+        # a readerlib from before the "files" order (it reads version 2 only)
+        # reads the "units" order: version 2 only where the two are the same
+        plan = self._plan
+        if (not getattr(plan, "shuffle_files", False) or getattr(plan, "file_order", "units") == "units"
+                or plan.units_order_is_files_order()):
+            return 2
+        return 3
+
+    def _check_epoch_state(self, state):
+        plan = self._plan
+        if not getattr(plan, "shuffle_files", False) or not hasattr(plan, "file_order"):
+            return
+        order = state.get("file_order", "units")        # (no key: saved before 2026-12-06)
+        if not isinstance(order, str) or order not in plan.FILE_ORDERS:
+            raise ValueError(f"unknown file order {order!r:.80} in 'file_order' (a state saves "
+                             f"'files', or none before 2026-12-06)")
+        if order == "units":
+            seed, epoch = state.get("seed", plan.seed), state.get("epoch", self.epoch)
+            if (isinstance(seed, bool) or not isinstance(seed, int)
+                    or isinstance(epoch, bool) or not isinstance(epoch, int)):
+                raise ValueError(f"malformed seed {seed!r:.40} or epoch {epoch!r:.40}")
+            why = plan.legacy_order_problem(seed, epoch)
+            if why is not None:
+                raise ValueError(f"this state was saved by a readerlib from before 2026-12-06 "
+                                 f"(no 'file_order'), and {why}: it cannot be restored exactly; "
+                                 f"start the chain afresh (its states restore exactly now)")
 
     def _set_epoch_state(self, state):
         self.epoch = int(state.get("epoch", self.epoch))
         if "seed" in state and getattr(self._plan, "shuffle_files", False):
             self._plan.seed = int(state["seed"])
+        if getattr(self._plan, "shuffle_files", False) and hasattr(self._plan, "file_order"):
+            self._plan.file_order = state.get("file_order", "units")      # (checked: _check_epoch_state)
 
     def _describe(self):
         describe = getattr(self._plan, "describe", None)

@@ -174,7 +174,19 @@ class FilePlan:
     the chunks inside them) are permuted by (seed, epoch) when
     shuffle_files is set.  Every rank computes the same table, so the ranks
     read disjoint units and together all of them.
+
+    File order (`file_order`): "files", the permutation of *all* the plan's
+    files drawn from (seed, epoch) -- the same on every rank and in every
+    process, whatever units the files have (an empty TFRecord file is one
+    whole-file unit without its .idx sidecar and none with it; a file
+    without an index is one unit, with one a unit per chunk); a rank reads
+    its units in that order.  "units" (states saved before 2026-12-06, which
+    have no "file_order"): the permutation of only the files that have units
+    among this rank's, which a restored state of that time keeps
+    (`legacy_order_problem` says when it cannot be reproduced).
     """
+
+    FILE_ORDERS = ("files", "units")
 
     def __init__(self, paths, schema, shard, shuffle_files, seed, by_chunks, seed_drawn=False):
         self.paths = paths
@@ -191,6 +203,13 @@ class FilePlan:
         # registered factory) may give fewer: set_state cannot step over its
         # units by their counts (epoch_counts), it reads them (and skips again)
         self.counts_exact = []
+        self.file_order = "files"
+        # per file: whether its units could differ between processes for the same
+        # file identity (a chunk table known or not: an index outside the file,
+        # like TFRecord's .idx sidecar) -- only the "units" order depends on them
+        self._index_outside = []
+        self._empty = []       # per file: no record (True/False; None: not known without reading)
+        self._same_orders = None
         units = []            # (file index, chunks or None, record count or None)
         self._user_schema = schema
         first = None
@@ -211,9 +230,13 @@ class FilePlan:
                 # a compressed stream cannot be entered mid-way: whole-file units
                 chunked = (hasattr(r, "chunk_table") and hasattr(r, "select_chunks")
                            and not getattr(r, "compression", None))
+                # (sharding always reads by chunks: its units never depend on an index)
+                self._index_outside.append(bool(chunked and not by_chunks
+                                                and not isinstance(r, RecordIOReader)))
                 if chunked and (by_chunks or getattr(r, "has_index", False)):
                     _, counts = r.chunk_table()
                     units.extend((i, [c], int(n)) for c, n in enumerate(counts))
+                    self._empty.append(int(np.sum(counts)) == 0)
                 else:
                     n = None
                     if by_chunks:            # sharding: counts balance the ranks
@@ -222,6 +245,10 @@ class FilePlan:
                         except TypeError:
                             pass
                     units.append((i, None, n))
+                    # an uncompressed TFRecord file without a record has 0 bytes
+                    self._empty.append(n == 0 if n is not None else
+                                       (os.path.getsize(p) == 0 if isinstance(r, TFRecordReader)
+                                        and not getattr(r, "compression", None) else None))
             finally:
                 r.close()
         self.schema = first[1]
@@ -285,14 +312,81 @@ class FilePlan:
                              f"instances, unlike when the stream was planned")
         return r
 
+    @staticmethod
+    def _permuted(seed, epoch, files):
+        """`files` (file indices) in the order (seed, epoch) draws."""
+        perm = np.random.default_rng([seed, epoch]).permutation(len(files))
+        return [files[j] for j in perm]
+
+    def _shuffled_files(self, epoch):
+        """The file order of `epoch` (see the class doc): file indices, first read first."""
+        if self.file_order == "units":
+            return self._permuted(self.seed, epoch, sorted({u[0] for u in self.mine}))
+        return self._permuted(self.seed, epoch, list(range(len(self.paths))))
+
     def _epoch_order(self, epoch):
         units = self.mine
         if self.shuffle_files:
-            files = sorted({u[0] for u in units})
-            perm = np.random.default_rng([self.seed, epoch]).permutation(len(files))
-            rank_of = {files[j]: pos for pos, j in enumerate(perm)}
+            rank_of = {f: pos for pos, f in enumerate(self._shuffled_files(epoch))}
             units = sorted(units, key=lambda u: rank_of[u[0]])      # stable: chunks stay in order
         return units
+
+    def _is_empty(self, i):
+        if self._empty[i] is None:
+            r = open_file(self.paths[i], self._user_schema)
+            try:
+                self._empty[i] = len(r) == 0
+            except TypeError:          # no count: it might be empty
+                self._empty[i] = True
+            finally:
+                r.close()
+        return self._empty[i]
+
+    def _sidecar_dependent(self):
+        """Files whose having a unit depends on an index outside them: empty ones
+        (no unit with their index, one whole-file unit without)."""
+        return [i for i in range(len(self.paths)) if self._index_outside[i] and self._is_empty(i)]
+
+    def units_order_is_files_order(self):
+        """True when the "units" order (what a readerlib before 2026-12-06 reads,
+        in any process) is this plan's "files" order in every epoch."""
+        if not self.shuffle_files:
+            return True
+        if self._same_orders is None:           # (get_state asks: once)
+            self._same_orders = (not self._sidecar_dependent()
+                                 and len({u[0] for u in self.mine}) == len(self.paths))
+        return self._same_orders
+
+    def legacy_order_problem(self, seed, epoch):
+        """None when the "units" order of `epoch` under `seed` is the one the
+        process that saved it read (a state without "file_order"); else why not.
+
+        That order permuted the files that had units, and an empty file whose
+        index lives outside it (TFRecord's .idx sidecar) had one unit or none
+        depending on whether the sidecar existed when that process planned the
+        stream: unknowable here.  The order is reproducible when every such
+        choice gives the same records in the same order."""
+        if not self.shuffle_files:
+            return None
+        unsure = self._sidecar_dependent()
+        if not unsure:
+            return None
+        if len(unsure) > 10:
+            return (f"{len(unsure)} empty files ({self.paths[unsure[0]]!r}, ...) had a unit or none "
+                    f"depending on their index sidecars")
+        base = sorted({u[0] for u in self.mine} - set(unsure))
+        seen = None
+        for mask in range(1 << len(unsure)):
+            files = sorted(base + [f for k, f in enumerate(unsure) if mask >> k & 1])
+            got = [f for f in self._permuted(seed, epoch, files) if f not in unsure]
+            if seen is None:
+                seen = got
+            elif got != seen:
+                names = ", ".join(repr(os.path.basename(self.paths[f])) for f in unsure[:3])
+                return (f"its file order depended on whether the index sidecar of the empty "
+                        f"file(s) {names} existed when that process opened the files, which "
+                        f"gives other records in epoch {epoch}")
+        return None
 
     def epoch_units(self, epoch):
         """[(path, chunks or None)] for this rank and epoch, in reading order."""
@@ -363,7 +457,9 @@ def open_files(paths_or_glob, num_threads=1, shuffle_files=False, seed=None, sha
     num_threads : int
         Worker threads; each runs compiled readers with the GIL released.
     shuffle_files : bool
-        Permute the files each epoch, from (seed, epoch).
+        Permute the files each epoch, from (seed, epoch) and the list of
+        files alone: the same order on every rank (each reads its share in
+        it) and in every process, whether or not index sidecars exist.
     seed : int, optional
         Pass `seed=` to make a shuffled file order reproducible.
     shard : (rank, world), "auto" or None

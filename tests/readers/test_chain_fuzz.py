@@ -226,10 +226,6 @@ def chains(draw, sources=("array", "rio", "files_rio", "files_tf", "tfrecord")):
                                           else ["default", "default", "aligned", "unaligned", "zlib", "v1"])),
            "files_shard": draw(st.sampled_from([None, None, 2, 3])) if src.startswith("files") else None,
            "seed": draw(st.integers(0, 2 ** 31))}
-    if src == "files_tf" and cfg["shuffle_files"]:
-        # no empty TFRecord file under a file shuffle: its order changes once the
-        # .idx sidecars exist (test_open_files_file_order_does_not_depend_on_tfrecord_sidecars)
-        cfg["n"] = max(cfg["n"], cfg["nfiles"])
     rec = (BIG if big else SMALL) + 8
     if src == "array":
         cfg["chunk"] = draw(st.integers(1, 16))
@@ -469,12 +465,10 @@ print("OK")
 """, timeout=120)
 
 
-# ------------------------------------------------------------------ bugs found (strict xfail: they flip when fixed)
-@pytest.mark.xfail(strict=True, reason=(
-    "FilePlan._epoch_order permutes only the files that have units: an empty TFRecord file is a "
-    "whole-file unit while it has no .idx sidecar and has no unit once the first pass wrote one, so "
-    "the shuffled file order (and what a restored state resumes to) changes between processes"))
+# ------------------------------------------------------------------ bugs found, fixed
 def test_open_files_file_order_does_not_depend_on_tfrecord_sidecars(tmp_path):
+    """Found by the fuzz (an empty TFRecord file under shuffle_files): the file order was drawn
+    over the files that had units, and an empty file has one without its .idx sidecar, none with it."""
     schema = rl.Schema([rl.Field("x", "uint8", (8,))])
     paths = []
     for f, ids in enumerate([[], [0], [1]]):         # an empty file, then records 0 and 1
@@ -491,9 +485,10 @@ def test_open_files_file_order_does_not_depend_on_tfrecord_sidecars(tmp_path):
     rest = ids(drain(a))
     b = rl.open_files(paths, shuffle_files=True, seed=1, schema=schema)      # a new process's chain
     b.set_state(state)
-    assert first + ids(drain(b)) == first + rest     # got [1, 1]: record 1 twice, record 0 lost
+    assert first + ids(drain(b)) == first + rest     # was [1, 1]: record 1 twice, record 0 lost
 
 
+# ------------------------------------------------------------------ bugs found (strict xfail: they flip when fixed)
 class _Calls:
     """A map function that counts its calls (made on the prefetch thread)."""
 
