@@ -834,6 +834,10 @@ cdef class PrefetchReader(DecoratedReader):
         v = self._view_at(pump, seen, False)     # the thread started a pass while it was read
         return states if v is None else v
 
+    def _read_ahead_steps(self):
+        """Test hook: the items of the current run after which its thread started a pass."""
+        return [] if self.pump is None else [int(e[0]) for e in self.pump.log]
+
     def _undo_read_ahead(self, view):
         """After c_reset below: the chain's epoch state back to `view` (the
         thread's read-ahead had moved it on), and c_reset again from there."""
