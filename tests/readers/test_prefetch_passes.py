@@ -221,3 +221,31 @@ def test_endless_repeat_under_prefetch_keeps_no_history():
     r.reset()
     assert r.read_next() is not None
     r.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.cuda_emu          # without a GPU: the staging logic on tests/support/fake_cupy.py
+@pytest.mark.parametrize("cap", [1, 3])
+def test_device_staging_counts_the_batches_handed_out(xp_gpu, cap):
+    # device="cuda" takes up to `capacity` batches ahead of the ones it hands out:
+    # the next epoch after a reset is the one the batches handed out lead to
+    def make(device):
+        r = rl.ArrayReader(np.arange(6)).shuffle(4, seed=3).multi_pass(3).batch(2)
+        return r.prefetch(cap, device="cuda", timeout=30) if device else r
+
+    def batch_ids(b):
+        return [int(v) for v in xp_gpu.asnumpy(b[0].data).ravel()]
+
+    for k in (0, 2, 3, 4, 8):
+        plain = make(False)
+        for _ in range(k):
+            plain.read_next()
+        plain.reset()
+        want = [ids(x) for x in iter(plain.read_next, None)]
+        r = make(True)
+        for _ in range(k):
+            r.read_next()
+        settle(r)
+        r.reset()
+        assert [batch_ids(x) for x in iter(r.read_next, None)] == want, k
+        r.close()
