@@ -413,6 +413,7 @@ def _stop_all_at_exit():
 
 
 def _reinit_after_fork():
+    _pump_of_thread.clear()                  # (no thread of the parent's runs lives here)
     for p in _pumps_alive():
         p._after_fork_in_child()
 
