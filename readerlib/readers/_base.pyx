@@ -464,6 +464,24 @@ _ABSTRACT_READERS = frozenset({"ReaderBase", "FileReader", "DecoratedReader", "_
 _ITEM_METHODS = ("read_next", "reset", "__iter__", "__next__", "_skip")
 
 
+# The prefetch threads (thread ident -> its run, readers/_prefetch.pyx _Pump):
+# a pass of multi_pass/repeat that such a thread starts is read ahead of the
+# prefetcher's consumer, and is noted (_epoch_step) so that the consumer's
+# epoch state can be told from the thread's (PrefetchReader._below_states).
+_pump_of_thread = {}
+
+
+def _epoch_step():
+    """Called (with the GIL) by a reader just before it moves the epoch of the
+    readers below it on in the middle of its own (a multi_pass or repeat starting
+    a pass: c_reset below).  On a prefetcher's thread, the prefetcher notes the
+    epoch state of its chain before it; anywhere else, nothing."""
+    if _pump_of_thread:
+        p = _pump_of_thread.get(_get_ident())
+        if p is not None:
+            p._note_epoch_step()
+
+
 cdef class _Chain:
     """What the readers of one chain share: a decorator joins its reader's
     chain when it is built (_join_chain), so a reader and everything built on
@@ -866,12 +884,32 @@ cdef class ReaderBase:
         """The callable _reduce_args' arguments go to (default: the class)."""
         return type(self)
 
-    def _chain_epoch_state(self):
+    def _chain_epoch_state(self, describe=True):
+        """Each reader's epoch state (after its type and, with `describe`, its
+        _describe()), in _walk() order: the chain's epoch as its reader sees it.
+        Below a prefetcher that is what its consumer has read, not what its
+        thread read ahead (a pass it started: PrefetchReader._below_states)."""
+        readers = self._walk()
+        seen = {}
+        for r in readers:                    # outermost prefetcher first (its states cover the inner ones')
+            f = getattr(r, "_below_states", None)
+            if f is None or id(r) in seen:
+                continue
+            states = f()
+            below = (<DecoratedReader>r).reader._walk()
+            if states is not None and len(states) == len(below):
+                for b, s in zip(below, states):
+                    seen[id(b)] = s
         out = []
-        for r in self._walk():
+        for r in readers:
             d = {"type": type(r).__name__}
-            d.update(r._describe())
-            d.update(r._epoch_state())
+            if describe:
+                d.update(r._describe())
+            s = seen.get(id(r))
+            if s is None:
+                d.update(r._epoch_state())
+            else:
+                d.update({k: v for k, v in s.items() if k != "type"})
             out.append(d)
         return out
 

@@ -9,7 +9,7 @@ from readerlib.readers._base cimport (
     rl_record_consumed, rl_copy_big, rl_copy_fence, rl_rng_seed, rl_rng_below, rl_store_i64,
     layout_parse, columns_encoded_size, columns_encode, encode_instance,
     ITEM_INSTANCE, ITEM_BATCH, RL_MAX_FIELDS)
-from readerlib.readers._base import _check_positive_int, _check_reader
+from readerlib.readers._base import _check_positive_int, _check_reader, _epoch_step
 
 rl_core_import()
 
@@ -32,6 +32,7 @@ cdef class MultiPassReader(DecoratedReader):
         cdef int r = self.reader.c_next(out)
         while r == 0 and self.pass_id + 1 < self.num_passes:
             with gil:
+                _epoch_step()             # (a prefetcher's read-ahead: noted)
                 self.reader.c_reset()
             self.pass_id += 1             # after the reset: if it raises, the next call retries it
             r = self.reader.c_next(out)
@@ -46,6 +47,7 @@ cdef class MultiPassReader(DecoratedReader):
         done = self.reader.c_skip(n)
         while done < n and self.pass_id + 1 < self.num_passes:
             with gil:
+                _epoch_step()             # (a prefetcher's read-ahead: noted)
                 self.reader.c_reset()
             self.pass_id += 1
             done += self.reader.c_skip(n - done)

@@ -69,7 +69,7 @@ from readerlib._sync cimport (
 from readerlib.readers._base cimport (
     ReaderBase, DecoratedReader, rl_block, rl_record, rl_block_incref, rl_block_decref,
     ITEM_BATCH, ITEM_INSTANCE, rl_core_import)
-from readerlib.readers._base import _check_positive_int, _check_reader
+from readerlib.readers._base import _check_positive_int, _check_reader, _epoch_step, _pump_of_thread
 from readerlib._parallel import start_threads
 from readerlib.tensor import LoDTensor
 
@@ -99,6 +99,11 @@ cdef struct pf_state:
     int64_t head                    # oldest item
     int64_t count
     int64_t produced                # items pushed in this run
+    int64_t popped                  # items the consumer took in this run
+    int seen_end                    # the consumer was told the run ended (end or error)
+    int64_t noted                   # epoch steps the thread noted (_Pump._note_epoch_step)
+    int64_t mark                    # the first noted epoch step (_Pump.log) the consumer has
+                                    # not gone past: item `mark` comes after it (-1: none)
     int64_t refcnt                  # owners: the PrefetchReader (current run) and the _Pump
     int stop                        # consumer -> producer: exit between items
     int done                        # producer -> consumer: no more items (end, error or stop)
@@ -117,6 +122,8 @@ cdef enum:
     POP_FORKED = -4
     POP_EMPTY = -5                  # non-blocking pop found nothing yet
     POP_SLICE = -6                  # a wait slice elapsed (check signals, go on)
+    POP_MARK = -7                   # the next item (or the end) comes after a noted epoch
+                                    # step: _cross_mark first (nothing was taken)
 
 cdef int64_t SLICE_NS = 100000000   # 100 ms: how often a waiting consumer checks for Ctrl-C
 
@@ -131,6 +138,7 @@ cdef pf_state *_pf_new(int64_t cap) except NULL:
         raise MemoryError(f"prefetch ring of {cap} items")
     st.cap = cap
     st.low_water = cap // 2
+    st.mark = -1
     st.refcnt = 1
     _pf_init_sync(st)
     return st
@@ -191,16 +199,20 @@ cdef int _pf_pop(pf_state *st, rl_record *out, int64_t deadline_ns, bint blockin
                 break
     if st.forked:
         code = POP_FORKED
+    elif st.mark >= 0 and st.mark <= st.popped and (st.count > 0 or st.done):
+        code = POP_MARK
     elif st.count > 0:
         out[0] = st.ring[st.head]
         st.ring[st.head].block = NULL
         st.head = (st.head + 1) % st.cap
         st.count -= 1
+        st.popped += 1
         if st.producer_waiting and st.count <= st.low_water:
             pthread_cond_signal(&st.not_full)
         code = POP_ITEM
     elif st.done:
         code = POP_ERROR if st.failed else POP_END
+        st.seen_end = 1
     elif not blocking:
         code = POP_EMPTY
     elif deadline_ns >= 0 and _now_ns() >= deadline_ns:
@@ -231,10 +243,40 @@ cdef class _Pump:
     cdef readonly object error
     cdef object error_tb
     cdef object __weakref__
+    # The passes this run's thread started below (a multi_pass or repeat's c_reset
+    # of the reader below, _note_epoch_step): [(item, the epoch state of the chain
+    # below before it)], the item being made then -- it comes after the step --
+    # in increasing order, one (the earliest) an item; rebound, never changed.
+    cdef list log
+    cdef object start_view          # the chain's epoch state when a run starts an epoch, or None
 
     def __cinit__(self, ReaderBase upstream, int64_t cap):
         self.st = _pf_new(cap)
         self.upstream = upstream
+        self.log = []
+
+    def _note_epoch_step(self):
+        """On this run's thread, a reader below is about to start a pass (c_reset
+        below it): its consumer has not got there, so note the chain's epoch
+        state before the step, at the item being made.  Once a pass, not an item."""
+        cdef pf_state *st = self.st
+        cdef int64_t at, keep
+        with nogil:
+            pthread_mutex_lock(&st.mu)
+            at = st.produced
+            keep = st.popped - st.cap - 1       # (a device stager holds popped items back)
+            pthread_mutex_unlock(&st.mu)
+        log = self.log
+        if log and log[len(log) - 1][0] == at:
+            return                              # the state before the first step to item `at` counts
+        snap = self.upstream._chain_epoch_state(False)
+        self.log = [e for e in log if e[0] >= keep] + [(at, snap)]
+        with nogil:
+            pthread_mutex_lock(&st.mu)
+            st.noted += 1
+            if st.mark < 0:
+                st.mark = at
+            pthread_mutex_unlock(&st.mu)
 
     def __dealloc__(self):
         live = _live_pumps
@@ -286,6 +328,8 @@ cdef class _Pump:
     def _run(self):
         cdef pf_state *st = self.st
         cdef int failed = 0, close_upstream
+        me = threading.get_ident()
+        _pump_of_thread[me] = self              # (the passes it starts are noted: _epoch_step)
         _deprioritise_wakeups()
         try:
             with nogil:
@@ -294,6 +338,8 @@ cdef class _Pump:
             self.error = e
             self.error_tb = e.__traceback__
             failed = 1
+        finally:
+            _pump_of_thread.pop(me, None)
         with nogil:
             pthread_mutex_lock(&st.mu)
             st.done = 1
@@ -367,6 +413,7 @@ def _stop_all_at_exit():
 
 
 def _reinit_after_fork():
+    _pump_of_thread.clear()                  # (no thread of the parent's runs lives here)
     for p in _pumps_alive():
         p._after_fork_in_child()
 
@@ -435,6 +482,7 @@ cdef class PrefetchReader(DecoratedReader):
     cdef bint nonblocking                   # device staging: pop only what is ready
     cdef bint would_block
     cdef bint reset_pending                 # a reset() could not stop the thread
+    cdef bint fresh                         # nothing taken this epoch (the next run starts it)
     cdef int64_t signals_ns                 # when c_next last checked for Ctrl-C
     cdef object _stager
     cdef object __weakref__                 # (the chain's list of prefetchers, _Chain.pumps)
@@ -460,6 +508,7 @@ cdef class PrefetchReader(DecoratedReader):
         self._chain_entry = [weakref.ref(self), None]
         self._chain.pumps.append(self._chain_entry)
         self._chain.version += 1
+        self.fresh = True
         self.capacity = cap
         self.timeout = timeout
         self.timeout_ns = -1 if timeout is None else <int64_t>(timeout * 1e9)
@@ -481,6 +530,8 @@ cdef class PrefetchReader(DecoratedReader):
     # -- runs ---------------------------------------------------------------
     cdef int _start_run(self) except -1:
         pump = _Pump(self.reader, self.capacity)
+        if self.fresh:                           # the epoch as its reading starts
+            pump.start_view = self.reader._chain_epoch_state(False)
         _pf_incref(pump.st)
         if self.st != NULL:
             _pf_decref(self.st)
@@ -516,6 +567,17 @@ cdef class PrefetchReader(DecoratedReader):
 
     # -- the C-level reader API --------------------------------------------
     cdef int c_next(self, rl_record *out) except -1 nogil:
+        cdef int r
+        while True:
+            r = self._take(out)
+            if r != POP_MARK:
+                return r
+            with gil:
+                self._cross_mark()
+
+    cdef int _take(self, rl_record *out) except -1 nogil:
+        """c_next, or POP_MARK (nothing taken): the next item comes after a
+        pass the thread started (_cross_mark, then again)."""
         cdef int code
         cdef PyThreadState *saved = NULL
         cdef int64_t deadline = -1, now
@@ -562,6 +624,8 @@ cdef class PrefetchReader(DecoratedReader):
             return 1
         if code == POP_END:
             return 0
+        if code == POP_MARK:
+            return POP_MARK
         if code == POP_EMPTY:
             self.would_block = True
             return 0
@@ -586,10 +650,15 @@ cdef class PrefetchReader(DecoratedReader):
             return 0
         if self._stager is not None or self.reset_pending:
             return ReaderBase.c_skip(self, n)   # staged device batches are handed out first
+        self.fresh = False
         if self.st == NULL:
             return self.reader.c_skip(n)
         while done < n:
             code = _pf_pop(self.st, &rec, -1, False)
+            if code == POP_MARK:
+                with gil:
+                    self._cross_mark()
+                continue
             if code != POP_ITEM:
                 break
             rl_block_decref(rec.block)
@@ -605,6 +674,10 @@ cdef class PrefetchReader(DecoratedReader):
             self._stop_for_skip()
         while done < n:                          # the thread is gone: what it pushed
             code = _pf_pop(self.st, &rec, -1, False)
+            if code == POP_MARK:
+                with gil:
+                    self._cross_mark()
+                continue
             if code != POP_ITEM:
                 break
             rl_block_decref(rec.block)
@@ -681,16 +754,118 @@ cdef class PrefetchReader(DecoratedReader):
         raise RuntimeError("this process forked while the PrefetchReader's thread was running; "
                            "the thread does not exist here: call reset() to start a new one")
 
+    # -- the epoch as the consumer reads it -------------------------------------
+    # The thread reads up to `capacity` items ahead.  Where that takes it into
+    # the next pass of a multi_pass or repeat below, the pass starts (c_reset
+    # of the reader below it: a shuffle's epoch moves on) before the consumer
+    # gets there.  Without the prefetcher the chain would not have started it,
+    # so what the chain's epoch state is -- saved by get_state, and what
+    # reset() moves on from -- is taken as of the consumer's position: the
+    # thread notes the state before each pass it starts (_Pump.log), and
+    # _below_states / c_reset use the first one the consumer has not reached.
+
+    def _cross_mark(self):
+        """The consumer goes past a pass the thread started (POP_MARK).  On a
+        thread that reads for another prefetcher, that pass was read ahead of
+        *its* consumer: noted there too (before this one counts it as seen)."""
+        cdef pf_state *st = self.st
+        cdef int64_t m, n0, nxt
+        cdef bint settled = False
+        with nogil:
+            pthread_mutex_lock(&st.mu)
+            m = st.mark
+            pthread_mutex_unlock(&st.mu)
+        _epoch_step()
+        while not settled:
+            with nogil:
+                pthread_mutex_lock(&st.mu)
+                n0 = st.noted
+                pthread_mutex_unlock(&st.mu)
+            nxt = -1
+            for e in self.pump.log:             # (the thread rebinds the list, never changes it)
+                if e[0] > m:
+                    nxt = e[0]
+                    break
+            with nogil:
+                pthread_mutex_lock(&st.mu)
+                if st.noted == n0:              # else the thread noted one meanwhile: look again
+                    st.mark = nxt
+                    settled = True
+                pthread_mutex_unlock(&st.mu)
+
+    def _seen(self):
+        """Items of the current run the consumer has read (+1 once it read the end)."""
+        cdef pf_state *st = self.st
+        cdef int64_t popped
+        cdef int end
+        with nogil:
+            pthread_mutex_lock(&st.mu)
+            popped = st.popped
+            end = st.seen_end
+            pthread_mutex_unlock(&st.mu)
+        stager = self._stager
+        if stager is not None:                   # popped, staged, not handed out
+            held = len(stager.inflight) + (stager.unstaged is not None)
+            if held:
+                return popped - held
+        return popped + end
+
+    def _view_at(self, _Pump pump, seen, bint at_start):
+        """The chain's epoch state (_chain_epoch_state(False)) as of `seen` items
+        of `pump`'s run: before the first pass the thread started that the
+        consumer has not reached; at the epoch's start (at_start), as the run
+        found it.  None: as it is (the thread started no pass ahead)."""
+        for e in pump.log:
+            if e[0] >= seen:
+                return e[1]
+        if at_start and seen == 0:
+            return pump.start_view
+        return None
+
+    def _below_states(self):
+        """_chain_epoch_state(False) of the chain below, as the consumer has read it."""
+        cdef _Pump pump = self.pump
+        if pump is None or self.st == NULL or self.reset_pending:
+            return None                          # no thread reads it: as it is
+        seen = self._seen()
+        v = self._view_at(pump, seen, True)
+        if v is not None:
+            return v
+        states = self.reader._chain_epoch_state(False)
+        v = self._view_at(pump, seen, False)     # the thread started a pass while it was read
+        return states if v is None else v
+
+    def _read_ahead_steps(self):
+        """Test hook: the items of the current run after which its thread started a pass."""
+        return [] if self.pump is None else [int(e[0]) for e in self.pump.log]
+
+    def _undo_read_ahead(self, view):
+        """After c_reset below: the chain's epoch state back to `view` (the
+        thread's read-ahead had moved it on), and c_reset again from there."""
+        below = self.reader._walk()
+        if len(below) != len(view) or any(type(r).__name__ != d.get("type") for r, d in zip(below, view)):
+            return                               # (another chain below now: nothing to undo)
+        for r, d in zip(below, view):
+            r._set_epoch_state({k: v for k, v in d.items() if k != "type"})
+        self.reader.c_reset()
+
     cdef int c_reset(self) except -1:
+        cdef _Pump pump = self.pump
         join_timeout = None if self.timeout is None else max(self.timeout, _CLOSE_JOIN_S)
         self.reset_pending = True
+        seen = self._seen() if pump is not None and self.st != NULL else 0
         if not self._end_run(join_timeout, False):
             raise TimeoutError(
                 f"PrefetchReader.reset(): the reader thread did not stop within {join_timeout:g} s; "
                 f"it is stuck inside the chain {self.reader!r}.  Call reset() again later")
         if self._stager is not None:
             self._stager.clear()
+        # the epoch the consumer read: passes the thread started ahead of it undone
+        view = self._view_at(pump, seen, False) if pump is not None else None
         self.reader.c_reset()
+        if view is not None:
+            self._undo_read_ahead(view)
+        self.fresh = True
         # The next run starts on the next c_next, not here: between a reset
         # and the first read the chain below is the caller's to adjust
         # (set_state() restores each reader's epoch state after c_reset()).

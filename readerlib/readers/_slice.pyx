@@ -17,7 +17,7 @@ Design:
 """
 from readerlib._typedefs cimport int64_t
 from readerlib.readers._base cimport ReaderBase, DecoratedReader, rl_record, rl_core_import
-from readerlib.readers._base import _check_positive_int, _check_reader
+from readerlib.readers._base import _check_positive_int, _check_reader, _epoch_step
 
 rl_core_import()
 
@@ -231,6 +231,7 @@ cdef class RepeatReader(DecoratedReader):
             self.pass_id += 1
             self.in_pass = 0
             with gil:
+                _epoch_step()             # (a prefetcher's read-ahead: noted)
                 self.reader.c_reset()
 
     cdef int64_t c_skip(self, int64_t n) except -1 nogil:
@@ -249,6 +250,7 @@ cdef class RepeatReader(DecoratedReader):
             self.pass_id += 1
             self.in_pass = 0
             with gil:
+                _epoch_step()             # (a prefetcher's read-ahead: noted)
                 self.reader.c_reset()
 
     cdef int c_reset(self) except -1:

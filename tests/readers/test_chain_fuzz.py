@@ -245,10 +245,6 @@ def chains(draw, sources=("array", "rio", "files_rio", "files_tf", "tfrecord")):
         cfg["shard"] = (cfg["shard"][0], "mid")
     cfg["prefetch"] = draw(st.one_of(st.none(), st.tuples(st.integers(1, 4), st.sampled_from(["mid", "end", "end"]))))
     cfg["abandon"] = draw(st.one_of(st.none(), st.none(), st.integers(0, 30)))
-    if cfg["prefetch"] and cfg["passes"]:
-        # a prefetch's read-ahead into a multi_pass's next pass moves the shuffle's epoch on:
-        # two bugs (xfail tests at the end) -- not drawn together until they are fixed
-        cfg["passes"] = None
     return cfg
 
 
@@ -518,21 +514,11 @@ def _epoch_after_abandoning_pass_1(prefetch):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "multi_pass (and repeat) c_reset()s the reader below when a pass starts, which moves a shuffle's "
-    "(or open_files') epoch on; a prefetcher's read-ahead into the next pass does that too, and "
-    "PrefetchReader.reset() does not undo it: the next epoch is another than the chain without "
-    "the prefetch gives (timing-dependent when the read-ahead races the reset)"))
 def test_prefetch_read_ahead_into_the_next_pass_does_not_change_the_next_epoch():
     # without the prefetch [3, 2, 1, 0, 1, 0, 2, 3]; with it [1, 0, 2, 3, 2, 0, 3, 1]
     assert _epoch_after_abandoning_pass_1(True) == _epoch_after_abandoning_pass_1(False)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "PrefetchReader starts its thread at construction; the chain's epoch snapshot is taken at the "
-    "first read_next()/get_state(), by when a capacity larger than a multi_pass's pass has let the "
-    "thread start pass 2 (which moved the shuffle below to its next epoch): the state saves that "
-    "epoch, and the restore gives the second pass's order for the whole epoch"))
 def test_state_of_a_fresh_prefetch_over_a_short_multi_pass_restores_its_first_epoch():
     import time
 
