@@ -227,10 +227,9 @@ def test_a_chain_shares_one_lock_and_a_holder_joins_it(tmp_path):
     assert sum(1 for _ in top) == 4
 
 
-def test_a_thread_blocked_on_the_chain_lock_waits_for_the_read(tmp_path):
-    """While one thread is inside a read of the outer reader (a slow Python
-    source), a read of the inner reader waits for it instead of running beside
-    it."""
+def _slow_source():
+    """A Python source of 8 int64 instances that stops inside its third until
+    `release` is set (`inside` says it got there)."""
     inside = threading.Event()
     release = threading.Event()
     def gen():
@@ -239,7 +238,14 @@ def test_a_thread_blocked_on_the_chain_lock_waits_for_the_read(tmp_path):
                 inside.set()
                 release.wait(30)
             yield (np.array([i], dtype=np.int64),)
-    src = rl.PythonReader(gen, rl.Schema([rl.Field("i", "int64", (1,))]))
+    return inside, release, rl.PythonReader(gen, rl.Schema([rl.Field("i", "int64", (1,))]))
+
+
+def test_a_thread_blocked_on_the_chain_lock_waits_for_the_read(tmp_path):
+    """While one thread is inside a read of the outer reader (a slow Python
+    source), a read of the inner reader waits for it instead of running beside
+    it."""
+    inside, release, src = _slow_source()
     b = src.batch(4)
     out = {}
     t = threading.Thread(target=lambda: out.setdefault("b", b.read_next()))
@@ -261,16 +267,8 @@ def test_a_holder_does_not_swap_its_reader_under_a_read(tmp_path):
     """ReaderHolder.reset_reader waits for a read of the chain that is inside
     the held reader (it dropped that reader under the read before), and is
     refused while a prefetcher's thread reads the holder."""
-    inside = threading.Event()
-    release = threading.Event()
-    schema = rl.Schema([rl.Field("i", "int64", (1,))])
-    def gen():
-        for i in range(8):
-            if i == 2:
-                inside.set()
-                release.wait(30)
-            yield (np.array([i], dtype=np.int64),)
-    h = rl.ReaderHolder(rl.PythonReader(gen, schema))
+    inside, release, slow = _slow_source()
+    h = rl.ReaderHolder(slow)
     b = h.batch(4)
     out = {}
     t = threading.Thread(target=lambda: out.setdefault("b", b.read_next()))
