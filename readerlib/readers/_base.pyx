@@ -935,7 +935,9 @@ cdef class ReaderBase:
             return self._get_state()
 
     def _get_state(self):
-        for r in self._walk():
+        """get_state's body, under the chain's lock (no read of the chain meanwhile)."""
+        readers = self._walk()
+        for r in readers:
             why = r._state_inexact()
             if why is not None:
                 raise RuntimeError(
@@ -948,14 +950,12 @@ cdef class ReaderBase:
                 self._position = 0
         state = {"version": STATE_VERSION, "position": int(self._position)}
         flat = [dict(d) for d in self._epoch_snapshot]
-        readers = self._walk()
         live = [k for k, r in enumerate(readers) if hasattr(r, "_resume_state")]
         if live and len(readers) == len(flat):
             # live parts: what a reader needs to take up its position without
             # replaying (a buffer shuffle's buffer), given the readers above it;
             # background readers (prefetch) stop between items while they are read
             paused = []
-            self._lock.acquire()                # no read_next of this chain meanwhile
             try:
                 if any(getattr(readers[k], "track", False) for k in live):
                     for r in readers:
@@ -967,7 +967,6 @@ cdef class ReaderBase:
             finally:
                 for r, token in reversed(paused):
                     r._resume_after_state(token)
-                self._lock.release()
         state.update(_nest(flat))
         state["version"] = max([STATE_VERSION] + [r._state_version() for r in readers
                                                   if hasattr(r, "_state_version")])
