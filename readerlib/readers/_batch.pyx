@@ -195,6 +195,11 @@ cdef void _copy_instances(void *ctx, int64_t begin, int64_t end, int tid) noexce
     rl_copy_fence()   # streaming stores: each copying thread fences its own
 
 
+def _no_slots(bs):
+    raise MemoryError(f"BatchReader: no memory for batch_size={bs}'s per-record slots "
+                      f"(about {bs * (sizeof(rl_record) + sizeof(int) + sizeof(int64_t)):,} bytes)")
+
+
 cdef class BatchReader(DecoratedReader):
     """Group `batch_size` instances into one batch (Paddle's BatchReader).
 
@@ -248,21 +253,19 @@ cdef class BatchReader(DecoratedReader):
         self.item_kind = ITEM_BATCH
         self.batch_size = bs
         self.drop_last = bool(drop_last)
-        no_memory = MemoryError(f"BatchReader: no memory for batch_size={bs}'s per-record slots "
-                                f"(about {bs * (sizeof(rl_record) + sizeof(int) + sizeof(int64_t)):,} bytes)")
         self.recs = <rl_record *>calloc(bs, sizeof(rl_record))
         if self.recs == NULL:
-            raise no_memory
+            _no_slots(bs)
         if self.layout.n_lod:
             # per-record parse of a sequence batch, kept between sizing and copying
             self.parsed_ptrs = <const char **>calloc(bs * self.layout.nfields, sizeof(char *))
             self.parsed_rows = <int64_t *>calloc(bs * self.layout.nfields, sizeof(int64_t))
             if self.parsed_ptrs == NULL or self.parsed_rows == NULL:
-                raise no_memory
+                _no_slots(bs)
         self.dcodes = <int *>calloc(bs, sizeof(int))
         self.doffs = <int64_t *>calloc(bs, sizeof(int64_t))
         if self.dcodes == NULL or self.doffs == NULL:
-            raise no_memory
+            _no_slots(bs)
         self._negotiate()
 
     def _negotiate(self):
