@@ -1714,12 +1714,11 @@ cdef class RecordIOReader(FileReader):
         # what skip mode would warn for it (None: raised even in skip mode, not
         # the chunk's fault): a chunk cache over a skip-mode reader asks (_skip_message)
         skippable = code not in (CK_NOMEM, CK_SHRUNK, CK_IO)
-        self._last_error = (where, f"{self.path}: skipped chunk: {msg} at byte offset {self.err_off}"
-                            if skippable else None)
+        skipped = f"{self.path}: skipped chunk: {msg} at byte offset {self.err_off}" if skippable else None
+        self._last_error = (where, skipped)
         if skippable and self.skip_errors:
             self.skipped_chunks += 1
-            warnings.warn(f"{self.path}: skipped chunk: {msg} at byte offset {self.err_off}",
-                          RecordIOWarning, stacklevel=2)
+            warnings.warn(skipped, RecordIOWarning, stacklevel=2)
             return 0
         self._dropped = f"{where}: the chunk's records were not read"
         if code == CK_NOMEM:
