@@ -506,6 +506,7 @@ cdef class RecordIOWriter(FileWriter):
     def write(self, instance):
         """Append one instance: a tuple, list or dict of values (one per field)."""
         cdef rl_block *b
+        self._check_process()           # (not in a forked child: before the lock)
         with self._lock:                 # (FileWriter: writes from several threads)
             self._check_open()
             b = encode_instance(self.schema, &self.layout, instance)
@@ -521,6 +522,7 @@ cdef class RecordIOWriter(FileWriter):
         for sequence fields) or a tuple in schema order; row i of each is
         instance i.  Much faster than `write` per instance.
         """
+        self._check_process()           # (not in a forked child: before the lock)
         with self._lock:                 # (FileWriter: writes from several threads)
             self._write_batch(columns)
 
@@ -654,6 +656,7 @@ cdef class RecordIOWriter(FileWriter):
 
     def flush(self):
         """End the current chunk and push it to the OS."""
+        self._check_process()           # (not in a forked child: before the lock)
         with self._lock:
             self._check_open()
             self._write_chunk()

@@ -1475,12 +1475,14 @@ cdef class TFRecordWriter(FileWriter):
         elif isinstance(record, str):
             raise TypeError("a record is bytes-like (encode str first), got str")
         v = memoryview(record).cast("B")
+        self._check_process()           # (not in a forked child: before the lock)
         with self._lock:                 # (FileWriter: writes from several threads)
             self._check_open()
             self._append(<const char *>&v[0] if v.shape[0] else <const char *>"", v.shape[0])
 
     def write_batch(self, records):
         """Append many records: the rows of a 2-D array, or an iterable of bytes-like."""
+        self._check_process()           # (not in a forked child: before the lock)
         with self._lock:                 # (FileWriter: writes from several threads)
             self._write_batch(records)
 
@@ -1502,6 +1504,7 @@ cdef class TFRecordWriter(FileWriter):
 
     def flush(self):
         """Push buffered records to the OS (a compressed stream is sync-flushed)."""
+        self._check_process()           # (not in a forked child: before the lock)
         with self._lock:
             self._check_open()
             self._drain()

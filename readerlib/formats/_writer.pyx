@@ -13,8 +13,23 @@ import warnings
 from _thread import RLock as _RLock
 
 from readerlib._signature import ClassSignature as _ClassSignature
+from posix.unistd cimport getpid
 
 __all__ = ["FileWriter"]
+
+# Bumped in every forked child (os.register_at_fork): a writer whose _gen
+# differs was opened by an ancestor process (FileWriter._check_process), found
+# without a getpid() system call per write.
+cdef long _fork_gen = 0
+
+
+def _bump_fork_gen():
+    global _fork_gen
+    _fork_gen += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_bump_fork_gen)
 
 
 class _PieceFile:
@@ -82,13 +97,19 @@ cdef class FileWriter:
     raises when the file cannot be finished (and can be called again); it
     never reports success for a file that does not read back.  An unclosed
     writer still finishes its file when collected; if that fails, a warning
-    (`_gc_warning`, a RecordIOWarning / TFRecordWarning) names the path."""
+    (`_gc_warning`, a RecordIOWarning / TFRecordWarning) names the path.
+
+    The file belongs to the process that opened it: in a child forked from
+    it, writes and flush() raise RuntimeError, and close() (or collection)
+    closes the child's descriptor without writing anything."""
     # inspect.signature(cls) of every subclass, from its own docstring (readerlib/_signature.py)
     __signature__ = _ClassSignature()
 
     def __cinit__(self, *args, **kwargs):
         self._closed = True
         self._lock = _RLock()        # (the C type: no Python frame in __cinit__)
+        self._pid = getpid()
+        self._gen = _fork_gen
 
     def __del__(self):
         if not self._closed and self._f is not None:
@@ -105,6 +126,15 @@ cdef class FileWriter:
                 except Exception:
                     pass
 
+    cdef int _check_process(self) except -1:
+        if self._gen != _fork_gen:
+            raise RuntimeError(
+                f"{type(self).__name__}({getattr(self, 'path', '?')!r}) was opened by process "
+                f"{self._pid}, and this is process {getpid()}, forked from it: the file is that "
+                f"process's to write and finish (a write here would land where its next records "
+                f"go); open a writer on another file in this process")
+        return 0
+
     def _gc_warning(self):
         return ResourceWarning
 
@@ -120,12 +150,27 @@ cdef class FileWriter:
 
         Raises (OSError) when the file cannot be finished; the writer then
         stays open, so close() can be retried (e.g. after freeing space)."""
+        if self._gen != _fork_gen:
+            self._close_forked()
+            return
         with self._lock:             # not while another thread writes
             if self._closed:
                 return
             self._finish()           # raises: still open, the file ends at its last good piece
             self._closed = True
             self._f.close()
+
+    def _close_forked(self):
+        """close() (or the collection of an unclosed writer) in a forked child:
+        its descriptor is closed and nothing is written.  The process that
+        opened the file finishes it; a child that wrote its buffered records
+        and footer there (as close() would) overwrote the records the parent
+        wrote after the fork, after the parent's close() had returned.  No
+        lock: a thread of the parent may have held it at the fork."""
+        if not self._closed:
+            self._closed = True
+            if self._f is not None:
+                self._f.close()
 
     @property
     def closed(self):
