@@ -116,6 +116,10 @@ cdef class _Chain:
     cdef int64_t closed             # readers of the chain closed (or with a close pending)
     cdef list pumps                 # weakrefs to the chain's PrefetchReaders
     cdef int64_t version            # bumped when a prefetcher joins or a holder swaps its chain
+    # The process's fork generation (_fork_gen in _base.pyx) when the lock was
+    # last known to be free of dead threads' holds; -1 once found torn: the
+    # process was forked while another thread was inside the chain (_fork_check).
+    cdef int64_t fork_gen
 
 
 cdef class ReaderBase:
@@ -159,6 +163,12 @@ cdef class ReaderBase:
     # reader: raises when a reader below was closed, or when a prefetcher's
     # thread reads this reader.  Two loads when neither can be.
     cdef int _check_chain(self) except -1
+    # Called by every entry point *before* it takes _lock: in a forked child,
+    # the first call frees a lock that a thread of the parent (which does not
+    # exist here) held at the fork, and marks the chain torn; a torn chain
+    # raises RuntimeError (unless may_raise is false: close()).  One compare
+    # otherwise.
+    cdef int _fork_check(self, bint may_raise=*) except -1
     cdef int _join_chain(self, ReaderBase up) except -1
     cdef int _move_chain(self, _Chain c) except -1
     cdef int _set_closed(self) except -1

@@ -53,6 +53,19 @@ __all__ = ["ReaderBase", "FileReader", "DecoratedReader", "ReaderHolder"]
 cdef double _CLOSE_LOCK_WAIT_S = 0.25   # close() waits this long for a read in another thread
 cdef double _PUMP_LEAVE_S = 5.0         # a read waits this long for a dropped prefetcher's thread to leave
 
+# Bumped in every forked child (os.register_at_fork, below): a chain whose
+# _Chain.fork_gen differs has not been looked at since the fork (_fork_check).
+cdef int64_t _fork_gen = 0
+
+
+def _bump_fork_gen():
+    global _fork_gen
+    _fork_gen += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_bump_fork_gen)
+
 
 # --------------------------------------------------------------------- layout
 cdef int layout_from_schema(rl_layout *L, object schema) except -1:
@@ -495,6 +508,7 @@ cdef class _Chain:
     def __cinit__(self):
         self.lock = _RLock()            # (the C type: no Python frame, see ReaderBase.__cinit__)
         self.pumps = []
+        self.fork_gen = _fork_gen
 
 
 cdef class ReaderBase:
@@ -612,6 +626,7 @@ cdef class ReaderBase:
         """
         cdef rl_record rec
         cdef int64_t n, i
+        self._fork_check()
         with self._lock:
             self._check_open()
             self._check_chain()
@@ -653,6 +668,7 @@ cdef class ReaderBase:
         cdef int r
         if self._closed:                     # without waiting for a read in another thread
             self._check_open()
+        self._fork_check()
         try:
             with self._lock:
                 if self._closed:
@@ -694,6 +710,7 @@ cdef class ReaderBase:
 
     def reset(self):
         """Restart the whole chain; shuffles draw a new order (next epoch)."""
+        self._fork_check()
         with self._lock:
             self._check_open()
             self._check_chain()
@@ -753,6 +770,41 @@ cdef class ReaderBase:
             self._closed = True
             self._chain.closed += 1
         return 0
+
+    cdef int _fork_check(self, bint may_raise=True) except -1:
+        if self._chain.fork_gen != _fork_gen:
+            self._forked_chain(may_raise)
+        return 0
+
+    def _forked_chain(self, bint may_raise):
+        """The first entry into this chain since the process forked, or a torn chain.
+
+        A thread holding the chain's lock at the fork does not exist in the
+        child: its hold would never be released, so the first read, reset or
+        state call in the child blocked for ever (a DataLoader worker forked
+        while another thread -- an async checkpoint's get_state, a second
+        loop -- was inside the chain hung).  A lock that cannot be taken at
+        once here is such a hold (a thread of this process that holds it
+        entered after this check, which runs with the GIL held and no Python
+        code between the test and the update): it is re-initialised and the
+        chain is marked torn (fork_gen -1), since that thread left its state
+        half-updated; every entry point then raises, naming what to do.
+        close() only releases the lock (may_raise false)."""
+        cdef _Chain c = self._chain
+        if c.fork_gen >= 0:
+            if c.lock.acquire(False):
+                c.fork_gen = _fork_gen
+                c.lock.release()
+                return
+            c.lock._at_fork_reinit()
+            c.fork_gen = -1
+        if may_raise:
+            raise RuntimeError(
+                f"{type(self).__name__}: this process was forked while another thread of its "
+                f"parent was inside this chain (a read, reset or state call), so the chain's state "
+                f"here is what that thread left half-done and it cannot be used; build the chain "
+                f"in this process (IterableDataset(make_chain) does, in each DataLoader worker), "
+                f"or fork while no other thread uses it")
 
     cdef int _check_chain(self) except -1:
         if self._chain.closed != self._closed_ok:
@@ -929,6 +981,7 @@ cdef class ReaderBase:
         and seed, ...), the identity of its file (name, size and a checksum
         of its first and last 4 KiB), and its epoch.
         """
+        self._fork_check()
         with self._lock:                     # not while another thread reads the chain
             if not self._closed:
                 self._check_chain()
@@ -983,6 +1036,7 @@ cdef class ReaderBase:
             as ``batch_size`` or ``seed``, a file's identity).  A seed that
             a shuffle drew itself (no ``seed=``) is taken from the state.
         """
+        self._fork_check()
         with self._lock:                     # not while another thread reads the chain
             self._check_open()
             self._check_chain()
@@ -1032,6 +1086,7 @@ cdef class ReaderBase:
         """Read and drop `n` items in compiled code (no Python objects); returns
         how many there were (fewer at the end of the epoch).  Counts as read."""
         cdef int64_t i = 0, held = 0, want = n
+        self._fork_check()
         with self._lock:
             self._check_open()
             self._check_chain()
@@ -1091,6 +1146,7 @@ cdef class ReaderBase:
         # wait for it, it leaves the close to that read, which does it as soon as
         # it returns (the checks below make one of the two do it, whatever the
         # interleaving).
+        self._fork_check(False)              # (a lock a thread of the parent held: freed)
         if not self._lock.acquire(True, _CLOSE_LOCK_WAIT_S):
             self._close_pending = True
             self._set_closed()              # reads from now on raise
@@ -1415,6 +1471,8 @@ cdef class ReaderHolder(ReaderBase):
     def reset_reader(self, reader):
         _check_reader(reader, "ReaderHolder")
         reader._check_open()
+        (<ReaderBase>reader)._fork_check()   # (its chain joins this one: not one left torn)
+        self._fork_check()
         with self._lock:                     # not while a read of this chain is inside the held reader
             if self._free_at != self._chain.version:
                 self._check_not_pumped()     # nor while a prefetcher's thread is

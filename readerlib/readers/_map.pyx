@@ -1303,6 +1303,7 @@ cdef class MapBatchesReader(DecoratedReader):
         cdef int r
         if self._closed:
             self._check_open()
+        self._fork_check()
         try:
             with self._lock:
                 if self._closed:
