@@ -120,6 +120,12 @@ cdef class _Chain:
     # last known to be free of dead threads' holds; -1 once found torn: the
     # process was forked while another thread was inside the chain (_fork_check).
     cdef int64_t fork_gen
+    # True while an entry point that moves the chain (read_next, _skip,
+    # read_many, reset, set_state) runs, under the lock: the same thread coming
+    # back in (a map function, a PythonReader iterator or a signal handler
+    # calling the chain it runs inside) is refused (ReaderBase._enter), and its
+    # close() is left to that entry point (close_pending).
+    cdef bint busy
 
 
 cdef class ReaderBase:
@@ -169,6 +175,9 @@ cdef class ReaderBase:
     # raises RuntimeError (unless may_raise is false: close()).  One compare
     # otherwise.
     cdef int _fork_check(self, bint may_raise=*) except -1
+    # Under _lock: raises when the chain is busy (re-entered by this thread),
+    # else marks it busy and returns it (the caller clears busy in a finally).
+    cdef _Chain _enter(self, str what)
     cdef int _join_chain(self, ReaderBase up) except -1
     cdef int _move_chain(self, _Chain c) except -1
     cdef int _set_closed(self) except -1

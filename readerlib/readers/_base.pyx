@@ -626,31 +626,36 @@ cdef class ReaderBase:
         """
         cdef rl_record rec
         cdef int64_t n, i
+        cdef _Chain ch
         self._fork_check()
         with self._lock:
             self._check_open()
             self._check_chain()
-            n = self.c_num_records()
-            if n < 0:
-                self._open_random_access()          # raises, naming the reader
-                raise TypeError(f"{type(self).__name__} has no random access")
-            out = []
-            for index in indices:
-                try:
-                    j = index.__index__()
-                except AttributeError:
-                    raise TypeError(f"{type(self).__name__} indices must be integers, got "
-                                    f"{type(index).__name__}") from None
-                if j < 0:
-                    j += n
-                if j < 0 or j >= n:               # (before the int64: 2**70 is out of range too)
-                    raise IndexError(f"{type(self).__name__} index {index} out of range for "
-                                     f"{n} records")
-                i = j
-                with nogil:
-                    self.c_read_at(i, &rec)
-                out.append(_decode_instance(self, &rec))
-            return out
+            ch = self._enter("read_many")
+            try:
+                n = self.c_num_records()
+                if n < 0:
+                    self._open_random_access()          # raises, naming the reader
+                    raise TypeError(f"{type(self).__name__} has no random access")
+                out = []
+                for index in indices:
+                    try:
+                        j = index.__index__()
+                    except AttributeError:
+                        raise TypeError(f"{type(self).__name__} indices must be integers, got "
+                                        f"{type(index).__name__}") from None
+                    if j < 0:
+                        j += n
+                    if j < 0 or j >= n:               # (before the int64: 2**70 is out of range too)
+                        raise IndexError(f"{type(self).__name__} index {index} out of range for "
+                                         f"{n} records")
+                    i = j
+                    with nogil:
+                        self.c_read_at(i, &rec)
+                    out.append(_decode_instance(self, &rec))
+                return out
+            finally:
+                ch.busy = False
 
     def _check_open(self):
         if self._closed:
@@ -666,6 +671,7 @@ cdef class ReaderBase:
         """
         cdef rl_record rec
         cdef int r
+        cdef _Chain ch
         if self._closed:                     # without waiting for a read in another thread
             self._check_open()
         self._fork_check()
@@ -674,30 +680,34 @@ cdef class ReaderBase:
                 if self._closed:
                     self._check_open()
                 self._check_chain()
-                self._begin_read()
-                if self._has_held:
-                    rec = self._held
-                else:
-                    with nogil:
-                        r = self.c_next(&rec)
-                    if r == 0:
-                        return None
-                    # Taken from the chain but not yet handed over: making its
-                    # Python objects can raise (a KeyboardInterrupt that lands in
-                    # Python code they call, a MemoryError).  Then it stays here,
-                    # borrowed (no c_next before it is handed out), uncounted, and
-                    # the next read_next hands it out: nothing is lost, and a
-                    # get_state meanwhile counts it as not read.
-                    self._held = rec
-                    self._has_held = True
-                # the record is borrowed until the next c_next: wrap it under the lock
-                if self.item_kind == ITEM_BATCH:
-                    item = _wrap_batch(self, &rec)
-                else:
-                    item = _decode_instance(self, &rec)
-                self._has_held = False
-                self._position += 1
-                return item
+                ch = self._enter("read_next")
+                try:
+                    self._begin_read()
+                    if self._has_held:
+                        rec = self._held
+                    else:
+                        with nogil:
+                            r = self.c_next(&rec)
+                        if r == 0:
+                            return None
+                        # Taken from the chain but not yet handed over: making its
+                        # Python objects can raise (a KeyboardInterrupt that lands in
+                        # Python code they call, a MemoryError).  Then it stays here,
+                        # borrowed (no c_next before it is handed out), uncounted, and
+                        # the next read_next hands it out: nothing is lost, and a
+                        # get_state meanwhile counts it as not read.
+                        self._held = rec
+                        self._has_held = True
+                    # the record is borrowed until the next c_next: wrap it under the lock
+                    if self.item_kind == ITEM_BATCH:
+                        item = _wrap_batch(self, &rec)
+                    else:
+                        item = _decode_instance(self, &rec)
+                    self._has_held = False
+                    self._position += 1
+                    return item
+                finally:
+                    ch.busy = False
         finally:
             if self._close_pending:          # close() from another thread left it to us
                 self.close()
@@ -710,16 +720,21 @@ cdef class ReaderBase:
 
     def reset(self):
         """Restart the whole chain; shuffles draw a new order (next epoch)."""
+        cdef _Chain ch
         self._fork_check()
         with self._lock:
             self._check_open()
             self._check_chain()
-            self._has_held = False           # the item belonged to the epoch being left
-            self.c_reset()
-            self._resuming = False
-            self._restore_error = None
-            self._position = 0
-            self._mark_started(False)
+            ch = self._enter("reset")
+            try:
+                self._has_held = False           # the item belonged to the epoch being left
+                self.c_reset()
+                self._resuming = False
+                self._restore_error = None
+                self._position = 0
+                self._mark_started(False)
+            finally:
+                ch.busy = False
 
     cdef int _begin_read(self) except -1:
         if self.schema is None:
@@ -805,6 +820,17 @@ cdef class ReaderBase:
                 f"here is what that thread left half-done and it cannot be used; build the chain "
                 f"in this process (IterableDataset(make_chain) does, in each DataLoader worker), "
                 f"or fork while no other thread uses it")
+
+    cdef _Chain _enter(self, str what):
+        cdef _Chain ch = self._chain
+        if ch.busy:
+            raise RuntimeError(
+                f"{type(self).__name__}.{what}() called from inside a read, reset or set_state of "
+                f"the same chain (a map or filter function, a PythonReader's iterator or a signal "
+                f"handler calling the chain it runs in): the chain is in the middle of that call; "
+                f"call it after the call returns (get_state() and close() may be called there)")
+        ch.busy = True
+        return ch
 
     cdef int _check_chain(self) except -1:
         if self._chain.closed != self._closed_ok:
@@ -1040,7 +1066,11 @@ cdef class ReaderBase:
         with self._lock:                     # not while another thread reads the chain
             self._check_open()
             self._check_chain()
-            self._set_state(state)
+            ch = self._enter("set_state")
+            try:
+                self._set_state(state)
+            finally:
+                ch.busy = False
 
     def _set_state(self, state):
         if not isinstance(state, dict) or state.get("version") not in range(STATE_VERSION, STATE_VERSION_MAX + 1):
@@ -1086,18 +1116,23 @@ cdef class ReaderBase:
         """Read and drop `n` items in compiled code (no Python objects); returns
         how many there were (fewer at the end of the epoch).  Counts as read."""
         cdef int64_t i = 0, held = 0, want = n
+        cdef _Chain ch
         self._fork_check()
         with self._lock:
             self._check_open()
             self._check_chain()
-            self._begin_read()
-            if want > 0 and self._has_held:  # the next item is the one read_next holds
-                self._has_held = False
-                held = 1
-                want -= 1
-            with nogil:
-                i = self.c_skip(want)
-            self._position += held + i
+            ch = self._enter("_skip")
+            try:
+                self._begin_read()
+                if want > 0 and self._has_held:  # the next item is the one read_next holds
+                    self._has_held = False
+                    held = 1
+                    want -= 1
+                with nogil:
+                    i = self.c_skip(want)
+                self._position += held + i
+            finally:
+                ch.busy = False
         return int(held + i)
 
     def __reduce__(self):
@@ -1152,6 +1187,15 @@ cdef class ReaderBase:
             self._set_closed()              # reads from now on raise
             if not self._lock.acquire(False):
                 return
+        if self._chain.busy:
+            # called from inside a read of this chain by the reading thread
+            # (a map function, a signal handler): the read is using the
+            # buffers, so the read's end closes it (read_next), or the next
+            # read of the chain (_check_below_open)
+            self._close_pending = True
+            self._set_closed()
+            self._lock.release()
+            return
         try:
             if self._close_pending or not self._closed:
                 self._close_pending = False
@@ -1474,6 +1518,8 @@ cdef class ReaderHolder(ReaderBase):
         (<ReaderBase>reader)._fork_check()   # (its chain joins this one: not one left torn)
         self._fork_check()
         with self._lock:                     # not while a read of this chain is inside the held reader
+            if self._chain.busy:
+                self._enter("reset_reader")  # (raises: the read inside is this thread's own)
             if self._free_at != self._chain.version:
                 self._check_not_pumped()     # nor while a prefetcher's thread is
             self._reset_reader(reader)

@@ -64,6 +64,7 @@ from libc.stdlib cimport malloc, free, realloc
 
 from readerlib._typedefs cimport int64_t
 from readerlib.readers._base cimport (
+    _Chain,
     ReaderBase, DecoratedReader, rl_block, rl_record, rl_block_incref, rl_block_decref,
     rl_block_new, rl_record_consumed, ITEM_INSTANCE, ITEM_BATCH, rl_core_import)
 from readerlib.readers._base import _check_positive_int, _check_reader
@@ -1301,6 +1302,7 @@ cdef class MapBatchesReader(DecoratedReader):
         """
         cdef rl_record rec
         cdef int r
+        cdef _Chain ch
         if self._closed:
             self._check_open()
         self._fork_check()
@@ -1309,17 +1311,21 @@ cdef class MapBatchesReader(DecoratedReader):
                 if self._closed:
                     self._check_open()
                 self._check_chain()
-                self._begin_read()
-                if self.hold != NULL:
-                    rl_block_decref(self.hold)
-                    self.hold = NULL
-                with nogil:
-                    r = self.held.next(self.reader, &rec)
-                if r == 0:
-                    return None
-                batch = self._process(&rec, NULL)
-                self._position += 1
-                return batch
+                ch = self._enter("read_next")
+                try:
+                    self._begin_read()
+                    if self.hold != NULL:
+                        rl_block_decref(self.hold)
+                        self.hold = NULL
+                    with nogil:
+                        r = self.held.next(self.reader, &rec)
+                    if r == 0:
+                        return None
+                    batch = self._process(&rec, NULL)
+                    self._position += 1
+                    return batch
+                finally:
+                    ch.busy = False
         finally:
             if self._closed:
                 # a close() from another thread that found this read holding the
