@@ -32,6 +32,7 @@ import numpy as np
 from readerlib._signature import ClassSignature as _ClassSignature
 cimport numpy as cnp
 from cpython.ref cimport PyObject
+from cpython.pythread cimport PyThread_get_thread_ident
 from cpython.object cimport PyTypeObject
 
 cdef extern from "Python.h":
@@ -482,6 +483,10 @@ _ITEM_METHODS = ("read_next", "reset", "__iter__", "__next__", "_skip")
 # prefetcher's consumer, and is noted (_epoch_step) so that the consumer's
 # epoch state can be told from the thread's (PrefetchReader._below_states).
 _pump_of_thread = {}
+cdef dict _pumps_by_thread = _pump_of_thread    # (the same dict, tested in C: _fork_check)
+# The thread that imported readerlib (the main thread, as a rule): never a
+# prefetcher's, so _fork_check skips the dictionary lookup for it.
+cdef unsigned long _import_thread = PyThread_get_thread_ident()
 
 
 def _epoch_step():
@@ -789,7 +794,23 @@ cdef class ReaderBase:
     cdef int _fork_check(self, bint may_raise=True) except -1:
         if self._chain.fork_gen != _fork_gen:
             self._forked_chain(may_raise)
+        if _pumps_by_thread and self._chain.pumps and may_raise and \
+                PyThread_get_thread_ident() != _import_thread:
+            self._check_not_pump_thread()
         return 0
+
+    def _check_not_pump_thread(self):
+        """A prefetcher's thread calling the chain it reads (a map function below
+        the prefetcher that reads, resets or saves its own chain): the consumer's
+        read holds the chain's lock while it waits for that thread's next item,
+        so the call would wait for ever.  Raise instead."""
+        p = _pumps_by_thread.get(_get_ident())
+        if p is not None and (<ReaderBase>p.upstream)._chain is self._chain:
+            raise RuntimeError(
+                f"{type(self).__name__}: called from the thread of a PrefetchReader of its own "
+                f"chain (a map or filter function, or a PythonReader's iterator, below the "
+                f"prefetcher): the read of the prefetcher waits for that thread while it holds "
+                f"the chain, so the call would wait for ever; call it from the loop instead")
 
     def _forked_chain(self, bint may_raise):
         """The first entry into this chain since the process forked, or a torn chain.

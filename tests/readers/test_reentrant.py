@@ -183,3 +183,30 @@ assert got == list(range(50)), got
 assert len(errors) == 1 and "called from inside a read" in errors[0]
 print("OK")
 """, timeout=120)
+
+
+@pytest.mark.parametrize("target", ["p", "m", "src"])
+@pytest.mark.parametrize("call", ["read_next", "get_state", "reset"])
+def test_prefetch_thread_calling_its_own_chain_raises_instead_of_hanging(target, call):
+    # The map function runs on the prefetcher's thread; the loop's read of the
+    # prefetcher holds the chain's lock while it waits for that thread's item.
+    run_ok_script(PRELUDE + f"""
+errors = []
+def fn(x):
+    calls[0] += 1
+    if calls[0] in (27, 120):
+        try:
+            getattr(holder[{target!r}], {call!r})()
+        except RuntimeError as e:
+            errors.append(str(e))
+    return x
+src = rl.ArrayReader({{"x": np.arange(N, dtype=np.int64)}})
+m = src.map(fn, output_schema=src.schema)
+p = m.batch(8).prefetch(2)
+holder.update(p=p, m=m, src=src)
+got = rest(p)
+p.close()
+assert sorted(got) == list(range(N)), (len(got), len(set(got)))
+assert len(errors) == 2 and "thread of a PrefetchReader of its own chain" in errors[0], errors
+print("OK")
+""", timeout=60)
