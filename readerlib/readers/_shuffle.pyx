@@ -20,6 +20,7 @@ from readerlib.readers._base cimport (
     columns_encoded_size, columns_encode, encode_instance,
     ITEM_INSTANCE, ITEM_BATCH)
 from readerlib.readers._base import _check_positive_int, _check_reader, _check_saved_seed_epoch
+from readerlib.errors import DataLossError
 
 rl_core_import()
 
@@ -1994,7 +1995,10 @@ cdef class ShuffleReader(DecoratedReader):
                 if got >= 0:
                     return got
         from readerlib.readers._slice import length_of
-        m = length_of(self.reader) if self.track else None
+        try:
+            m = length_of(self.reader) if self.track else None
+        except DataLossError:
+            m = None                        # (a damaged file with no index: counted by reading, replay)
         if m is None and self.f_in != NULL:     # an earlier pass through the filters, if they saved it
             m = self.reader._saved_pass_outputs()
         if m is None or n < m:
