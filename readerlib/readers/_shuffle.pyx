@@ -208,6 +208,8 @@ def _addressable(reader, bint may_become=False):
     from readerlib.readers._map import MapReader
     if isinstance(reader, MapReader):       # item i is fn(its source's item i): MapReader.c_read_at
         return _addressable(reader.reader, may_become)
+    if isinstance(reader, GlobalShuffleReader) and reader._has_lost():
+        return False                        # (a chunk lost this epoch: item i is not position i)
     if isinstance(reader, (_ChunkedSource, GlobalShuffleReader)):
         return (<ReaderBase>reader).c_num_records() >= 0
     f = getattr(reader, "_reads_in_file_order", None)       # RecordIO, TFRecord

@@ -454,3 +454,152 @@ def test_a_damaged_filter_state_leaves_the_chain_where_it_was(how):
     c.set_state(good)
     ref.set_state(good)
     assert _rest(c) == _rest(ref)
+
+
+# ------------------------------------------------------------------ item 5
+def _gs(path, on_error):
+    return rl.RecordIOReader(path, on_error=on_error).global_shuffle(seed=5, window_chunks=3)
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_global_shuffle_a_state_after_a_lost_chunk_restores_in_place_without_loading_it(tmp_path, on_error):
+    path = str(tmp_path / "bad.rio")
+    lost = _bad_rio(path)
+    c = _gs(path, on_error)
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter("always")
+        errors = 0
+        while True:                                   # up to just past the loss
+            try:
+                c.read_next()
+            except rl.RecordIOError:
+                errors += 1
+            st = c.get_state()
+            if st["version"] == 4:
+                break
+        assert [u for _, u, _ in st["lost"]] == [3] and errors == (on_error == "raise")
+        rest = _drain(c)
+        assert len(ws) == (on_error == "skip")
+        for _ in range(2):                            # back to it, in place: no error, no warning
+            c.set_state(st)
+            assert _drain(c) == rest
+        assert len(ws) == (on_error == "skip")
+        assert rest and not set(lost) & set(rest)
+    c.close()
+
+
+@pytest.mark.parametrize("lost", [[99], [3, 3], "3", [True], [-1], None, [[3, 0]], [[0, 3, -1]],
+                                  [[0, 3, 10 ** 9]], [[0, 99, 0]], [[-1, 3, 0]], [[0, 3, 0], [0, 3, 5]],
+                                  [[0, 3, 0.5]], [[0, 3, True]]])
+def test_global_shuffle_a_damaged_lost_list_is_refused_before_anything_is_touched(tmp_path, lost):
+    path = str(tmp_path / "bad.rio")
+    _bad_rio(path)
+    c = _gs(path, "raise")
+    with pytest.raises(rl.RecordIOError):
+        while True:
+            c.read_next()
+    st = c.get_state()
+    assert st["version"] == 4 and [u for _, u, _ in st["lost"]] == [3]
+    for _ in range(20):
+        c.read_next()
+    before = c.get_state()
+    with pytest.raises(ValueError, match="malformed 'lost'"):
+        c.set_state(dict(st, lost=lost))
+    assert c.get_state() == before                    # untouched: reads on where it was
+    ref = _gs(path, "raise")
+    ref.set_state(before)
+    assert _drain(c) == _drain(ref)
+
+
+def test_global_shuffle_states_without_a_loss_stay_version_2(tmp_path):
+    path = str(tmp_path / "good.rio")
+    with rl.RecordIOWriter(path, rl.Schema([rl.Field("x", "int64", ())]), chunk_size=200) as w:
+        w.write_batch({"x": np.arange(400, dtype=np.int64)})
+    c = rl.RecordIOReader(path).global_shuffle(seed=5, window_chunks=3).batch(4)
+    c.read_next()
+    st = c.get_state()
+    assert st["version"] == 2 and "lost" not in json.dumps(st)
+    c.close()
+
+
+def test_global_shuffle_under_a_prefetcher_still_refuses_after_a_loss(tmp_path):
+    # the prefetcher's thread loses the chunk ahead of what its consumer saw
+    path = str(tmp_path / "bad.rio")
+    _bad_rio(path)
+    c = _gs(path, "skip").prefetch(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        n = 0
+        while True:
+            try:
+                c.get_state()
+            except RuntimeError as e:
+                assert "under a prefetcher" in str(e) and f"{path}: chunk body checksum mismatch (chunk 3)" in str(e)
+                break
+            assert c.read_next() is not None
+            n += 1
+    c.close()
+
+
+def _rio_many_bad(path):
+    from helpers import corrupt_chunk
+    with rl.RecordIOWriter(path, rl.Schema([rl.Field("x", "int64", ())]), chunk_size=200) as w:
+        w.write_batch({"x": np.arange(600, dtype=np.int64)})
+    for ch in (3, 4, 20):                          # two in one window, one in another
+        corrupt_chunk(path, chunk=ch, at=40)
+
+
+GS_CHAINS = {
+    # a shard steps over the other shards' places with c_skip, also over a chunk
+    # not known to be bad yet (counted as items): the position of each loss travels
+    "shard": lambda g: g.shard(3, 2),
+    # each pass is an epoch of the global shuffle: the losses of every pass travel
+    "multi_pass": lambda g: g.multi_pass(2),
+    "repeat_buffer": lambda g: g.repeat(2).shuffle(10, seed=1),
+    # a buffer shuffle that restores by index falls back to replaying after a loss
+    "buffer": lambda g: g.shuffle(20, seed=4),
+    "skip_take_batch": lambda g: g.skip(50).take(300).batch(3),
+}
+
+
+def _events(c, save=True):
+    ev, st = [], []
+    while True:
+        if save:
+            try:
+                st.append(json.loads(json.dumps(c.get_state())))
+            except RuntimeError as e:
+                st.append(e)
+        try:
+            x = c.read_next()
+        except rl.RecordIOError:
+            ev.append("err")
+            continue
+        if x is None:
+            return ev, st
+        ev.append(np.asarray(getattr(x[0], "data", x[0])).reshape(-1).tolist())
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+@pytest.mark.parametrize("chain", sorted(GS_CHAINS))
+def test_global_shuffle_every_state_after_losses_restores_exactly(tmp_path, chain, on_error):
+    path = str(tmp_path / "bad.rio")
+    _rio_many_bad(path)
+    make = lambda: GS_CHAINS[chain](
+        rl.RecordIOReader(path, on_error=on_error).global_shuffle(seed=7, window_chunks=3))
+    c = make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for epoch in range(2):
+            events, states = _events(c)
+            refused = [s for s in states if isinstance(s, RuntimeError)]
+            assert not refused, refused[0]
+            assert sum(s["version"] == 4 for s in states) > len(states) // 2
+            for k in range(epoch, len(states), 5):
+                other = make()
+                other.set_state(states[k])
+                rest = _events(other, save=False)[0]
+                assert rest == events[k:], f"epoch {epoch}, state before read {k}: {rest[:4]} != {events[k:k + 4]}"
+                other.close()
+            c.reset()
+    c.close()
