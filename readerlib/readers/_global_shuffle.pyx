@@ -566,10 +566,11 @@ cdef class GlobalShuffleReader(DecoratedReader):
     def _lose(self, int64_t u, err):
         """Chunk u failed to load (`err`, naming file and offset): its records
         are not in this epoch, and reading on gives every other record once,
-        where the permutation puts it.  The position (c_skip: O(1) over the
-        permutation) counts the lost records' places, so get_state refuses
-        until the next epoch (ReaderBase._dropped).  True: the source skips
-        the chunk (on_error="skip"; its warning is given), False: raise `err`."""
+        where the permutation puts it.  The loss (chunk, position) is kept
+        for the states (_resume_state), whose set_state marks it again and
+        positions without counting its places (_skip_lossy).  True: the
+        source skips the chunk (on_error="skip"; its warning is given),
+        False: raise `err`."""
         cdef int64_t a = self.ustart[u], b = self.ustart[u + 1]
         f = getattr(self.ra, "_skip_message", None)
         skip = f(err) if f is not None else None
