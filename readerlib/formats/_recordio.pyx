@@ -1762,6 +1762,11 @@ cdef class RecordIOReader(FileReader):
         self._skipped_now = None
         return 0
 
+    def _share_skipped(self, skipped):
+        """open_files: this epoch's skipped chunks are `skipped` (a set the
+        stream keeps for the file across the readers its runs open)."""
+        self._skipped_now = skipped
+
     def _set_epoch_state(self, state):
         # set_state: c_reset, then this, then reading up to the saved position.
         # The restore goes back into an epoch, not on to a new one: the chunks

@@ -235,6 +235,7 @@ cdef class _Run:
     cdef int bare
     cdef list errors
     cdef list soft                # per thread: a deque of the data errors read on past (soft packets)
+    cdef dict skipped             # path -> chunks skipped this epoch (skip-mode readers share it)
     cdef rl_map *umap             # the reader's gate (a reference), or NULL: no batch negotiated
 
     def __dealloc__(self):
@@ -369,6 +370,9 @@ cdef class _Run:
                     cache.select_chunks(chunks)
                 else:
                     rd.c_reset()
+                share = getattr(cache, "_share_skipped", None)
+                if share is not None:               # (a skip-mode file: once an epoch, see _skipped_of)
+                    share(self.skipped.setdefault(str(path), set()))
                 last = None
                 while True:
                     try:
@@ -430,6 +434,7 @@ cdef class MultiFileReader(FileReader):
     cdef bint running
     cdef bint failed
     cdef object _failure
+    cdef dict _skipped_epochs     # epoch -> {path: chunks skipped} (_skipped_of)
     cdef int interrupted          # close() from another thread: a waiting read returns
     cdef int64_t cur_unit
     cdef int64_t first_unit       # the run's first unit (c_skip)
@@ -533,6 +538,7 @@ cdef class MultiFileReader(FileReader):
         run.bare = self.layout.bare
         run.errors = [None] * self.num_threads
         run.soft = [collections.deque() for _ in range(self.num_threads)]
+        run.skipped = self._skipped_of(self.epoch)
         run.umap = self.umap
         if run.umap != NULL:
             rl_map_incref(run.umap)
@@ -566,6 +572,21 @@ cdef class MultiFileReader(FileReader):
         self._threads = ths
         self.running = True
         return 0
+
+    def _skipped_of(self, epoch):
+        """The chunks skip-mode files skipped in `epoch` ({path: set}), shared by
+        the readers of every run of it: a set_state back into the epoch starts a
+        run whose readers skip those chunks again without a second warning (a
+        RecordIOReader's own rule, across the readers a run opens afresh).  The
+        last few epochs are kept (a restore goes back into a recent one)."""
+        if self._skipped_epochs is None:
+            self._skipped_epochs = {}
+        d = self._skipped_epochs.get(epoch)
+        if d is None:
+            d = self._skipped_epochs[epoch] = {}
+            while len(self._skipped_epochs) > 4:
+                del self._skipped_epochs[next(iter(self._skipped_epochs))]     # (the oldest made)
+        return d
 
     cdef int _stop_threads(self) except -1:
         """End the run: workers told to stop, joined for at most _JOIN_S.

@@ -358,6 +358,35 @@ def test_a_restore_in_place_does_not_count_or_warn_a_skipped_chunk_again(tmp_pat
     c.close()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_open_files_skip_mode_restore_in_place_warns_once(tmp_path, threads):
+    # the stream's readers are opened afresh by each run: the chunks a file
+    # skipped this epoch are the stream's to remember
+    from readerlib.readers.files import register_file_reader, unregister_file_reader
+    register_file_reader(".skip18.rio", lambda p, schema=None: rl.RecordIOReader(p, on_error="skip"))
+    try:
+        paths = [str(tmp_path / f"f{i}.skip18.rio") for i in range(2)]
+        for p in paths:
+            _bad_rio(p)
+        c = open_files(paths, num_threads=threads)
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter("always")
+            for _ in range(100):                     # past the first file's bad chunk
+                c.read_next()
+            st = c.get_state()
+            rest = _drain(c)
+            assert len(ws) == 2                      # one a file
+            c.set_state(st)
+            assert _drain(c) == rest
+            assert len(ws) == 2, [str(w.message) for w in ws]
+            c.reset()                                # the next epoch: once a file again
+            _drain(c)
+            assert len(ws) == 4
+        c.close()
+    finally:
+        unregister_file_reader(".skip18.rio")
+
+
 # ------------------------------------------------------------------ item 3
 def _rio(path, n=40):
     with rl.RecordIOWriter(path, rl.Schema([rl.Field("x", "int64", ())]), chunk_size=200) as w:
