@@ -710,7 +710,9 @@ cdef class RecordIOReader(FileReader):
         From the index footer (or a scan of chunk headers when the file has
         no footer).
     skipped_chunks : int
-        Chunks skipped so far (on_error="skip").
+        Chunks skipped so far (on_error="skip"), each once an epoch: a
+        set_state back into an epoch does not count (or warn) again the
+        chunks this reader had skipped in the epoch it leaves.
     low_memory : bool
         True (default): the pages of a record of 32 KiB or more leave this
         process as soon as a batch has copied it, so a shuffle over big
@@ -771,6 +773,8 @@ cdef class RecordIOReader(FileReader):
     cdef readonly int64_t _records_deferred  # test hook: records handed out deferred
     cdef int64_t _min_size             # the smallest record the schema allows (no rows)
     cdef object _last_error            # (error message, skip mode's warning or None) of the last chunk error
+    cdef object _skipped_now           # skip mode: chunks skipped (counted, warned) this epoch, or None
+    cdef object _skipped_left          # ... those of the epoch the last c_reset left (see _set_epoch_state)
 
     def __cinit__(self):
         self.fd = -1
@@ -1720,8 +1724,14 @@ cdef class RecordIOReader(FileReader):
         skipped = f"{self.path}: skipped chunk: {msg} at byte offset {self.err_off}" if skippable else None
         self._last_error = (where, skipped)
         if skippable and self.skip_errors:
-            self.skipped_chunks += 1
-            warnings.warn(skipped, RecordIOWarning, stacklevel=2)
+            # once an epoch: a restore into it (set_state reads up to its position,
+            # skipping the chunk again) neither counts nor warns a second time
+            if self._skipped_now is None:
+                self._skipped_now = set()
+            if c not in self._skipped_now:
+                self._skipped_now.add(c)
+                self.skipped_chunks += 1
+                warnings.warn(skipped, RecordIOWarning, stacklevel=2)
             return 0
         self._dropped = f"{where}: the chunk's records were not read"
         if code == CK_NOMEM:
@@ -1751,7 +1761,24 @@ cdef class RecordIOReader(FileReader):
         self.cur_i = 0
         self.iorder = 0
         self._dropped = None
+        self._skipped_left = self._skipped_now
+        self._skipped_now = None
         return 0
+
+    def _share_skipped(self, skipped):
+        """open_files: this epoch's skipped chunks are `skipped` (a set the
+        stream keeps for the file across the readers its runs open)."""
+        self._skipped_now = skipped
+
+    def _set_epoch_state(self, state):
+        # set_state: c_reset, then this, then reading up to the saved position.
+        # The restore goes back into an epoch, not on to a new one: the chunks
+        # the epoch it left had skipped were counted and warned already (an
+        # uninterrupted run counts them once).  A chain restored in a fresh
+        # process counts and warns them once, while it reads up to the position.
+        if self.iorder == 0 and self.cur_n == 0 and self._skipped_left is not None:
+            self._skipped_now = self._skipped_left
+        self._skipped_left = None
 
     def _select_all(self):
         cdef int64_t i

@@ -290,6 +290,7 @@ cdef class TFRecordReader(FileReader):
     cdef bint complete
     cdef int64_t total_records
     cdef int64_t stream_end
+    cdef bint scan_stopped          # this epoch's scan past the table failed: the file is over
     cdef bint index_written
     cdef int64_t last_bytes
     # chunks to read (None selected: every chunk in file order)
@@ -866,10 +867,14 @@ cdef class TFRecordReader(FileReader):
                     return -1
             length = <int64_t>rl_load_u64(p)
             if rl_crc32c_mask(rl_crc32c(0, p, 8)) != rl_load_u32(p + 8):
+                if want_n < 0 and i > 0:
+                    break                # (a greedy scan: the records before it come out first)
                 self.err_code = E_LEN_CRC
                 self.err_off = pos + rel
                 return -1
             if rl_load_u64(p) > (<uint64_t>1 << 40):      # 1 TiB: larger is corruption
+                if want_n < 0 and i > 0:
+                    break
                 self.err_code = E_LENGTH
                 self.err_off = pos + rel
                 self.err_val = length
@@ -1059,15 +1064,25 @@ cdef class TFRecordReader(FileReader):
         else:
             k = self.iorder
             if k >= self.nck:
-                if self.complete:
+                if self.complete or self.scan_stopped:
                     return 0
                 pos = 0 if self.nck == 0 else self.ck_pos[self.nck - 1] + self.scan_end_of(self.nck - 1)
                 self.pextent = -1
                 self.defer_scan = self._may_defer()
                 r = self._scan(pos, -1, True)
                 if r != 0:
+                    if self.err_code == E_NOMEM:
+                        with gil:
+                            self._raise()          # (nothing lost: a retry scans again)
+                    # Past the chunk table nothing after a failed scan can be
+                    # located (a bad length hides where the next record starts):
+                    # the error is raised once and the file is over for this
+                    # epoch (as tf.data's TFRecordDataset goes on to its next
+                    # file); reset() scans here again, and raises again.
+                    self.scan_stopped = True
                     with gil:
-                        self._raise()
+                        self._raise(f"the rest of the file was not read (nothing after it can be "
+                                    f"located without a chunk table: build the index)")
                 if self.scan_n == 0:
                     self._release_cur()
                     self.cur_n = 0
@@ -1224,6 +1239,7 @@ cdef class TFRecordReader(FileReader):
         self.cur_n = 0
         self.cur_i = 0
         self.iorder = 0
+        self.scan_stopped = False
         self._dropped = None
         return 0
 

@@ -394,7 +394,8 @@ STATE_VERSION = 2
 # The newest version read here.  A state is STATE_VERSION unless a reader of
 # its chain needs a later one (its `_state_version()`): one a readerlib from
 # before could not restore right, which refuses any version but 2.
-STATE_VERSION_MAX = 3
+# 3: open_files' "files" order; 4: global_shuffle's lost chunks ("lost").
+STATE_VERSION_MAX = 4
 
 
 def _nest(flat):

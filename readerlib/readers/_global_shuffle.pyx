@@ -235,6 +235,9 @@ cdef inline int64_t _order_chunk(const _order *o, int64_t r) noexcept nogil:
 _MAX_WINDOW_CHUNKS = (1 << 30)
 
 
+cdef int _LOST_HISTORY = 4096      # losses a GlobalShuffleReader keeps for its states (see _resume_state)
+
+
 cdef class GlobalShuffleReader(DecoratedReader):
     """Every record of a random-access source once per epoch, globally shuffled.
 
@@ -268,8 +271,10 @@ cdef class GlobalShuffleReader(DecoratedReader):
         From read_next, once, when a chunk fails to load (the format's error,
         naming file, chunk and offset; a source opened with on_error="skip"
         skips it with its RecordIOWarning instead).  Reading on gives every
-        other record of the epoch once, where the permutation puts it; until
-        the next epoch get_state raises RuntimeError naming the chunk.
+        other record of the epoch once, where the permutation puts it.  A
+        state saved after it records the lost chunks (version 4) and
+        restores exactly, without loading them again; under a prefetcher
+        get_state raises RuntimeError naming the chunk until the next epoch.
 
     Examples
     --------
@@ -302,8 +307,14 @@ cdef class GlobalShuffleReader(DecoratedReader):
     # chunks whose load failed with the format's error this epoch (_lose): their
     # records are skipped where the permutation puts them
     cdef char *ulost                # per chunk: 1 when lost
+    cdef int64_t *lost_at           # per lost chunk: the position when it was lost (its places
+                                    # before it were stepped over by c_skip, as items)
     cdef int64_t nlost
     cdef int64_t loading            # the chunk _build is reading (-1: none)
+    cdef list _lost_hist            # [epoch, chunk, position] of every loss of the recent epochs
+    cdef int64_t _hist_cut          # losses of epochs <= this were dropped from _lost_hist (-1: none)
+    cdef list _lost_pending         # set_state's losses of later epochs (passes of a multi_pass above)
+    cdef bint _saved_lost           # the last _resume_state saved losses (its state is version 4)
     cdef readonly uint64_t seed
     cdef readonly int64_t epoch
     cdef readonly bint seed_drawn
@@ -313,6 +324,8 @@ cdef class GlobalShuffleReader(DecoratedReader):
         self.rnd.k = -1
         self.rnext = -1
         self.loading = -1
+        self._lost_hist = []
+        self._hist_cut = -1
 
     def __init__(self, reader, seed=None, window_chunks=8):
         _check_reader(reader, "GlobalShuffleReader")
@@ -341,8 +354,9 @@ cdef class GlobalShuffleReader(DecoratedReader):
         self.rnd.cum = <int64_t *>malloc((w + 1) * sizeof(int64_t))
         self.wch = <_wchunk *>calloc(w, sizeof(_wchunk))
         self.ulost = <char *>calloc(max(self.nunits, 1), 1)
+        self.lost_at = <int64_t *>calloc(max(self.nunits, 1), sizeof(int64_t))
         if not (self.ustart and self.slot_unit and self.wstart and self.seq.cum and self.rnd.cum
-                and self.wch and self.ulost):
+                and self.wch and self.ulost and self.lost_at):
             raise MemoryError()
         for i in range(self.nunits + 1):
             self.ustart[i] = starts[i]
@@ -370,6 +384,8 @@ cdef class GlobalShuffleReader(DecoratedReader):
         self.ustart = self.slot_unit = self.wstart = NULL
         free(self.ulost)
         self.ulost = NULL
+        free(self.lost_at)
+        self.lost_at = NULL
 
     # -- the plan: chunk order and windows ------------------------------------
     cdef void _plan(self) noexcept nogil:
@@ -550,15 +566,21 @@ cdef class GlobalShuffleReader(DecoratedReader):
     def _lose(self, int64_t u, err):
         """Chunk u failed to load (`err`, naming file and offset): its records
         are not in this epoch, and reading on gives every other record once,
-        where the permutation puts it.  The position (c_skip: O(1) over the
-        permutation) counts the lost records' places, so get_state refuses
-        until the next epoch (ReaderBase._dropped).  True: the source skips
-        the chunk (on_error="skip"; its warning is given), False: raise `err`."""
+        where the permutation puts it.  The loss (chunk, position) is kept
+        for the states (_resume_state), whose set_state marks it again and
+        positions without counting its places (_skip_lossy).  True: the
+        source skips the chunk (on_error="skip"; its warning is given),
+        False: raise `err`."""
         cdef int64_t a = self.ustart[u], b = self.ustart[u + 1]
         f = getattr(self.ra, "_skip_message", None)
         skip = f(err) if f is not None else None
         self.ulost[u] = 1
+        self.lost_at[u] = self.pos
         self.nlost += 1
+        self._lost_hist.append([int(self.epoch), int(u), int(self.pos)])
+        if len(self._lost_hist) > _LOST_HISTORY:
+            self._hist_cut = max(self._hist_cut, self._lost_hist[0][0])
+            del self._lost_hist[0]
         self._dropped = (f"{type(err).__name__}: {err}; the chunk's {b - a} records ({a} to {b - 1} "
                          f"of the source) are not in this epoch")
         if skip is not None:
@@ -618,13 +640,55 @@ cdef class GlobalShuffleReader(DecoratedReader):
     cdef int64_t c_skip(self, int64_t n) except -1 nogil:
         cdef int64_t k = self.num_records - self.pos
         if self.nlost:
-            # places of lost records are not items: as n c_next calls would
-            # (the epoch's state is refused anyway, so no set_state comes here)
-            return ReaderBase.c_skip(self, n)
+            return self._skip_lossy(n)
         if n < k:
             k = n if n > 0 else 0
         self.pos += k
         return k
+
+    cdef int64_t _skip_lossy(self, int64_t n) except -1 nogil:
+        """c_skip when chunks are lost this epoch: the places of a lost chunk
+        from the position where it was lost on are not items (c_next skips
+        them), the ones before it are (a c_skip stepped over them before the
+        loss was known: the O(1) path counts every place), so n items end
+        where the same calls would have ended -- without loading anything:
+        windows without a lost chunk are stepped over whole, a window with
+        one is walked through its order (O(window) integer work).  set_state
+        comes here with the lost chunks its state recorded."""
+        cdef int64_t done = 0, k, end, p, r, j, w0, u
+        cdef bint any_lost
+        cdef _order *o = &self.rnd
+        while done < n and self.pos < self.num_records:
+            k = self._window_of(self.pos)
+            end = self.wstart[k + 1]
+            w0 = k * self.window_chunks
+            any_lost = False
+            for j in range(min64(self.window_chunks, self.nunits - w0)):
+                u = self.slot_unit[w0 + j]
+                if self.ulost[u] and self.lost_at[u] < end:
+                    any_lost = True
+                    break
+            if not any_lost:
+                p = min64(n - done, end - self.pos)
+                self.pos += p
+                done += p
+                continue
+            if o.k != k:
+                self._order_of(o, k)
+            for p in range(self.pos, end):
+                r = o.tab[p - self.wstart[k]]
+                u = self.slot_unit[w0 + _order_chunk(o, r)]
+                self.pos = p + 1
+                if not (self.ulost[u] and p >= self.lost_at[u]):
+                    done += 1
+                    if done == n:
+                        break
+        return done
+
+    def _has_lost(self):
+        """True when chunks are lost this epoch: item i is then not the record
+        at position i (a buffer shuffle above restores by replaying)."""
+        return self.nlost > 0
 
     cdef int64_t c_num_records(self) except -2:
         return self.num_records
@@ -659,6 +723,9 @@ cdef class GlobalShuffleReader(DecoratedReader):
         self.epoch += 1
         self._clear_lost()
         self._plan()
+        if self._lost_pending:
+            self._mark_lost(self._lost_pending)
+            self._lost_pending = [l for l in self._lost_pending if l[0] > self.epoch] or None
         return self.reader.c_reset()
 
     cdef int _clear_lost(self) except -1:
@@ -667,6 +734,17 @@ cdef class GlobalShuffleReader(DecoratedReader):
             self.nlost = 0
         self._dropped = None
         return 0
+
+    def _mark_lost(self, lost):
+        """The losses of `lost` ([epoch, chunk, position] of a state) that are
+        this epoch's: marked lost, as they were when the state was saved."""
+        for e, u, at in lost:
+            if e == self.epoch and not self.ulost[u]:
+                self.ulost[u] = 1
+                self.lost_at[u] = at
+                self.nlost += 1
+        if self.nlost:
+            self._dropped = f"chunk(s) lost before the state was saved: {[l for l in lost if l[0] == self.epoch][:8]}"
 
     cdef int c_close(self) except -1:
         self._drop_window()
@@ -712,14 +790,85 @@ cdef class GlobalShuffleReader(DecoratedReader):
     def _epoch_state(self):
         return {"seed": int(self.seed), "epoch": int(self.epoch)}
 
+    # States after a lost chunk (_lose): the position counts delivered items,
+    # and the chunks lost so far (found mid-epoch, so a live part: "lost", as
+    # [epoch, chunk, position when lost], for every epoch of this reader since
+    # the chain's epoch started -- a multi_pass above runs several) travel in
+    # the state.  set_state marks them lost as each of those epochs starts,
+    # before anything is positioned (_skip_lossy counts a lost chunk's places
+    # before its position as items, as the c_skip before the loss did), so the
+    # restored chain reads on as the original does, without loading them again
+    # (no error, no second warning).  Such a state is version 4: a readerlib
+    # from before it would count the lost places as items, so it refuses the
+    # version instead.  Under a prefetcher the thread's losses run ahead of what
+    # its consumer saw (and the prefetcher ends its run at an error): refused.
+    def _state_inexact(self):
+        return None
+
+    def _resume_state(self, above):
+        self._saved_lost = False
+        if not self._lost_hist:
+            return {}
+        top = above[0] if above else self
+        snap = (<ReaderBase>top)._epoch_snapshot
+        e0 = None
+        if snap is not None and len(snap) > len(above):
+            e0 = snap[len(above)].get("epoch")
+        if not isinstance(e0, int):
+            e0 = int(self.epoch)
+        saved = [list(l) for l in self._lost_hist if l[0] >= e0]
+        if not saved:
+            return {}
+        why = None
+        if any(hasattr(r, "_below_states") for r in above):
+            why = "under a prefetcher"
+        elif self._hist_cut >= e0:
+            why = f"more than {_LOST_HISTORY} chunks lost since the epoch started"
+        if why is not None:
+            raise RuntimeError(
+                f"get_state: {type(self).__name__} dropped a record this epoch "
+                f"({self._dropped or saved[:4]}); {why} the position can no longer be saved exactly: "
+                f"save a state taken before the error, or after the next epoch starts")
+        self._saved_lost = True
+        return {"lost": saved}
+
+    def _state_version(self):
+        return 4 if self._saved_lost else 2
+
     def _check_epoch_state(self, state):
         _check_saved_seed_epoch(state)
+        self._lost_of(state)
+
+    def _lost_of(self, state):
+        """The [epoch, chunk, position] losses a state's "lost" lists (checked),
+        [] without one."""
+        lost = state.get("lost", [])
+        if not isinstance(lost, list) or len(lost) > _LOST_HISTORY:
+            raise ValueError(f"malformed 'lost' {lost!r:.80} (a list of [epoch, chunk, position])")
+        out = []
+        for item in lost:
+            if not isinstance(item, list) or len(item) != 3 or any(
+                    isinstance(v, bool) or not isinstance(v, int) for v in item):
+                raise ValueError(f"malformed 'lost': {item!r:.60} is not an [epoch, chunk, position]")
+            e, u, at = item
+            if not 0 <= u < self.nunits or not 0 <= at <= self.num_records or not 0 <= e < (1 << 62):
+                raise ValueError(f"malformed 'lost': chunk {u} (of {self.nunits}) lost at position "
+                                 f"{at} (of {self.num_records}) in epoch {e}")
+            out.append([e, u, at])
+        if len({(e, u) for e, u, _ in out}) != len(out):
+            raise ValueError(f"malformed 'lost': a chunk listed twice for one epoch")
+        return out
 
     def _set_epoch_state(self, state):
         self.seed = <uint64_t>int(state["seed"])      # (checked: _check_epoch_state)
         self.epoch = int(state["epoch"])
         self._clear_lost()
         self._plan()
+        lost = self._lost_of(state)
+        self._lost_hist = [list(l) for l in lost]
+        self._hist_cut = -1
+        self._lost_pending = [l for l in lost if l[0] > self.epoch] or None
+        self._mark_lost(lost)
 
     def _describe(self):
         d = {"window_chunks": int(self.window_chunks), "num_records": int(self.num_records)}

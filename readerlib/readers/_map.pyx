@@ -1758,16 +1758,28 @@ cdef class FilterReader(DecoratedReader):
     def _epoch_state(self):
         return {"epoch": int(self.epoch)}
 
+    def _check_epoch_state(self, state):
+        # set_state calls this before it touches the chain: a bad state leaves it as it was
+        self._parse_epoch_state(state)
+
     def _set_epoch_state(self, state):
+        ep, passes, pending = self._parse_epoch_state(state)      # (checked: _check_epoch_state)
+        self.epoch = ep
+        self._pending = pending
+        self.has_pending = pending is not None
+        if pending is not None:
+            self._saved_passes = passes
+
+    def _parse_epoch_state(self, state):
+        """(epoch, saved passes, pending counts) from this filter's entry of a
+        state; ValueError naming what does not fit.  Touches nothing."""
         ep = state.get("epoch", self.epoch)
         if isinstance(ep, bool) or not isinstance(ep, int) or ep < -1 or ep > (1 << 62):
             raise ValueError(f"set_state: the filter's saved epoch {ep!r} is not an int in range")
-        self.epoch = ep
-        self._pending = None
-        self.has_pending = False
+        epoch = ep
         info = state.get("filter")
         if info is None:
-            return
+            return epoch, None, None
         where = "set_state: the filter's saved counts are inconsistent"
         if not isinstance(info, dict):
             raise ValueError(f"set_state: the filter's saved counts must be a dict, got "
@@ -1801,9 +1813,7 @@ cdef class FilterReader(DecoratedReader):
             if o < 0 or i < o or i > (1 << 62) or e < -1 or e > (1 << 62):
                 raise ValueError(f"{where} (pass {e}: {o} outputs from {i} inputs)")
             passes[e] = (o, i)
-        self._saved_passes = passes
-        self._pending = (ep, first, counts, end, ended)
-        self.has_pending = True
+        return epoch, passes, (ep, first, counts, end, ended)
 
     cdef int c_reset(self) except -1:
         self.in_pos = 0

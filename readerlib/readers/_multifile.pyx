@@ -20,7 +20,16 @@ Design:
     in a worker is stored and an error packet takes the place of the rest of
     its unit: the consumer raises it (the original object, traceback and
     all; DataLoss errors name file and offset, others get a note naming the
-    file) after every record that came before it.  The consumer waits in
+    file) after every record that came before it, and again on every later
+    call until reset().  A file's data error (a DataLossError from its
+    reader's c_next: a bad chunk, a bad TFRecord record) does not end the
+    run: the worker queues a *soft* error packet (error 2: the exception in
+    `_Run.soft[t]`) and reads on in the same reader, which reads on past its
+    errors (the chunk's records are lost; a TFRecord file without an index:
+    the rest of the file), so the consumer raises it once, in its place, and
+    goes on with the records after it (tf.data's TFRecordDataset goes on
+    to its next file).  A reader that raises the same error again without a
+    record in between does not move on: that one ends the run.  The consumer waits in
     100 ms slices, so Ctrl-C and `timeout=` work while it waits (and it
     looks for Ctrl-C every 100 ms when records arrive slowly but steadily).
 
@@ -64,6 +73,7 @@ Design:
     one chunk cache per file, indices in the canonical order of the rank's
     units, independent of the threads.
 """
+import collections
 import threading
 import time
 
@@ -224,6 +234,8 @@ cdef class _Run:
     cdef int num_threads
     cdef int bare
     cdef list errors
+    cdef list soft                # per thread: a deque of the data errors read on past (soft packets)
+    cdef dict skipped             # path -> chunks skipped this epoch (skip-mode readers share it)
     cdef rl_map *umap             # the reader's gate (a reference), or NULL: no batch negotiated
 
     def __dealloc__(self):
@@ -297,6 +309,36 @@ cdef class _Run:
             return 1
         return 0
 
+    def _read_on_after(self, int t, int64_t u, path, e, last):
+        """A data error from the reader of unit u: the records before it and a
+        soft error packet queued, for the consumer to raise once.  Returns the
+        error's text (the next call's `last`), None when the reader is stopping;
+        re-raises `e` (ending the run) when the reader raised the same error as
+        the last time with no record in between: it does not move on."""
+        cdef _packet *p = self.sh.partial[t]
+        cdef int64_t n = 0 if p == NULL else p.n
+        text = str(e)
+        if n == 0 and text == last:
+            raise e
+        if str(path) not in text:
+            e.add_note(f"open_files: while reading {path!r} (unit {u}, worker thread {t})")
+        self.sh.partial[t] = NULL
+        if p != NULL and p.n > 0:
+            if self._push(t, p) != 0:
+                _packet_free(p)
+                return None
+        else:
+            _packet_free(p)
+        p = _packet_new(u)
+        if p == NULL:
+            raise MemoryError()
+        p.error = 2
+        self.soft[t].append(e)
+        if self._push(t, p) != 0:
+            _packet_free(p)
+            return None
+        return text
+
     def _worker(self, int t):
         cdef ReaderBase rd
         cdef int r
@@ -328,8 +370,21 @@ cdef class _Run:
                     cache.select_chunks(chunks)
                 else:
                     rd.c_reset()
-                with nogil:
-                    r = self._pump(rd, t, u)
+                share = getattr(cache, "_share_skipped", None)
+                if share is not None:               # (a skip-mode file: once an epoch, see _skipped_of)
+                    share(self.skipped.setdefault(str(path), set()))
+                last = None
+                while True:
+                    try:
+                        with nogil:
+                            r = self._pump(rd, t, u)
+                        break
+                    except DataLossError as e:
+                        # the file's data: raised once in its place, then read on (see Design)
+                        last = self._read_on_after(t, u, path, e, last)
+                        if last is None:
+                            r = 1                   # (stopping)
+                            break
                 if r:
                     break
                 u += self.num_threads
@@ -379,6 +434,7 @@ cdef class MultiFileReader(FileReader):
     cdef bint running
     cdef bint failed
     cdef object _failure
+    cdef dict _skipped_epochs     # epoch -> {path: chunks skipped} (_skipped_of)
     cdef int interrupted          # close() from another thread: a waiting read returns
     cdef int64_t cur_unit
     cdef int64_t first_unit       # the run's first unit (c_skip)
@@ -481,6 +537,8 @@ cdef class MultiFileReader(FileReader):
         run.num_threads = self.num_threads
         run.bare = self.layout.bare
         run.errors = [None] * self.num_threads
+        run.soft = [collections.deque() for _ in range(self.num_threads)]
+        run.skipped = self._skipped_of(self.epoch)
         run.umap = self.umap
         if run.umap != NULL:
             rl_map_incref(run.umap)
@@ -515,6 +573,21 @@ cdef class MultiFileReader(FileReader):
         self.running = True
         return 0
 
+    def _skipped_of(self, epoch):
+        """The chunks skip-mode files skipped in `epoch` ({path: set}), shared by
+        the readers of every run of it: a set_state back into the epoch starts a
+        run whose readers skip those chunks again without a second warning (a
+        RecordIOReader's own rule, across the readers a run opens afresh).  The
+        last few epochs are kept (a restore goes back into a recent one)."""
+        if self._skipped_epochs is None:
+            self._skipped_epochs = {}
+        d = self._skipped_epochs.get(epoch)
+        if d is None:
+            d = self._skipped_epochs[epoch] = {}
+            while len(self._skipped_epochs) > 4:
+                del self._skipped_epochs[next(iter(self._skipped_epochs))]     # (the oldest made)
+        return d
+
     cdef int _stop_threads(self) except -1:
         """End the run: workers told to stop, joined for at most _JOIN_S.
 
@@ -540,6 +613,14 @@ cdef class MultiFileReader(FileReader):
         self.sh = NULL
         self.running = False
         return 0
+
+    cdef int _raise_soft_error(self, int t) except -1:
+        # a file's data error the worker read on past: raised once, here (its
+        # place in the stream); the records it lost leave the position short
+        # of what set_state's unit counts say: get_state refuses this epoch
+        e = self.run.soft[t].popleft()
+        self._dropped = f"{e} (open_files read on after it)"
+        raise e
 
     cdef int _raise_worker_error(self, int t) except -1:
         e = self.run.errors[t]
@@ -593,6 +674,10 @@ cdef class MultiFileReader(FileReader):
             t = <int>((self.cur_unit - self.first_unit) % self.num_threads)
             if self._pop(t, &p):
                 return 0                      # closed from another thread
+            if p.error == 2:
+                _packet_free(p)
+                with gil:
+                    self._raise_soft_error(t)
             if p.error:
                 _packet_free(p)
                 with gil:

@@ -20,6 +20,7 @@ from readerlib.readers._base cimport (
     columns_encoded_size, columns_encode, encode_instance,
     ITEM_INSTANCE, ITEM_BATCH)
 from readerlib.readers._base import _check_positive_int, _check_reader, _check_saved_seed_epoch
+from readerlib.errors import DataLossError
 
 rl_core_import()
 
@@ -207,6 +208,8 @@ def _addressable(reader, bint may_become=False):
     from readerlib.readers._map import MapReader
     if isinstance(reader, MapReader):       # item i is fn(its source's item i): MapReader.c_read_at
         return _addressable(reader.reader, may_become)
+    if isinstance(reader, GlobalShuffleReader) and reader._has_lost():
+        return False                        # (a chunk lost this epoch: item i is not position i)
     if isinstance(reader, (_ChunkedSource, GlobalShuffleReader)):
         return (<ReaderBase>reader).c_num_records() >= 0
     f = getattr(reader, "_reads_in_file_order", None)       # RecordIO, TFRecord
@@ -1994,7 +1997,10 @@ cdef class ShuffleReader(DecoratedReader):
                 if got >= 0:
                     return got
         from readerlib.readers._slice import length_of
-        m = length_of(self.reader) if self.track else None
+        try:
+            m = length_of(self.reader) if self.track else None
+        except DataLossError:
+            m = None                        # (a damaged file with no index: counted by reading, replay)
         if m is None and self.f_in != NULL:     # an earlier pass through the filters, if they saved it
             m = self.reader._saved_pass_outputs()
         if m is None or n < m:

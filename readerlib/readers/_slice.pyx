@@ -228,11 +228,13 @@ cdef class RepeatReader(DecoratedReader):
                 return r
             if self.in_pass == 0 or (self.num_passes > 0 and self.pass_id + 1 >= self.num_passes):
                 return 0            # done, or the reader below is empty: never spin
-            self.pass_id += 1
-            self.in_pass = 0
             with gil:
                 _epoch_step()             # (a prefetcher's read-ahead: noted)
                 self.reader.c_reset()
+            # after the reset: one that raises leaves the pass where it was (a
+            # get_state then saves it so), and the next call retries it
+            self.pass_id += 1
+            self.in_pass = 0
 
     cdef int64_t c_skip(self, int64_t n) except -1 nogil:
         # pass by pass, as c_next moves on: each pass's reader skips its part
@@ -247,11 +249,11 @@ cdef class RepeatReader(DecoratedReader):
                 return done
             if self.in_pass == 0 or (self.num_passes > 0 and self.pass_id + 1 >= self.num_passes):
                 return done
-            self.pass_id += 1
-            self.in_pass = 0
             with gil:
                 _epoch_step()             # (a prefetcher's read-ahead: noted)
                 self.reader.c_reset()
+            self.pass_id += 1             # (after the reset, as in c_next)
+            self.in_pass = 0
 
     cdef int c_reset(self) except -1:
         self.pass_id = 0
