@@ -7,15 +7,23 @@ Design:
     thread (a daemon `threading.Thread`) loops, with the GIL released:
 
         wait until the ring has room (or stop)  ->  upstream.c_next(&rec)
-        ->  rl_block_incref(rec.block)  ->  push  ->  signal `not_empty`
+        ->  rl_block_incref(rec.block)  ->  push (publish `produced`)
 
     so the ring holds *references* to the records the chain produced (no
-    copy) and at most `capacity` of them (a full ring sleeps until it has
-    drained to capacity // 2, then refills in a burst: fewer wake-ups): the thread asks for the next item
-    only when there is room, so memory is bounded by capacity + the item the
-    consumer holds.  The consumer's `c_next` pops the oldest record and keeps
-    its reference until its next call (the LoDTensors returned by
-    `read_next` take their own reference on the block, so they stay valid).
+    copy) and at most `capacity` of them (a full ring waits until it has
+    drained to capacity // 2, then refills in a burst: fewer wake-ups): the
+    thread asks for the next item only when there is room, so memory is
+    bounded by capacity + the item the consumer holds.  The consumer's
+    `c_next` pops the oldest record and keeps its reference until its next
+    call (the LoDTensors returned by `read_next` take their own reference on
+    the block, so they stay valid); references to one block handed out in a
+    row are dropped together when the block changes.
+
+    Items move through the ring without the mutex (two counters, one per
+    side: see "The ring" below), so an item costs no lock, no signal and no
+    wake-up: a prefetcher below a batch passes every instance through it.
+    The mutex and the condition variables are for sleeping and for the
+    run's flags.
 
     Waits happen on the pthread condition variables with the GIL released:
     neither side holds the GIL while blocked, and the thread never asks for
@@ -88,18 +96,64 @@ cdef extern from "Python.h":
 
 
 # ------------------------------------------------------------- run state
+cdef extern from *:
+    """
+    /* The ring's counters and flags, read without the mutex (readerlib/readers/_prefetch.pyx). */
+    static inline int64_t pf_load_acq(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+    static inline int64_t pf_load_sc(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
+    static inline int64_t pf_load_rlx(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+    static inline void pf_store_sc(int64_t *p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_SEQ_CST); }
+    static inline void pf_store_rlx(int64_t *p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+    static inline int pf_iload_sc(const int *p) { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
+    static inline int pf_iload_rlx(const int *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+    static inline void pf_istore_sc(int *p, int v) { __atomic_store_n(p, v, __ATOMIC_SEQ_CST); }
+    static inline void pf_istore_rlx(int *p, int v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+    /* Drop n references to b at once (rl_block_decref n times). */
+    static inline void pf_block_decref_n(rl_block *b, int64_t n) {
+        if (b && __atomic_sub_fetch(&b->refcnt, n, __ATOMIC_ACQ_REL) == 0) b->release(b);
+    }
+    """
+    int64_t pf_load_acq(const int64_t *p) nogil
+    int64_t pf_load_sc(const int64_t *p) nogil
+    int64_t pf_load_rlx(const int64_t *p) nogil
+    void pf_store_sc(int64_t *p, int64_t v) nogil
+    void pf_store_rlx(int64_t *p, int64_t v) nogil
+    int pf_iload_sc(const int *p) nogil
+    int pf_iload_rlx(const int *p) nogil
+    void pf_istore_sc(int *p, int v) nogil
+    void pf_istore_rlx(int *p, int v) nogil
+    void pf_block_decref_n(rl_block *b, int64_t n) nogil
+
+
+# The ring is a single-producer single-consumer queue on two counters:
+# `produced` (written by the thread only) and `popped` (by the consumer only);
+# item i is in slot i & mask and the ring holds produced - popped <= cap items.
+# An item moves without the mutex: the thread writes the slot, then publishes
+# `produced`; the consumer reads the slot, then publishes `popped`.
+#
+# Waiting.  A side that has to wait (the consumer on an empty ring, the
+# thread on a full one) posts what it waits for in its `*_need` (a value of
+# the other side's counter), sets its `*_sleeping` under the mutex and sleeps
+# on its condition variable; the other side, on publishing its counter, looks
+# at the need and, once it is reached, clears it and signals ("rings"): one
+# wake-up per wait, never a mutex or a signal per item.  A store of a counter
+# or a need and the load of the other that follows are seq_cst, so of two
+# sides racing, one sees the other.  A full ring waits until it has drained
+# to capacity // 2 (the thread then refills in a burst: one wake-up per
+# capacity // 2 items, and the slots' cache lines move between the cores in
+# runs); an empty one wakes at the first item.
+#
+# (Measured, benchmarks/results/prefetch.md: spinning before sleeping, on
+# either side, and waking the consumer only for a run of items both cost
+# more CPU per item on the 2 shared cores here than they saved.)
 cdef struct pf_state:
     pthread_mutex_t mu
-    pthread_cond_t not_empty        # consumer waits: an item arrived or the run ended
-    pthread_cond_t not_full         # producer waits: room in the ring or stop
+    pthread_cond_t not_empty        # consumer sleeps: items arrived or the run ended
+    pthread_cond_t not_full         # producer sleeps: room in the ring or stop
     rl_record *ring
-    int64_t cap
-    int64_t low_water               # a full ring wakes the producer when it drains to this
-    int producer_waiting
-    int64_t head                    # oldest item
-    int64_t count
-    int64_t produced                # items pushed in this run
-    int64_t popped                  # items the consumer took in this run
+    int64_t cap                     # the ring holds at most cap items
+    int64_t mask                    # slots - 1 (slots: cap rounded up to a power of two)
+    int64_t low_water               # a full ring waits until it has drained to this
     int seen_end                    # the consumer was told the run ended (end or error)
     int64_t noted                   # epoch steps the thread noted (_Pump._note_epoch_step)
     int64_t mark                    # the first noted epoch step (_Pump.log) the consumer has
@@ -111,6 +165,19 @@ cdef struct pf_state:
     int finished                    # the thread has left the chain for good
     int close_upstream              # close() gave up joining: the thread closes the chain
     int forked                      # this process forked while the run was live
+    char _pad0[64]
+    int64_t produced                # items pushed in this run (the thread writes it)
+    char _pad1[64]
+    int64_t popped                  # items the consumer took in this run (the consumer writes it)
+    int64_t limit                   # the consumer may take items below this without looking
+                                    # at `produced` or `mark` again (consumer only)
+    char _pad2[64]
+    int64_t prod_need               # the thread waits for popped >= this (0: it does not)
+    int prod_sleeping               # ... asleep on not_full (or about to be)
+    char _pad3[64]
+    int64_t cons_need               # the consumer waits for produced >= this (0: it does not)
+    int cons_sleeping               # ... asleep on not_empty (or about to be)
+    char _pad4[64]
 
 
 # Return codes of _pf_pop.
@@ -130,13 +197,17 @@ cdef int64_t SLICE_NS = 100000000   # 100 ms: how often a waiting consumer check
 
 cdef pf_state *_pf_new(int64_t cap) except NULL:
     cdef pf_state *st = <pf_state *>calloc(1, sizeof(pf_state))
+    cdef int64_t slots = 1
     if st == NULL:
         raise MemoryError()
-    st.ring = <rl_record *>calloc(cap, sizeof(rl_record))
+    while slots < cap:
+        slots *= 2
+    st.ring = <rl_record *>calloc(slots, sizeof(rl_record))
     if st.ring == NULL:
         free(st)
         raise MemoryError(f"prefetch ring of {cap} items")
     st.cap = cap
+    st.mask = slots - 1
     st.low_water = cap // 2
     st.mark = -1
     st.refcnt = 1
@@ -151,12 +222,14 @@ cdef void _pf_init_sync(pf_state *st) noexcept nogil:
 
 
 cdef void _pf_drain(pf_state *st) noexcept nogil:
-    """Drop the ring's references (caller holds the mutex or owns the state alone)."""
-    cdef int64_t i
-    for i in range(st.count):
-        rl_block_decref(st.ring[(st.head + i) % st.cap].block)
-    st.head = 0
-    st.count = 0
+    """Drop the ring's references (the thread is gone or never ran; the
+    caller holds the mutex or owns the state alone)."""
+    cdef int64_t i, end = pf_load_acq(&st.produced)
+    for i in range(st.popped, end):
+        rl_block_decref(st.ring[i & st.mask].block)
+        st.ring[i & st.mask].block = NULL
+    pf_store_sc(&st.popped, end)
+    st.limit = end
 
 
 cdef void _pf_incref(pf_state *st) noexcept nogil:
@@ -175,10 +248,47 @@ cdef void _pf_decref(pf_state *st) noexcept nogil:
 
 cdef void _pf_request_stop(pf_state *st) noexcept nogil:
     pthread_mutex_lock(&st.mu)
-    st.stop = 1
+    pf_istore_rlx(&st.stop, 1)
     pthread_cond_broadcast(&st.not_full)
     pthread_cond_broadcast(&st.not_empty)
     pthread_mutex_unlock(&st.mu)
+
+
+# -- waiting (either side)
+cdef void _pf_ring(pf_state *st, int64_t *need, int *sleeping, pthread_cond_t *cond) noexcept nogil:
+    """The other side waits for what this side just published: clear its need
+    (no second ring) and wake it if it sleeps."""
+    pf_store_sc(need, 0)
+    if pf_iload_sc(sleeping):
+        pthread_mutex_lock(&st.mu)
+        pthread_cond_signal(cond)
+        pthread_mutex_unlock(&st.mu)
+
+
+# -- the consumer's side (one consumer at a time: the chain's lock)
+cdef inline bint _pf_take(pf_state *st, rl_record *out) noexcept nogil:
+    """Take the next item if it is known to be there (no mutex, no wait)."""
+    cdef int64_t i = st.popped, need
+    if i >= st.limit:
+        return False
+    out[0] = st.ring[i & st.mask]
+    i += 1
+    pf_store_sc(&st.popped, i)                # the slot is the thread's again
+    need = pf_load_sc(&st.prod_need)
+    if need != 0 and i >= need:
+        _pf_ring(st, &st.prod_need, &st.prod_sleeping, &st.not_full)
+    return True
+
+
+cdef inline void _pf_refresh(pf_state *st) noexcept nogil:
+    """How far the consumer may take items: up to what the thread published,
+    and not past the next noted epoch step (POP_MARK comes first).  A mark
+    noted after this is at or past `produced` as read here."""
+    cdef int64_t p = pf_load_acq(&st.produced)
+    cdef int64_t m = pf_load_rlx(&st.mark)    # (set before the item at it was published)
+    if m >= 0 and m < p:
+        p = m if m > st.popped else st.popped
+    st.limit = p
 
 
 cdef int _pf_pop(pf_state *st, rl_record *out, int64_t deadline_ns, bint blocking) noexcept nogil:
@@ -186,30 +296,33 @@ cdef int _pf_pop(pf_state *st, rl_record *out, int64_t deadline_ns, bint blockin
 
     Waits at most one slice, and never past `deadline_ns` (-1: none).
     """
-    cdef int64_t now, until
+    cdef int64_t until, p
     cdef int code
+    if not st.forked:
+        if _pf_take(st, out):
+            return POP_ITEM
+        _pf_refresh(st)
+        if _pf_take(st, out):
+            return POP_ITEM
     pthread_mutex_lock(&st.mu)
-    if st.count == 0 and not st.done and not st.forked and blocking:
-        now = _now_ns()
-        until = now + SLICE_NS
+    if blocking and not st.done and not st.forked and pf_load_acq(&st.produced) == st.popped:
+        until = _now_ns() + SLICE_NS
         if deadline_ns >= 0 and deadline_ns < until:
             until = deadline_ns
-        while st.count == 0 and not st.done and not st.forked:
+        pf_store_sc(&st.cons_need, st.popped + 1)
+        pf_istore_sc(&st.cons_sleeping, 1)
+        while not st.done and not st.forked and pf_load_sc(&st.produced) == st.popped:
             if cond_wait_until(&st.not_empty, &st.mu, until) != 0 and _now_ns() >= until:
                 break
+        pf_istore_rlx(&st.cons_sleeping, 0)
+        pf_store_rlx(&st.cons_need, 0)
+    p = pf_load_acq(&st.produced)
     if st.forked:
         code = POP_FORKED
-    elif st.mark >= 0 and st.mark <= st.popped and (st.count > 0 or st.done):
+    elif st.mark >= 0 and st.mark <= st.popped and (p > st.popped or st.done):
         code = POP_MARK
-    elif st.count > 0:
-        out[0] = st.ring[st.head]
-        st.ring[st.head].block = NULL
-        st.head = (st.head + 1) % st.cap
-        st.count -= 1
-        st.popped += 1
-        if st.producer_waiting and st.count <= st.low_water:
-            pthread_cond_signal(&st.not_full)
-        code = POP_ITEM
+    elif p > st.popped:
+        code = POP_ITEM                         # taken below (a take may ring: the mutex)
     elif st.done:
         code = POP_ERROR if st.failed else POP_END
         st.seen_end = 1
@@ -220,7 +333,36 @@ cdef int _pf_pop(pf_state *st, rl_record *out, int64_t deadline_ns, bint blockin
     else:
         code = POP_SLICE
     pthread_mutex_unlock(&st.mu)
+    if code == POP_ITEM:
+        _pf_refresh(st)
+        _pf_take(st, out)
     return code
+
+
+# -- the thread's side
+cdef inline void _pf_publish(pf_state *st, int64_t produced) noexcept nogil:
+    cdef int64_t need
+    pf_store_sc(&st.produced, produced)
+    need = pf_load_sc(&st.cons_need)
+    if need != 0 and produced >= need:
+        _pf_ring(st, &st.cons_need, &st.cons_sleeping, &st.not_empty)
+
+
+cdef bint _pf_wait_room(pf_state *st, int64_t produced) noexcept nogil:
+    """The ring is full: wait until the consumer has drained it to low water,
+    then refill in a burst.  False: told to stop."""
+    cdef int64_t target = produced - st.low_water     # popped >= target: drained enough
+    cdef bint stopped
+    pthread_mutex_lock(&st.mu)
+    pf_store_sc(&st.prod_need, target)
+    pf_istore_sc(&st.prod_sleeping, 1)
+    while not st.stop and pf_load_sc(&st.popped) < target:
+        pthread_cond_wait(&st.not_full, &st.mu)
+    pf_istore_rlx(&st.prod_sleeping, 0)
+    pf_store_rlx(&st.prod_need, 0)
+    stopped = st.stop
+    pthread_mutex_unlock(&st.mu)
+    return not stopped
 
 
 # ------------------------------------------------------------------- a run
@@ -262,10 +404,8 @@ cdef class _Pump:
         cdef pf_state *st = self.st
         cdef int64_t at, keep
         with nogil:
-            pthread_mutex_lock(&st.mu)
-            at = st.produced
-            keep = st.popped - st.cap - 1       # (a device stager holds popped items back)
-            pthread_mutex_unlock(&st.mu)
+            at = st.produced                    # (this thread writes it)
+            keep = pf_load_rlx(&st.popped) - st.cap - 1     # (a device stager holds popped items back)
         log = self.log
         if log and log[len(log) - 1][0] == at:
             return                              # the state before the first step to item `at` counts
@@ -275,7 +415,7 @@ cdef class _Pump:
             pthread_mutex_lock(&st.mu)
             st.noted += 1
             if st.mark < 0:
-                st.mark = at
+                pf_store_rlx(&st.mark, at)      # (before item `at` is published: _pf_refresh)
             pthread_mutex_unlock(&st.mu)
 
     def __dealloc__(self):
@@ -295,35 +435,27 @@ cdef class _Pump:
         cdef pf_state *st = self.st
         cdef rl_record rec
         cdef int r
+        cdef int64_t produced = st.produced     # (only this thread writes it; a resumed run goes on)
+        cdef int64_t popped = pf_load_acq(&st.popped)
         while True:
-            pthread_mutex_lock(&st.mu)
-            if st.count == st.cap:
-                # Full: sleep until the consumer has taken half, then refill in
-                # a burst (one wake-up per cap/2 items instead of per item).
-                st.producer_waiting = 1
-                while st.count > st.low_water and not st.stop:
-                    pthread_cond_wait(&st.not_full, &st.mu)
-                st.producer_waiting = 0
-            if st.stop:
-                pthread_mutex_unlock(&st.mu)
+            if pf_iload_rlx(&st.stop):
                 return 0
-            pthread_mutex_unlock(&st.mu)
+            if produced - popped >= st.cap:
+                popped = pf_load_acq(&st.popped)
+                if produced - popped >= st.cap:
+                    if not _pf_wait_room(st, produced):
+                        return 0
+                    popped = pf_load_acq(&st.popped)
             r = self.upstream.c_next(&rec)      # may take the GIL (Python sources, chunk loads)
             if r == 0:
                 return 0
             rl_block_incref(rec.block)
-            pthread_mutex_lock(&st.mu)
             # pushed even when told to stop (there is room: only this thread
             # adds): the item has left the chain, and a c_skip that stops the
             # run to skip below counts it (a reset or close drops it with the ring)
-            st.ring[(st.head + st.count) % st.cap] = rec
-            st.count += 1
-            st.produced += 1
-            pthread_cond_signal(&st.not_empty)
-            if st.stop:
-                pthread_mutex_unlock(&st.mu)
-                return 0
-            pthread_mutex_unlock(&st.mu)
+            st.ring[produced & st.mask] = rec
+            produced += 1
+            _pf_publish(st, produced)
 
     def _run(self):
         cdef pf_state *st = self.st
@@ -342,7 +474,7 @@ cdef class _Pump:
             _pump_of_thread.pop(me, None)
         with nogil:
             pthread_mutex_lock(&st.mu)
-            st.done = 1
+            pf_istore_rlx(&st.done, 1)
             st.failed = failed
             st.finished = 1
             close_upstream = st.close_upstream
@@ -378,6 +510,11 @@ cdef class _Pump:
         _pf_init_sync(self.st)
         self.st.forked = 1
         self.st.done = 1
+        self.st.limit = self.st.popped          # (the consumer looks at `forked` first)
+        self.st.prod_need = 0
+        self.st.cons_need = 0
+        self.st.prod_sleeping = 0
+        self.st.cons_sleeping = 0
         self.thread = None
 
 
@@ -478,7 +615,11 @@ cdef class PrefetchReader(DecoratedReader):
     cdef int64_t timeout_ns
     cdef _Pump pump
     cdef pf_state *st                       # the current run's state (survives tp_clear)
-    cdef rl_block *handed                   # the item the consumer holds
+    cdef rl_block *handed                   # the block of the item the consumer holds
+    cdef int64_t handed_refs                # references held on it: the ring's of the items
+                                            # of that block handed out in a row (dropped at
+                                            # once when the block changes: no atomic per item
+                                            # on a line the thread's incref writes too)
     cdef bint nonblocking                   # device staging: pop only what is ready
     cdef bint would_block
     cdef bint reset_pending                 # a reset() could not stop the thread
@@ -519,13 +660,17 @@ cdef class PrefetchReader(DecoratedReader):
         self._start_run()
 
     def __dealloc__(self):
-        if self.handed != NULL:
-            rl_block_decref(self.handed)
-            self.handed = NULL
+        self._drop_handed()
         if self.st != NULL:
             _pf_request_stop(self.st)       # the thread exits on its own; nothing here waits
             _pf_decref(self.st)
             self.st = NULL
+
+    cdef inline void _drop_handed(self) noexcept nogil:
+        if self.handed != NULL:
+            pf_block_decref_n(self.handed, self.handed_refs)
+            self.handed = NULL
+            self.handed_refs = 0
 
     # -- runs ---------------------------------------------------------------
     cdef int _start_run(self) except -1:
@@ -545,9 +690,7 @@ cdef class PrefetchReader(DecoratedReader):
     cdef int _end_run(self, join_timeout, bint for_close) except -1:
         """Stop the current run.  Returns 1 if its thread stopped, else 0."""
         cdef _Pump pump = self.pump
-        if self.handed != NULL:
-            rl_block_decref(self.handed)
-            self.handed = NULL
+        self._drop_handed()
         if pump is None:
             return 1
         if not pump.stop_and_join(join_timeout):
@@ -581,9 +724,6 @@ cdef class PrefetchReader(DecoratedReader):
         cdef int code
         cdef PyThreadState *saved = NULL
         cdef int64_t deadline = -1, now
-        if self.handed != NULL:
-            rl_block_decref(self.handed)
-            self.handed = NULL
         if self.st == NULL or self.reset_pending:
             with gil:
                 self._ensure_running()
@@ -608,7 +748,7 @@ cdef class PrefetchReader(DecoratedReader):
                 code = _pf_pop(self.st, out, deadline, True)
                 if code != POP_SLICE:
                     break
-                if self.st.stop:                    # close() from another thread: stop waiting
+                if pf_iload_rlx(&self.st.stop):     # close() from another thread: stop waiting
                     code = POP_END
                     break
                 with gil:
@@ -620,8 +760,13 @@ cdef class PrefetchReader(DecoratedReader):
         if code == -1:
             return -1                           # KeyboardInterrupt (or another signal's exception)
         if code == POP_ITEM:
-            self.handed = out.block
+            if out.block != self.handed:
+                self._drop_handed()
+                self.handed = out.block
+            if out.block != NULL:
+                self.handed_refs += 1
             return 1
+        self._drop_handed()
         if code == POP_END:
             return 0
         if code == POP_MARK:
@@ -643,9 +788,7 @@ cdef class PrefetchReader(DecoratedReader):
         cdef rl_record rec
         cdef int code
         cdef int64_t done = 0
-        if self.handed != NULL:
-            rl_block_decref(self.handed)
-            self.handed = NULL
+        self._drop_handed()
         if n <= 0:
             return 0
         if self._stager is not None or self.reset_pending:
@@ -724,11 +867,14 @@ cdef class PrefetchReader(DecoratedReader):
             return                               # ended with an error: raised after the ring
         with nogil:
             pthread_mutex_lock(&st.mu)
-            st.stop = 0
-            st.done = 0
+            pf_istore_rlx(&st.stop, 0)
+            pf_istore_rlx(&st.done, 0)
             st.failed = 0
             st.finished = 0
-            st.producer_waiting = 0
+            st.prod_need = 0
+            st.cons_need = 0
+            st.prod_sleeping = 0
+            st.cons_sleeping = 0
             pthread_mutex_unlock(&st.mu)
         self.pump.start(f"readerlib-prefetch-{id(self):x}")
 
@@ -789,7 +935,8 @@ cdef class PrefetchReader(DecoratedReader):
             with nogil:
                 pthread_mutex_lock(&st.mu)
                 if st.noted == n0:              # else the thread noted one meanwhile: look again
-                    st.mark = nxt
+                    pf_store_rlx(&st.mark, nxt)
+                    st.limit = st.popped        # (_pf_refresh looks at the new mark)
                     settled = True
                 pthread_mutex_unlock(&st.mu)
 
@@ -800,7 +947,7 @@ cdef class PrefetchReader(DecoratedReader):
         cdef int end
         with nogil:
             pthread_mutex_lock(&st.mu)
-            popped = st.popped
+            popped = pf_load_rlx(&st.popped)
             end = st.seen_end
             pthread_mutex_unlock(&st.mu)
         stager = self._stager
@@ -966,9 +1113,8 @@ cdef class PrefetchReader(DecoratedReader):
         if self.st == NULL:
             return 0
         with nogil:
-            pthread_mutex_lock(&self.st.mu)
-            n = self.st.count
-            pthread_mutex_unlock(&self.st.mu)
+            n = pf_load_rlx(&self.st.popped)
+            n = pf_load_rlx(&self.st.produced) - n
         return n
 
     @property

@@ -1,0 +1,245 @@
+"""The prefetcher's ring (readerlib/readers/_prefetch.pyx).
+
+Items pass between the thread and the consumer without the mutex, on two
+counters (slot = counter & mask, the slots a power of two, the capacity any
+number); the consumer drops the references of the items of one block that it
+handed out in a row together, when the block changes.  What that must keep:
+every item once and in order at every capacity, an exact state at every
+position (also with the prefetcher below a batch, where every instance goes
+through the ring), blocks freed neither early nor never, errors after the
+items before them, close with items in the ring.
+"""
+import gc
+import time
+
+import numpy as np
+import pytest
+
+import readerlib as rl
+from readerlib import _core
+from readerlib.readers._prefetch import PrefetchReader
+
+CAPACITIES = [1, 2, 3, 4, 5, 7, 8, 9, 63, 64, 65]
+ROW = 64 << 10                       # 64 KiB rows: chunks of 16 rows are 1 MiB blocks, which the
+                                     # block pool takes back and hands to the next chunk load
+
+
+def _rows(n):
+    x = np.empty((n, ROW), np.uint8)
+    for i in range(n):
+        x[i] = i % 251
+    return x, np.arange(n, dtype=np.int64)
+
+
+def _big_chain(x, labels, capacity, batch):
+    """Two fields (not zero-copy): the source encodes 16 rows per pooled block."""
+    return PrefetchReader(rl.ArrayReader((x, labels), chunk_records=16), capacity=capacity).batch(batch)
+
+
+def _snapshot(item):
+    out = []
+    for v in item:
+        if isinstance(v, rl.LoDTensor):
+            out.append((np.array(v.data), [np.array(l) for l in v.lod]))
+        else:
+            out.append((np.array(v), []))
+    return out
+
+
+def _assert_same(a, b):
+    assert len(a) == len(b)
+    for ia, ib in zip(a, b):
+        for (da, la), (db, lb) in zip(ia, ib):
+            np.testing.assert_array_equal(da, db)
+            assert len(la) == len(lb)
+            for u, v in zip(la, lb):
+                np.testing.assert_array_equal(u, v)
+
+
+def _arrays(n=90, seed=4):
+    rng = np.random.default_rng(seed)
+    return {
+        "x": np.arange(n, dtype=np.int64),
+        "s": [rng.random((int(k), 2)).astype(np.float32) for k in rng.integers(0, 6, n)],
+    }
+
+
+@pytest.mark.parametrize("capacity", CAPACITIES)
+def test_every_item_once_in_order_at_every_capacity(capacity):
+    # 1000 instances wrap every ring many times (its slots: capacity rounded
+    # up to a power of two); two epochs; below a batch and alone.
+    p = PrefetchReader(rl.ArrayReader(np.arange(1000, dtype=np.int64)), capacity=capacity)
+    for _ in range(2):
+        got = [int(v[0]) for v in p]
+        assert got == list(range(1000))
+    p.close()
+    b = rl.ArrayReader(np.arange(1000, dtype=np.int64)).prefetch(capacity).batch(7)
+    for _ in range(2):
+        got = np.concatenate([t[0].data for t in b])
+        np.testing.assert_array_equal(got, np.arange(1000))
+    b.close()
+
+
+@pytest.mark.parametrize("capacity", [1, 3, 64])
+def test_blocks_are_freed_neither_early_nor_never(capacity):
+    # The consumer holds the ring's references to the items of one block it
+    # handed out in a row and drops them together when the block changes: one
+    # reference too few and a chunk's block goes back to the pool (and is
+    # filled by the next chunk load) while the batch above still copies from
+    # it -- wrong rows; one too many and no block ever goes back.
+    x, labels = _rows(160)
+    _core._pool_drain()
+    r = _big_chain(x, labels, capacity, 5)
+    for _ in range(2):
+        k = 0
+        for b in r:
+            lab = b[1].data.reshape(-1)
+            np.testing.assert_array_equal(lab, np.arange(k, k + 5))
+            rows = b[0].data.reshape(5, ROW)
+            for j in range(5):
+                assert (rows[j] == (k + j) % 251).all(), (k + j, rows[j][:4])
+            k += 5
+        assert k == 160
+    r.close()
+    del r, b, rows
+    gc.collect()
+    n, _ = _core._pool_stats()
+    assert n >= 1, "no chunk block went back to the pool: references were kept"
+
+
+@pytest.mark.parametrize("capacity", [1, 3, 5, 64])
+def test_state_below_a_batch_at_every_position(capacity):
+    # Below a batch, the batch's get_state counts instances through the
+    # prefetcher: the ring's items (and those the consumer holds) are read-ahead.
+    def make():
+        return rl.ArrayReader(_arrays()).shuffle(30, seed=4).prefetch(capacity).batch(4)
+    ref = make()
+    ref.reset()                                   # epoch 1: the shuffle's second order
+    states, items = [], []
+    while True:
+        states.append(ref.get_state())
+        item = ref.read_next()
+        if item is None:
+            break
+        items.append(_snapshot(item))
+    assert len(items) == 23
+    for pos, state in enumerate(states):
+        r = make()
+        r.set_state(state)
+        _assert_same([_snapshot(i) for i in r], items[pos:])
+        r.close()
+    ref.close()
+
+
+@pytest.mark.parametrize("capacity", [1, 3, 8])
+def test_state_of_instances_at_every_position(capacity):
+    def make():
+        return PrefetchReader(rl.ArrayReader(np.arange(40, dtype=np.int64)), capacity=capacity)
+    ref = make()
+    for pos in range(41):
+        # let the thread read ahead (a ring refills once it has drained to
+        # capacity // 2): the state must not count what it read ahead
+        deadline = time.monotonic() + 5
+        while ref.qsize < min(capacity // 2 + 1, 40 - pos) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        state = ref.get_state()
+        r = make()
+        r.set_state(state)
+        assert [int(v[0]) for v in r] == list(range(pos, 40))
+        r.close()
+        v = ref.read_next()
+        assert (v is None) if pos == 40 else int(v[0]) == pos
+    ref.close()
+
+
+def _raising_at(k, n=200):
+    def items():
+        for i in range(n):
+            if i == k:
+                raise ValueError(f"bad instance {i} in shard-3")
+            yield np.int64(i)
+    return rl.PythonReader(items, rl.Schema([rl.Field("x", "int64")]))
+
+
+@pytest.mark.parametrize("k", [0, 1, 9, 10, 63, 64, 65, 130])
+def test_error_below_a_batch_after_the_batches_before_it(k):
+    r = _raising_at(k).prefetch(64).batch(10)
+    got = []
+    with pytest.raises(ValueError, match=f"bad instance {k} in shard-3"):
+        for b in r:
+            got.append(b[0].data.copy())
+    assert len(got) == k // 10
+    if got:
+        np.testing.assert_array_equal(np.concatenate(got), np.arange(k // 10 * 10))
+    with pytest.raises(ValueError, match=f"bad instance {k}"):
+        r.read_next()                             # and again, until reset()
+    r.close()
+
+
+@pytest.mark.parametrize("k", [0, 1, 5, 64])
+def test_error_after_the_instances_before_it(k):
+    p = PrefetchReader(_raising_at(k), capacity=5)
+    got = []
+    with pytest.raises(ValueError, match=f"bad instance {k} in shard-3"):
+        for v in p:
+            got.append(int(v[0]))
+    assert got == list(range(k))
+    p.reset()
+    with pytest.raises(ValueError, match=f"bad instance {k}"):
+        for v in p:
+            pass
+    p.close()
+
+
+@pytest.mark.parametrize("capacity", [1, 5, 16])
+def test_close_with_items_in_the_ring_and_in_the_consumers_hands(capacity):
+    x, labels = _rows(96)
+    _core._pool_drain()
+    p = PrefetchReader(rl.ArrayReader((x, labels), chunk_records=16), capacity=capacity)
+    deadline = time.monotonic() + 5
+    while p.qsize < capacity and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert p.qsize == capacity                    # a full ring
+    held = [p.read_next() for _ in range(3)]      # the consumer holds references to a block
+    assert p.qsize >= capacity - 3                # (a full ring refills from capacity // 2)
+    t = p.thread
+    p.close()
+    assert not t.is_alive()
+    assert [int(h[1]) for h in held] == [0, 1, 2]
+    assert all((h[0] == i % 251).all() for i, h in enumerate(held))   # still valid
+    del held
+    del p
+    gc.collect()
+    assert _core._pool_stats()[0] >= 1            # the ring's blocks were released
+
+
+def test_reset_with_items_in_the_ring_starts_over():
+    p = PrefetchReader(rl.ArrayReader(np.arange(500, dtype=np.int64)), capacity=7)
+    for cut in (0, 1, 6, 7, 8, 250, 499):
+        got = []
+        for v in p:
+            got.append(int(v[0]))
+            if len(got) == cut:
+                break
+        p.reset()
+        assert [int(v[0]) for v in p] == list(range(500))
+        p.reset()
+    p.close()
+
+
+@pytest.mark.parametrize("capacity", [3, 64])
+def test_skip_through_the_ring(capacity):
+    # set_state on a started prefetcher skips: the ring's items first, then below
+    p = PrefetchReader(rl.ArrayReader(np.arange(300, dtype=np.int64)), capacity=capacity)
+    ref = PrefetchReader(rl.ArrayReader(np.arange(300, dtype=np.int64)), capacity=capacity)
+    for n in (1, 2, capacity - 1, capacity, capacity + 1, 100):
+        ref.reset()
+        for _ in range(n):
+            ref.read_next()
+        state = ref.get_state()
+        p.reset()
+        p.read_next()
+        p.set_state(state)
+        assert [int(v[0]) for v in p] == list(range(n, 300))
+    p.close()
+    ref.close()
