@@ -826,7 +826,7 @@ cdef class ReaderBase:
         code between the test and the update): it is re-initialised and the
         chain is marked torn (fork_gen -1), since that thread left its state
         half-updated; every entry point then raises, naming what to do.
-        close() only releases the lock (may_raise false)."""
+        close() frees the lock and then closes the chain (may_raise false)."""
         cdef _Chain c = self._chain
         if c.fork_gen >= 0:
             if c.lock.acquire(False):
@@ -835,6 +835,10 @@ cdef class ReaderBase:
                 return
             c.lock._at_fork_reinit()
             c.fork_gen = -1
+            # that thread's read, reset or set_state left busy set: it never
+            # returns here, so close() must not leave the close to it (the
+            # child kept the chain's files open)
+            c.busy = False
         if may_raise:
             raise RuntimeError(
                 f"{type(self).__name__}: this process was forked while another thread of its "
