@@ -1546,6 +1546,16 @@ cdef class ReaderHolder(ReaderBase):
         with self._lock:                     # not while a read of this chain is inside the held reader
             if self._chain.busy:
                 self._enter("reset_reader")  # (raises: the read inside is this thread's own)
+            if (<ReaderBase>reader)._chain.busy:
+                # a read, reset or set_state of the new reader's own chain is
+                # using it (this thread's, a map function calling this; or
+                # another thread's): taken here, its records would be read
+                # twice or lost
+                raise RuntimeError(
+                    f"ReaderHolder.reset_reader({type(reader).__name__}): the reader is inside a read, "
+                    f"reset or set_state of its own chain (this call came from a map or filter "
+                    f"function, a PythonReader's iterator or a signal handler of that call, or the "
+                    f"call runs in another thread); call it after that call returns")
             if self._free_at != self._chain.version:
                 self._check_not_pumped()     # nor while a prefetcher's thread is
             self._reset_reader(reader)
