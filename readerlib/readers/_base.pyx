@@ -23,6 +23,7 @@ Design:
     instance encoding, the views that wrap blocks as NumPy arrays.
 """
 import os
+import threading
 import warnings
 from _thread import RLock as _RLock
 from _thread import get_ident as _get_ident
@@ -57,11 +58,17 @@ cdef double _PUMP_LEAVE_S = 5.0         # a read waits this long for a dropped p
 # Bumped in every forked child (os.register_at_fork, below): a chain whose
 # _Chain.fork_gen differs has not been looked at since the fork (_fork_check).
 cdef int64_t _fork_gen = 0
+# The main thread (in a forked child, the thread that forked: _bump_fork_gen):
+# never a prefetcher's, so _fork_check skips the dictionary lookup for it.  Not
+# the thread that imported readerlib: once that thread ends, a prefetcher's
+# thread may get its ident, and its call into its own chain waited for ever.
+cdef unsigned long _main_thread = threading.main_thread().ident
 
 
 def _bump_fork_gen():
-    global _fork_gen
+    global _fork_gen, _main_thread
     _fork_gen += 1
+    _main_thread = PyThread_get_thread_ident()   # (the forking thread: the child's only one)
 
 
 if hasattr(os, "register_at_fork"):
@@ -485,9 +492,6 @@ _ITEM_METHODS = ("read_next", "reset", "__iter__", "__next__", "_skip")
 # epoch state can be told from the thread's (PrefetchReader._below_states).
 _pump_of_thread = {}
 cdef dict _pumps_by_thread = _pump_of_thread    # (the same dict, tested in C: _fork_check)
-# The thread that imported readerlib (the main thread, as a rule): never a
-# prefetcher's, so _fork_check skips the dictionary lookup for it.
-cdef unsigned long _import_thread = PyThread_get_thread_ident()
 
 
 def _epoch_step():
@@ -796,7 +800,7 @@ cdef class ReaderBase:
         if self._chain.fork_gen != _fork_gen:
             self._forked_chain(may_raise)
         if _pumps_by_thread and self._chain.pumps and may_raise and \
-                PyThread_get_thread_ident() != _import_thread:
+                PyThread_get_thread_ident() != _main_thread:
             self._check_not_pump_thread()
         return 0
 
