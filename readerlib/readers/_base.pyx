@@ -637,11 +637,19 @@ cdef class ReaderBase:
         cdef rl_record rec
         cdef int64_t n, i
         cdef _Chain ch
+        cdef bint was_busy
         self._fork_check()
         with self._lock:
             self._check_open()
             self._check_chain()
-            ch = self._enter("read_many")
+            # Allowed inside a read of the chain (a map function looking up
+            # another record of its source: random access does not move the
+            # sequential position, and reads through its own chunk cache);
+            # marked busy meanwhile, so that nothing moves the chain while a
+            # record of the cache is being decoded (a signal handler).
+            ch = self._chain
+            was_busy = ch.busy
+            ch.busy = True
             try:
                 n = self.c_num_records()
                 if n < 0:
@@ -665,7 +673,7 @@ cdef class ReaderBase:
                     out.append(_decode_instance(self, &rec))
                 return out
             finally:
-                ch.busy = False
+                ch.busy = was_busy
 
     def _check_open(self):
         if self._closed:

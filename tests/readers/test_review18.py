@@ -189,3 +189,44 @@ print("OK")
 """, timeout=120)
     if "REUSED" not in p.stdout:
         pytest.skip("no prefetcher's thread got the importing thread's ident")
+
+
+@pytest.mark.parametrize("lookup", ["source", "global_shuffle"])
+def test_random_access_from_a_map_function_of_the_same_chain(lookup):
+    # reader[i] / read_many do not move the chain (random access is
+    # independent of the sequential position, through its own chunk cache):
+    # a map function looking up a partner record of its own source worked
+    # before the re-entry guard (fed4c4c), which then refused it.
+    run_ok_script(PRELUDE + f"""
+d = tempfile.mkdtemp()
+path = os.path.join(d, "a.rio")
+N = 3000
+with rl.RecordIOWriter(path, schema, chunk_size=64) as w:
+    for i in range(N):
+        w.write((np.int64(i),))
+src = rl.RecordIOReader(path)
+g = src.global_shuffle(seed=3, window_chunks=2)
+look = src if {lookup!r} == "source" else g
+seen = []
+def fn(x):
+    v = int(x[0])
+    js = [(v * 7 + k * 131) % N for k in range(4)]
+    got = [int(y[0]) for y in look.read_many(js)] + [int(look[js[0]][0])]
+    seen.append((js, got))
+    assert int(x[0]) == v                    # the item being mapped is untouched
+    return x
+chain = (src.shuffle(32, seed=1) if look is src else g).map(fn, output_schema=schema).batch(10)
+got = rest(chain)
+assert sorted(got) == list(range(N)), (len(got), len(set(got)))
+# the same lookups outside the read (the same epoch: g[i] is item i of its order)
+for js, got in seen:
+    assert got == [int(y[0]) for y in look.read_many(js)] + [int(look[js[0]][0])], (js, got)
+if look is src:
+    assert all(got[:4] == js for js, got in seen)
+chain.reset()
+st = chain.get_state()
+a = rest(chain)
+chain.set_state(st)
+assert rest(chain) == a                       # resume is exact with the lookups
+print("OK")
+""", timeout=120)
