@@ -805,11 +805,15 @@ cdef class ReaderBase:
         return 0
 
     cdef int _fork_check(self, bint may_raise=True) except -1:
+        cdef unsigned long ident
         if self._chain.fork_gen != _fork_gen:
             self._forked_chain(may_raise)
-        if _pumps_by_thread and self._chain.pumps and may_raise and \
-                PyThread_get_thread_ident() != _main_thread:
-            self._check_not_pump_thread()
+        if _pumps_by_thread and self._chain.pumps and may_raise:
+            # (the lookup in C: a loop on another thread than the main one
+            # reads a prefetcher through here on every item)
+            ident = PyThread_get_thread_ident()
+            if ident != _main_thread and _pumps_by_thread.get(ident) is not None:
+                self._check_not_pump_thread()
         return 0
 
     def _check_not_pump_thread(self):
