@@ -23,6 +23,7 @@ Design:
     instance encoding, the views that wrap blocks as NumPy arrays.
 """
 import os
+import threading
 import warnings
 from _thread import RLock as _RLock
 from _thread import get_ident as _get_ident
@@ -57,11 +58,17 @@ cdef double _PUMP_LEAVE_S = 5.0         # a read waits this long for a dropped p
 # Bumped in every forked child (os.register_at_fork, below): a chain whose
 # _Chain.fork_gen differs has not been looked at since the fork (_fork_check).
 cdef int64_t _fork_gen = 0
+# The main thread (in a forked child, the thread that forked: _bump_fork_gen):
+# never a prefetcher's, so _fork_check skips the dictionary lookup for it.  Not
+# the thread that imported readerlib: once that thread ends, a prefetcher's
+# thread may get its ident, and its call into its own chain waited for ever.
+cdef unsigned long _main_thread = threading.main_thread().ident
 
 
 def _bump_fork_gen():
-    global _fork_gen
+    global _fork_gen, _main_thread
     _fork_gen += 1
+    _main_thread = PyThread_get_thread_ident()   # (the forking thread: the child's only one)
 
 
 if hasattr(os, "register_at_fork"):
@@ -485,9 +492,6 @@ _ITEM_METHODS = ("read_next", "reset", "__iter__", "__next__", "_skip")
 # epoch state can be told from the thread's (PrefetchReader._below_states).
 _pump_of_thread = {}
 cdef dict _pumps_by_thread = _pump_of_thread    # (the same dict, tested in C: _fork_check)
-# The thread that imported readerlib (the main thread, as a rule): never a
-# prefetcher's, so _fork_check skips the dictionary lookup for it.
-cdef unsigned long _import_thread = PyThread_get_thread_ident()
 
 
 def _epoch_step():
@@ -633,11 +637,19 @@ cdef class ReaderBase:
         cdef rl_record rec
         cdef int64_t n, i
         cdef _Chain ch
+        cdef bint was_busy
         self._fork_check()
         with self._lock:
             self._check_open()
             self._check_chain()
-            ch = self._enter("read_many")
+            # Allowed inside a read of the chain (a map function looking up
+            # another record of its source: random access does not move the
+            # sequential position, and reads through its own chunk cache);
+            # marked busy meanwhile, so that nothing moves the chain while a
+            # record of the cache is being decoded (a signal handler).
+            ch = self._chain
+            was_busy = ch.busy
+            ch.busy = True
             try:
                 n = self.c_num_records()
                 if n < 0:
@@ -661,7 +673,7 @@ cdef class ReaderBase:
                     out.append(_decode_instance(self, &rec))
                 return out
             finally:
-                ch.busy = False
+                ch.busy = was_busy
 
     def _check_open(self):
         if self._closed:
@@ -793,11 +805,15 @@ cdef class ReaderBase:
         return 0
 
     cdef int _fork_check(self, bint may_raise=True) except -1:
+        cdef unsigned long ident
         if self._chain.fork_gen != _fork_gen:
             self._forked_chain(may_raise)
-        if _pumps_by_thread and self._chain.pumps and may_raise and \
-                PyThread_get_thread_ident() != _import_thread:
-            self._check_not_pump_thread()
+        if _pumps_by_thread and self._chain.pumps and may_raise:
+            # (the lookup in C: a loop on another thread than the main one
+            # reads a prefetcher through here on every item)
+            ident = PyThread_get_thread_ident()
+            if ident != _main_thread and _pumps_by_thread.get(ident) is not None:
+                self._check_not_pump_thread()
         return 0
 
     def _check_not_pump_thread(self):
@@ -826,7 +842,7 @@ cdef class ReaderBase:
         code between the test and the update): it is re-initialised and the
         chain is marked torn (fork_gen -1), since that thread left its state
         half-updated; every entry point then raises, naming what to do.
-        close() only releases the lock (may_raise false)."""
+        close() frees the lock and then closes the chain (may_raise false)."""
         cdef _Chain c = self._chain
         if c.fork_gen >= 0:
             if c.lock.acquire(False):
@@ -835,6 +851,10 @@ cdef class ReaderBase:
                 return
             c.lock._at_fork_reinit()
             c.fork_gen = -1
+            # that thread's read, reset or set_state left busy set: it never
+            # returns here, so close() must not leave the close to it (the
+            # child kept the chain's files open)
+            c.busy = False
         if may_raise:
             raise RuntimeError(
                 f"{type(self).__name__}: this process was forked while another thread of its "
@@ -1542,6 +1562,16 @@ cdef class ReaderHolder(ReaderBase):
         with self._lock:                     # not while a read of this chain is inside the held reader
             if self._chain.busy:
                 self._enter("reset_reader")  # (raises: the read inside is this thread's own)
+            if (<ReaderBase>reader)._chain.busy:
+                # a read, reset or set_state of the new reader's own chain is
+                # using it (this thread's, a map function calling this; or
+                # another thread's): taken here, its records would be read
+                # twice or lost
+                raise RuntimeError(
+                    f"ReaderHolder.reset_reader({type(reader).__name__}): the reader is inside a read, "
+                    f"reset or set_state of its own chain (this call came from a map or filter "
+                    f"function, a PythonReader's iterator or a signal handler of that call, or the "
+                    f"call runs in another thread); call it after that call returns")
             if self._free_at != self._chain.version:
                 self._check_not_pumped()     # nor while a prefetcher's thread is
             self._reset_reader(reader)
