@@ -160,6 +160,12 @@ cdef class FileWriter:
             self._closed = True
             self._f.close()
 
+    def __reduce__(self):
+        raise TypeError(
+            f"cannot pickle {type(self).__name__}({getattr(self, 'path', '?')!r}): a writer belongs "
+            f"to the process that opened its file; pass the path and open a writer (on another "
+            f"file) in the other process")
+
     def _close_forked(self):
         """close() (or the collection of an unclosed writer) in a forked child:
         its descriptor is closed and nothing is written.  The process that

@@ -166,3 +166,22 @@ assert os.WIFEXITED(st) and os.WEXITSTATUS(st) == 0, st
 assert read_back(PATH + ".child") == list(range(200))
 print("OK")
 """), timeout=120)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_pickling_a_writer_says_why_not(kind, tmp_path):
+    # (multiprocessing with spawn pickles what a worker gets: a writer there
+    # got Cython's "cannot be converted to a Python object for pickling")
+    import copy
+    import pickle
+
+    import readerlib as rl
+    p = str(tmp_path / f"f.{kind}")
+    w = rl.RecordIOWriter(p, rl.Schema([rl.Field("x", "int64")])) if kind == "rio" else rl.TFRecordWriter(p)
+    try:
+        for attempt in (pickle.dumps, copy.copy):
+            with pytest.raises(TypeError, match="belongs to the process that opened its file") as e:
+                attempt(w)
+            assert p in str(e.value)
+    finally:
+        w.close()
