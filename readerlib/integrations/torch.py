@@ -22,6 +22,7 @@ from readerlib._keyed import _Keyed
 from readerlib.readers._base import ReaderBase
 from readerlib.tensor import LoDTensor
 
+from . import _sharding
 from ._sharding import _shard_chain, chain_sharding, rank_and_world_size, unseeded_shuffles
 
 __all__ = ["IterableDataset", "TensorWithLoD", "to_torch"]
@@ -64,6 +65,14 @@ def to_torch(item):
             out.append(_tensor(v))
     return type(item)._make(out) if isinstance(item, _Keyed) else tuple(out)   # keeps the keys
 
+
+
+def _distributed():
+    """(rank, world_size) of this process's initialised torch.distributed, else None."""
+    dist = getattr(torch, "distributed", None)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return None
 
 
 _SLOTS = 256                # DataLoader worker ids the shared epoch counters cover
@@ -151,13 +160,31 @@ class IterableDataset(torch.utils.data.IterableDataset):
         self._pending = None          # a load_state_dict() state, for the next iter()
         self._local = None            # this process's chain (pid, base, origin, epoch it is in)
         self._cur = None              # the iteration running in this process
+        self._parent_dist = None      # torch.distributed's (rank, world) where we were pickled
 
     # -- pickling (spawn / forkserver workers) ----------------------------------
     def __getstate__(self):
         d = dict(self.__dict__)
         d["_local"] = None            # chains of this process stay here
         d["_cur"] = None
+        # A spawn / forkserver worker has no torch.distributed: it would take
+        # itself for rank 0 of 1 (or read RANK/WORLD_SIZE, which mp.spawn-style
+        # launchers do not set), and every rank would read every item.  The
+        # worker gets the rank of the process that pickled the dataset.
+        d["_parent_dist"] = _distributed() or self._parent_dist
         return d
+
+    def __setstate__(self, d):
+        d.setdefault("_parent_dist", None)
+        self.__dict__.update(d)
+
+    def _adopt_parent_rank(self):
+        # in a DataLoader worker without torch.distributed of its own, the main
+        # process's group is this process's (for the dataset and for a chain the
+        # factory builds with open_files(..., shard="auto") alike)
+        if (self._parent_dist is not None and torch.utils.data.get_worker_info() is not None
+                and _distributed() is None):
+            _sharding._parent_distributed = tuple(self._parent_dist)
 
     # -- epochs -------------------------------------------------------------------
     def set_epoch(self, epoch):
@@ -186,6 +213,7 @@ class IterableDataset(torch.utils.data.IterableDataset):
     def shard(self):
         """(num_shards, index) of the calling process (rank x worker), before any
         sharding the chain does itself (see Notes)."""
+        self._adopt_parent_rank()
         rank, world = rank_and_world_size(self.rank, self.world_size)
         wid, nw = self._worker()
         return world * nw, rank * nw + wid
@@ -259,6 +287,7 @@ class IterableDataset(torch.utils.data.IterableDataset):
             loc["base"].close()
 
     def _start_pass(self, pending):
+        self._adopt_parent_rank()
         rank, world = rank_and_world_size(self.rank, self.world_size)
         wid, nw = self._worker()
         epoch = int(pending["epoch"]) if pending is not None else int(self._epochs[wid])

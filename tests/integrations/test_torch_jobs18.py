@@ -1,0 +1,100 @@
+"""PyTorch training-job set-ups the other torch tests do not cover.
+
+Each job runs in subprocesses with a time limit (a hang fails, it does not
+stall CI).
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import numpy as np
+import pytest
+
+import readerlib as rl
+
+import torch  # noqa: F401  (in the test extra: these tests run in CI)
+
+
+def _env():
+    where = os.path.dirname(os.path.dirname(os.path.abspath(rl.__file__)))
+    env = dict(os.environ, PYTHONPATH=where + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def _run_all(scripts, timeout=120):
+    """Start every (path, args) at once (ranks rendezvous), wait for all; their stdouts."""
+    procs = [subprocess.Popen([sys.executable, "-P", path, *args], env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for path, args in scripts]
+    outs = []
+    try:
+        for p in procs:
+            try:
+                out, err = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{p.args} did not finish within {timeout} s")
+            assert p.returncode == 0, err[-4000:]
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return outs
+
+
+# ---------------------------------------- torch.distributed without RANK / WORLD_SIZE
+DIST_RANK = textwrap.dedent("""
+    import glob, json, os, sys
+    import torch, torch.distributed as dist
+    import readerlib as rl
+    from readerlib.integrations.torch import IterableDataset
+
+    data, store, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    paths = sorted(glob.glob(os.path.join(data, "*.rio")))
+
+    def make_chain():               # the chain splits the chunks between ranks, the dataset its workers
+        return rl.open_files(paths, shard="auto").shuffle(29, seed=1).batch(8)
+
+    if __name__ == "__main__":
+        # as under mp.spawn / a custom launcher: the group has the rank, the environment not
+        dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+        ds = IterableDataset(make_chain)
+        assert ds.shard() == (2, rank)
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2,
+                                             multiprocessing_context="spawn", persistent_workers=True)
+        print(json.dumps([[i for (ids,) in loader for i in ids.tolist()] for _ in range(2)]))
+        dist.destroy_process_group()
+""")
+
+
+@pytest.fixture(scope="module")
+def id_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("jobs18")
+    schema = rl.Schema([rl.Field("id", "int64")])
+    for f in range(3):
+        with rl.RecordIOWriter(str(d / f"part-{f}.rio"), schema, chunk_size=200) as w:
+            w.write_batch({"id": np.arange(100 * f, 100 * f + 100, dtype=np.int64)})
+    return d
+
+
+def test_spawned_workers_of_a_distributed_job_take_the_groups_rank(tmp_path, id_files):
+    """torch.distributed initialised with rank= / world_size= and no RANK /
+    WORLD_SIZE in the environment (mp.spawn and custom launchers): spawn and
+    forkserver DataLoader workers have no process group, took themselves for
+    rank 0 of 1, and every rank read every record (each twice per epoch over
+    two ranks).  Now they take the main process's rank, for the dataset and
+    for open_files(shard="auto") in the chain alike."""
+    script = tmp_path / "rank.py"
+    script.write_text(DIST_RANK)
+    store = str(tmp_path / "store")
+    outs = [json.loads(o.strip().splitlines()[-1])
+            for o in _run_all([(str(script), [str(id_files), store, str(r)]) for r in range(2)])]
+    for epoch in range(2):
+        got = outs[0][epoch] + outs[1][epoch]
+        assert sorted(got) == list(range(300)), (epoch, len(got), len(set(got)))
+    assert outs[0][0] != outs[0][1]
