@@ -34,6 +34,10 @@ TensorWithLoD = namedtuple("TensorWithLoD", ["data", "lod"])
 
 def _tensor(a):
     # DLPack: the tensor shares the array's memory (and keeps it alive).
+    if isinstance(a, np.ndarray) and any(s < 0 for s in a.strides):
+        # torch aborts the process (an uncaught C++ error, not an exception)
+        # on a DLPack tensor with a negative stride (a[::-1]): copy those
+        a = np.ascontiguousarray(a)
     return torch.from_dlpack(a)
 
 
@@ -51,7 +55,9 @@ def to_torch(item):
     tuple
         One entry per field: a tensor for fixed fields (and for instance
         values), a `TensorWithLoD` for sequence fields.  The tensors view the
-        reader's memory (DLPack); they keep it alive.
+        reader's memory (DLPack); they keep it alive.  (A NumPy array with a
+        negative stride, which a chain never hands out, is copied: torch
+        cannot view it.)
     """
     out = []
     for v in item:

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 import numpy as np
@@ -16,11 +15,11 @@ import pytest
 import readerlib as rl
 
 import torch  # noqa: F401  (in the test extra: these tests run in CI)
+from helpers import run_ok_script
 
 
 def _env():
-    where = os.path.dirname(os.path.dirname(os.path.abspath(rl.__file__)))
-    env = dict(os.environ, PYTHONPATH=where + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ)          # conftest's PYTHONPATH: the readerlib under test
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     return env
@@ -28,7 +27,7 @@ def _env():
 
 def _run_all(scripts, timeout=120):
     """Start every (path, args) at once (ranks rendezvous), wait for all; their stdouts."""
-    procs = [subprocess.Popen([sys.executable, "-P", path, *args], env=_env(), stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, path, *args], env=_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for path, args in scripts]
     outs = []
     try:
@@ -98,3 +97,22 @@ def test_spawned_workers_of_a_distributed_job_take_the_groups_rank(tmp_path, id_
         got = outs[0][epoch] + outs[1][epoch]
         assert sorted(got) == list(range(300)), (epoch, len(got), len(set(got)))
     assert outs[0][0] != outs[0][1]
+
+
+# ------------------------------------------------------------------ to_torch
+def test_to_torch_of_a_negatively_strided_array_is_a_tensor_not_an_abort():
+    """torch.from_dlpack of a[::-1] aborted the interpreter ("Storage size
+    calculation overflowed", an uncaught C++ error: no exception, the process
+    died).  to_torch now copies such an array; the others stay views."""
+    run_ok_script(textwrap.dedent("""
+        import numpy as np, torch
+        from readerlib.integrations.torch import to_torch
+        a = np.arange(12, dtype=np.float32).reshape(3, 4)
+        rev, view = to_torch((a[::-1], a[:, ::2]))
+        assert torch.equal(rev, torch.from_numpy(a[::-1].copy()))
+        assert torch.equal(view, torch.from_numpy(a[:, ::2].copy()))
+        assert view.data_ptr() == a.ctypes.data          # still zero-copy where torch can view it
+        (rows,) = to_torch((np.arange(5)[::-2],))
+        assert rows.tolist() == [4, 2, 0]
+        print("OK")
+    """), timeout=60)
