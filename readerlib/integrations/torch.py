@@ -316,14 +316,18 @@ class IterableDataset(torch.utils.data.IterableDataset):
                 f"{world}, worker {wid} of {nw}): resume with the same world size and num_workers")
         start = self._position(loc, epoch, pending["start"] if pending is not None else None)
         view = _shard_chain(base, k, index)
-        offset = int(view._position) if view is base else 0
         taken = int(pending["taken"]) if pending is not None else 0
         if taken and view._skip(taken) != taken:
             raise ValueError(f"load_state_dict: the state's position ({taken} items into epoch "
                              f"{epoch}) is past the end of this shard's epoch")
         self._note_epoch_begun(wid, nw, epoch)
+        # "taken" counts the items this pass has yielded, not those the chain
+        # has read: a KeyboardInterrupt raised as a read returns (Python checks
+        # for signals when a call returns; a loop waiting in a prefetcher's read
+        # gets Ctrl-C there) drops the item the chain counted, and the state
+        # must hand it out again after a resume.
         cur = {"epoch": epoch, "start": start, "shard": [k, index], "view": view,
-               "offset": offset, "rank": rank, "world": world}
+               "taken": taken, "rank": rank, "world": world}
         self._cur = cur
         return self._generate(view, cur)
 
@@ -341,7 +345,9 @@ class IterableDataset(torch.utils.data.IterableDataset):
             item = view.read_next()
             if item is None:
                 return
-            yield to_torch(item) if convert else item
+            out = to_torch(item) if convert else item
+            cur["taken"] += 1
+            yield out
 
     # -- checkpoints (torchdata StatefulDataLoader protocol) ----------------------
     def state_dict(self):
@@ -356,9 +362,8 @@ class IterableDataset(torch.utils.data.IterableDataset):
             wid, _ = self._worker()
             return {"version": _STATE_VERSION, "epoch": int(self._epochs[wid]), "start": None,
                     "taken": 0, "shard": None}
-        view = cur["view"]
         return {"version": _STATE_VERSION, "epoch": int(cur["epoch"]), "start": cur["start"],
-                "taken": int(view._position) - cur["offset"], "shard": list(cur["shard"])}
+                "taken": int(cur["taken"]), "shard": list(cur["shard"])}
 
     def load_state_dict(self, state):
         """Continue from `state_dict()` on the next pass (see there)."""
