@@ -22,6 +22,7 @@ def _env():
     env = dict(os.environ)          # conftest's PYTHONPATH: the readerlib under test
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
+    env["GLOO_SOCKET_IFNAME"] = "lo"     # gloo between local processes (a CI host name may not resolve)
     return env
 
 
