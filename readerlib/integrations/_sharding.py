@@ -11,6 +11,13 @@ from readerlib.readers._base import ReaderBase
 __all__ = ["rank_and_world_size", "chain_sharding", "unseeded_shuffles"]
 
 
+# (rank, world_size) of the torch.distributed group of the process that started
+# this one, set in a DataLoader worker started by spawn or forkserver (where
+# torch.distributed is not initialised) by readerlib.integrations.torch: the
+# worker then gets its parent's answer, as a forked worker does.
+_parent_distributed = None
+
+
 def _env_int(env, name, default):
     value = env.get(name)
     if value is None or value == "":
@@ -25,7 +32,8 @@ def rank_and_world_size(rank=None, world_size=None, environ=None):
     """(rank, world_size): the arguments, else torch.distributed, else RANK/WORLD_SIZE.
 
     torch.distributed is asked only when it is already imported and
-    initialised; `torchrun` sets RANK and WORLD_SIZE in the environment.
+    initialised (in a PyTorch DataLoader worker: in the main process);
+    `torchrun` sets RANK and WORLD_SIZE in the environment.
 
     Parameters
     ----------
@@ -47,6 +55,8 @@ def rank_and_world_size(rank=None, world_size=None, environ=None):
             dist = getattr(torch, "distributed", None)
             if dist is not None and dist.is_available() and dist.is_initialized():
                 dist_rank, dist_world = dist.get_rank(), dist.get_world_size()
+            elif _parent_distributed is not None:
+                dist_rank, dist_world = _parent_distributed
         if rank is None:
             rank = dist_rank if dist_rank is not None else _env_int(env, "RANK", 0)
         if world_size is None:

@@ -22,6 +22,7 @@ from readerlib._keyed import _Keyed
 from readerlib.readers._base import ReaderBase
 from readerlib.tensor import LoDTensor
 
+from . import _sharding
 from ._sharding import _shard_chain, chain_sharding, rank_and_world_size, unseeded_shuffles
 
 __all__ = ["IterableDataset", "TensorWithLoD", "to_torch"]
@@ -33,6 +34,10 @@ TensorWithLoD = namedtuple("TensorWithLoD", ["data", "lod"])
 
 def _tensor(a):
     # DLPack: the tensor shares the array's memory (and keeps it alive).
+    if isinstance(a, np.ndarray) and any(s < 0 for s in a.strides):
+        # torch aborts the process (an uncaught C++ error, not an exception)
+        # on a DLPack tensor with a negative stride (a[::-1]): copy those
+        a = np.ascontiguousarray(a)
     return torch.from_dlpack(a)
 
 
@@ -50,7 +55,9 @@ def to_torch(item):
     tuple
         One entry per field: a tensor for fixed fields (and for instance
         values), a `TensorWithLoD` for sequence fields.  The tensors view the
-        reader's memory (DLPack); they keep it alive.
+        reader's memory (DLPack); they keep it alive.  (A NumPy array with a
+        negative stride, which a chain never hands out, is copied: torch
+        cannot view it.)
     """
     out = []
     for v in item:
@@ -64,6 +71,14 @@ def to_torch(item):
             out.append(_tensor(v))
     return type(item)._make(out) if isinstance(item, _Keyed) else tuple(out)   # keeps the keys
 
+
+
+def _distributed():
+    """(rank, world_size) of this process's initialised torch.distributed, else None."""
+    dist = getattr(torch, "distributed", None)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return None
 
 
 _SLOTS = 256                # DataLoader worker ids the shared epoch counters cover
@@ -151,13 +166,31 @@ class IterableDataset(torch.utils.data.IterableDataset):
         self._pending = None          # a load_state_dict() state, for the next iter()
         self._local = None            # this process's chain (pid, base, origin, epoch it is in)
         self._cur = None              # the iteration running in this process
+        self._parent_dist = None      # torch.distributed's (rank, world) where we were pickled
 
     # -- pickling (spawn / forkserver workers) ----------------------------------
     def __getstate__(self):
         d = dict(self.__dict__)
         d["_local"] = None            # chains of this process stay here
         d["_cur"] = None
+        # A spawn / forkserver worker has no torch.distributed: it would take
+        # itself for rank 0 of 1 (or read RANK/WORLD_SIZE, which mp.spawn-style
+        # launchers do not set), and every rank would read every item.  The
+        # worker gets the rank of the process that pickled the dataset.
+        d["_parent_dist"] = _distributed() or self._parent_dist
         return d
+
+    def __setstate__(self, d):
+        d.setdefault("_parent_dist", None)
+        self.__dict__.update(d)
+
+    def _adopt_parent_rank(self):
+        # in a DataLoader worker without torch.distributed of its own, the main
+        # process's group is this process's (for the dataset and for a chain the
+        # factory builds with open_files(..., shard="auto") alike)
+        if (self._parent_dist is not None and torch.utils.data.get_worker_info() is not None
+                and _distributed() is None):
+            _sharding._parent_distributed = tuple(self._parent_dist)
 
     # -- epochs -------------------------------------------------------------------
     def set_epoch(self, epoch):
@@ -186,6 +219,7 @@ class IterableDataset(torch.utils.data.IterableDataset):
     def shard(self):
         """(num_shards, index) of the calling process (rank x worker), before any
         sharding the chain does itself (see Notes)."""
+        self._adopt_parent_rank()
         rank, world = rank_and_world_size(self.rank, self.world_size)
         wid, nw = self._worker()
         return world * nw, rank * nw + wid
@@ -259,6 +293,7 @@ class IterableDataset(torch.utils.data.IterableDataset):
             loc["base"].close()
 
     def _start_pass(self, pending):
+        self._adopt_parent_rank()
         rank, world = rank_and_world_size(self.rank, self.world_size)
         wid, nw = self._worker()
         epoch = int(pending["epoch"]) if pending is not None else int(self._epochs[wid])
@@ -281,14 +316,18 @@ class IterableDataset(torch.utils.data.IterableDataset):
                 f"{world}, worker {wid} of {nw}): resume with the same world size and num_workers")
         start = self._position(loc, epoch, pending["start"] if pending is not None else None)
         view = _shard_chain(base, k, index)
-        offset = int(view._position) if view is base else 0
         taken = int(pending["taken"]) if pending is not None else 0
         if taken and view._skip(taken) != taken:
             raise ValueError(f"load_state_dict: the state's position ({taken} items into epoch "
                              f"{epoch}) is past the end of this shard's epoch")
         self._note_epoch_begun(wid, nw, epoch)
+        # "taken" counts the items this pass has yielded, not those the chain
+        # has read: a KeyboardInterrupt raised as a read returns (Python checks
+        # for signals when a call returns; a loop waiting in a prefetcher's read
+        # gets Ctrl-C there) drops the item the chain counted, and the state
+        # must hand it out again after a resume.
         cur = {"epoch": epoch, "start": start, "shard": [k, index], "view": view,
-               "offset": offset, "rank": rank, "world": world}
+               "taken": taken, "rank": rank, "world": world}
         self._cur = cur
         return self._generate(view, cur)
 
@@ -306,7 +345,9 @@ class IterableDataset(torch.utils.data.IterableDataset):
             item = view.read_next()
             if item is None:
                 return
-            yield to_torch(item) if convert else item
+            out = to_torch(item) if convert else item
+            cur["taken"] += 1
+            yield out
 
     # -- checkpoints (torchdata StatefulDataLoader protocol) ----------------------
     def state_dict(self):
@@ -321,9 +362,8 @@ class IterableDataset(torch.utils.data.IterableDataset):
             wid, _ = self._worker()
             return {"version": _STATE_VERSION, "epoch": int(self._epochs[wid]), "start": None,
                     "taken": 0, "shard": None}
-        view = cur["view"]
         return {"version": _STATE_VERSION, "epoch": int(cur["epoch"]), "start": cur["start"],
-                "taken": int(view._position) - cur["offset"], "shard": list(cur["shard"])}
+                "taken": int(cur["taken"]), "shard": list(cur["shard"])}
 
     def load_state_dict(self, state):
         """Continue from `state_dict()` on the next pass (see there)."""
