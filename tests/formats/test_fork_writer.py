@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from tests.support.helpers import run_ok_script
+from helpers import run_ok_script
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 

@@ -34,7 +34,6 @@ chunk.  What a state saved after that restores to, per chain:
   permutation, where the lost chunk's records still counted); since session
   18 they record the lost chunks ("lost", version 4) and restore exactly.
 """
-import json
 import os
 import warnings
 
@@ -45,7 +44,7 @@ import readerlib as rl
 from readerlib.formats._tfrecord import TFRecordReader, TFRecordWriter, build_index
 from readerlib.readers.files import open_files, register_file_reader, unregister_file_reader
 
-from helpers import corrupt_chunk
+from helpers import corrupt_chunk, read_events
 
 N = 400                    # records 0 .. N-1 (an int64 field holding the record's number)
 BAD = 3                    # the corrupt chunk: 16 records a chunk, records 48 .. 63
@@ -91,28 +90,8 @@ def _ids(item):
 
 
 def _read(chain, save=True):
-    """The rest of the epoch read with read_next, going on past DataLossErrors:
-    (events, states, errors).  events[k]: what read k gave (a tuple of record
-    numbers, or "err"); states[k]: get_state() before read k (through JSON),
-    or the RuntimeError it raised."""
-    events, states, errors = [], [], []
-    while True:
-        if save:
-            try:
-                states.append(json.loads(json.dumps(chain.get_state())))
-            except RuntimeError as e:
-                states.append(e)
-        try:
-            item = chain.read_next()
-        except rl.DataLossError as e:
-            events.append("err")
-            errors.append(e)
-            if len(errors) > LIMIT:
-                return events, states, errors
-            continue
-        if item is None:
-            return events, states, errors
-        events.append(_ids(item))
+    """(events, states, errors) of the rest of the epoch (helpers.read_events)."""
+    return read_events(chain, _ids, save, LIMIT)
 
 
 def _records(events):

@@ -11,11 +11,10 @@ inside at the fork read on in the child exactly as in the parent.
 Each case runs in a fresh interpreter with a time limit: the old code hangs.
 """
 import os
-import sys
 
 import pytest
 
-from tests.support.helpers import run_ok_script
+from helpers import run_ok_script
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 

@@ -35,7 +35,7 @@ import readerlib as rl
 from readerlib.formats._tfrecord import TFRecordReader, TFRecordWriter
 from readerlib.readers.files import open_files
 
-from helpers import InjectedInterrupt, call_tracer
+from helpers import InjectedInterrupt, call_tracer, read_events
 
 SIZE = 8192                # 8 KiB records: 128 a chunk (1 MiB)
 N = 640
@@ -81,27 +81,8 @@ def _id(item):
 
 
 def _read(chain, save=True):
-    """(events, states, errors) of the rest of the epoch, going on past
-    DataLossErrors; events[k] is what read k gave (record numbers, or
-    "err"), states[k] get_state() before it (or the RuntimeError it raised)."""
-    events, states, errors = [], [], []
-    while True:
-        if save:
-            try:
-                states.append(json.loads(json.dumps(chain.get_state())))
-            except RuntimeError as e:
-                states.append(e)
-        try:
-            item = chain.read_next()
-        except rl.DataLossError as e:
-            events.append("err")
-            errors.append(e)
-            if len(errors) > LIMIT:
-                return events, states, errors
-            continue
-        if item is None:
-            return events, states, errors
-        events.append(_id(item))
+    """(events, states, errors) of the rest of the epoch (helpers.read_events)."""
+    return read_events(chain, _id, save, LIMIT)
 
 
 def _records(events):
@@ -185,25 +166,7 @@ def _num(x):
 
 def _read_ids(chain, save=True):
     """_read over items of one record each, as (record ids, "err")."""
-    events, states, errors = [], [], []
-    while True:
-        if save:
-            try:
-                states.append(json.loads(json.dumps(chain.get_state())))
-            except RuntimeError as e:
-                states.append(e)
-        try:
-            x = chain.read_next()
-        except rl.DataLossError as e:
-            events.append("err")
-            errors.append(e)
-            if len(errors) > LIMIT:
-                break
-            continue
-        if x is None:
-            break
-        events.append(_num(x))
-    return events, states, errors
+    return read_events(chain, _num, save, LIMIT)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -11,7 +11,7 @@ crashes).
 """
 import pytest
 
-from tests.support.helpers import run_ok_script
+from helpers import run_ok_script
 
 PRELUDE = r"""
 import numpy as np, readerlib as rl, signal, sys

@@ -19,7 +19,7 @@ import os
 
 import pytest
 
-from tests.support.helpers import run_ok_script
+from helpers import run_ok_script
 
 PRELUDE = r"""
 import os, sys, threading, signal, tempfile

@@ -78,6 +78,32 @@ def drain(reader, max_items=10_000_000):
         assert len(items) <= max_items, "reader does not end"
 
 
+def read_events(chain, decode, save=True, limit=12):
+    """(events, states, errors) of the rest of the epoch, reading on past
+    DataLossErrors: events[k] is what read k gave (decode(item), or "err"),
+    states[k] get_state() before it, through JSON (or the RuntimeError it
+    raised); stops after more than `limit` errors (a stuck reader)."""
+    import json
+    events, states, errors = [], [], []
+    while True:
+        if save:
+            try:
+                states.append(json.loads(json.dumps(chain.get_state())))
+            except RuntimeError as e:
+                states.append(e)
+        try:
+            item = chain.read_next()
+        except rl.DataLossError as e:
+            events.append("err")
+            errors.append(e)
+            if len(errors) > limit:
+                return events, states, errors
+            continue
+        if item is None:
+            return events, states, errors
+        events.append(decode(item))
+
+
 def read_past_errors(reader, convert=lambda item: item, errors=rl.RecordIOError, max_errors=None):
     """Read the rest of the epoch with ``read_next()``, going on after each
     `errors` exception (the reader's "reading on loses only what failed").
