@@ -19,6 +19,8 @@ import pytest
 import readerlib as rl
 from readerlib.readers._prefetch import PrefetchReader
 
+from helpers import assert_same_items as _assert_same, snapshot_item as _snapshot
+
 X = rl.Schema([rl.Field("x", "int64")])
 
 
@@ -30,29 +32,6 @@ def _arrays(n=203, seed=0):
         "v": rng.random((n, 3)).astype(np.float32),
         "s": [rng.random((int(k), 2)).astype(np.float32) for k in rng.integers(0, 9, n)],
     }
-
-
-def _snapshot(item):
-    """A deep copy of an item (batch or instance) that outlives the reader."""
-    out = []
-    for v in item:
-        if isinstance(v, rl.LoDTensor):
-            out.append((np.array(v.data), [np.array(l) for l in v.lod]))
-        else:
-            out.append((np.array(v), []))
-    return out
-
-
-def _assert_same(a, b):
-    assert len(a) == len(b)
-    for ia, ib in zip(a, b):
-        assert len(ia) == len(ib)
-        for (da, la), (db, lb) in zip(ia, ib):
-            assert da.dtype == db.dtype and da.shape == db.shape
-            np.testing.assert_array_equal(da, db)
-            assert len(la) == len(lb)
-            for x, y in zip(la, lb):
-                np.testing.assert_array_equal(x, y)
 
 
 def _epoch(reader):

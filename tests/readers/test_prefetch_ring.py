@@ -19,6 +19,8 @@ import readerlib as rl
 from readerlib import _core
 from readerlib.readers._prefetch import PrefetchReader
 
+from helpers import assert_same_items as _assert_same, snapshot_item as _snapshot
+
 CAPACITIES = [1, 2, 3, 4, 5, 7, 8, 9, 63, 64, 65]
 ROW = 64 << 10                       # 64 KiB rows: chunks of 16 rows are 1 MiB blocks, which the
                                      # block pool takes back and hands to the next chunk load
@@ -34,26 +36,6 @@ def _rows(n):
 def _big_chain(x, labels, capacity, batch):
     """Two fields (not zero-copy): the source encodes 16 rows per pooled block."""
     return PrefetchReader(rl.ArrayReader((x, labels), chunk_records=16), capacity=capacity).batch(batch)
-
-
-def _snapshot(item):
-    out = []
-    for v in item:
-        if isinstance(v, rl.LoDTensor):
-            out.append((np.array(v.data), [np.array(l) for l in v.lod]))
-        else:
-            out.append((np.array(v), []))
-    return out
-
-
-def _assert_same(a, b):
-    assert len(a) == len(b)
-    for ia, ib in zip(a, b):
-        for (da, la), (db, lb) in zip(ia, ib):
-            np.testing.assert_array_equal(da, db)
-            assert len(la) == len(lb)
-            for u, v in zip(la, lb):
-                np.testing.assert_array_equal(u, v)
 
 
 def _arrays(n=90, seed=4):

@@ -78,6 +78,31 @@ def drain(reader, max_items=10_000_000):
         assert len(items) <= max_items, "reader does not end"
 
 
+def snapshot_item(item):
+    """A deep copy of an item (batch or instance) that outlives the reader:
+    [(values, [lod arrays])] per field."""
+    out = []
+    for v in item:
+        if isinstance(v, rl.LoDTensor):
+            out.append((np.array(v.data), [np.array(x) for x in v.lod]))
+        else:
+            out.append((np.array(v), []))
+    return out
+
+
+def assert_same_items(a, b):
+    """Two lists of snapshot_item()s are equal: dtypes, shapes, values, LoD."""
+    assert len(a) == len(b)
+    for ia, ib in zip(a, b):
+        assert len(ia) == len(ib)
+        for (da, la), (db, lb) in zip(ia, ib):
+            assert da.dtype == db.dtype and da.shape == db.shape
+            np.testing.assert_array_equal(da, db)
+            assert len(la) == len(lb)
+            for x, y in zip(la, lb):
+                np.testing.assert_array_equal(x, y)
+
+
 def read_events(chain, decode, save=True, limit=12):
     """(events, states, errors) of the rest of the epoch, reading on past
     DataLossErrors: events[k] is what read k gave (decode(item), or "err"),
