@@ -287,7 +287,7 @@ def _drain(c):
 @pytest.mark.parametrize("chain", sorted(SKIP_CHAINS))
 def test_a_restore_in_place_does_not_count_or_warn_a_skipped_chunk_again(tmp_path, chain):
     path = str(tmp_path / "bad.rio")
-    lost = _bad_rio(path)
+    _bad_rio(path)
     c = SKIP_CHAINS[chain](path)
     src = c._walk()[-1]
     with warnings.catch_warnings(record=True) as ws:
@@ -555,21 +555,9 @@ GS_CHAINS = {
 
 
 def _events(c, save=True):
-    ev, st = [], []
-    while True:
-        if save:
-            try:
-                st.append(json.loads(json.dumps(c.get_state())))
-            except RuntimeError as e:
-                st.append(e)
-        try:
-            x = c.read_next()
-        except rl.RecordIOError:
-            ev.append("err")
-            continue
-        if x is None:
-            return ev, st
-        ev.append(np.asarray(getattr(x[0], "data", x[0])).reshape(-1).tolist())
+    """(events, states) of the rest of the epoch, each item's values flattened."""
+    flat = lambda x: np.asarray(getattr(x[0], "data", x[0])).reshape(-1).tolist()
+    return read_events(c, flat, save, limit=float("inf"))[:2]
 
 
 @pytest.mark.parametrize("on_error", ["raise", "skip"])
