@@ -812,17 +812,19 @@ cdef class ReaderBase:
             # (the lookup in C: a loop on another thread than the main one
             # reads a prefetcher through here on every item)
             ident = PyThread_get_thread_ident()
-            if ident != _main_thread and _pumps_by_thread.get(ident) is not None:
-                self._check_not_pump_thread()
+            if ident != _main_thread:
+                pump = _pumps_by_thread.get(ident)
+                if pump is not None:
+                    self._check_not_pump_thread(pump)
         return 0
 
-    def _check_not_pump_thread(self):
+    def _check_not_pump_thread(self, p):
         """A prefetcher's thread calling the chain it reads (a map function below
         the prefetcher that reads, resets or saves its own chain): the consumer's
         read holds the chain's lock while it waits for that thread's next item,
-        so the call would wait for ever.  Raise instead."""
-        p = _pumps_by_thread.get(_get_ident())
-        if p is not None and (<ReaderBase>p.upstream)._chain is self._chain:
+        so the call would wait for ever.  Raise instead (`p`: the calling thread's
+        pump, found by _fork_check)."""
+        if (<ReaderBase>p.upstream)._chain is self._chain:
             raise RuntimeError(
                 f"{type(self).__name__}: called from the thread of a PrefetchReader of its own "
                 f"chain (a map or filter function, or a PythonReader's iterator, below the "
