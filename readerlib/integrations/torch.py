@@ -96,7 +96,8 @@ class IterableDataset(torch.utils.data.IterableDataset):
 
     Every (rank, worker) pair reads its own shard of the chain's items, so
     across all ranks and DataLoader workers each item is seen exactly once
-    per epoch.  Use it with ``DataLoader(ds, batch_size=None, ...)``: the
+    per epoch (with `equal_batches`, each item it keeps: the default in a
+    DDP job).  Use it with ``DataLoader(ds, batch_size=None, ...)``: the
     chain already batches.
 
     Parameters
