@@ -243,7 +243,8 @@ def test_open_files_equal_batches_then_the_dataset_evens_out_the_workers(id_file
     counts, ids = {}, []
     for rank in range(world):
         def make(rank=rank):
-            return rl.open_files(id_files, shard=(rank, world), equal_batches=True).shuffle(16, seed=2).batch(8)
+            return (rl.open_files(id_files, shard=(rank, world), equal_batches=True)
+                      .shuffle(16, seed=2).batch(8))
         full = reference(make, 1)[0]                  # the rank's own batches (open_files cut them)
         for wid in range(nw):
             ds = as_worker(IterableDataset(make, rank=rank, world_size=world, equal_batches=True), wid, nw)
