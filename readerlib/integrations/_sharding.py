@@ -8,7 +8,7 @@ import os
 
 from readerlib.readers._base import ReaderBase
 
-__all__ = ["rank_and_world_size", "chain_sharding", "unseeded_shuffles"]
+__all__ = ["rank_and_world_size", "chain_sharding", "unseeded_shuffles", "ranks_trimmed_to_equal"]
 
 
 # (rank, world_size) of the torch.distributed group of the process that started
@@ -82,6 +82,16 @@ def chain_sharding(chain):
             if shard is not None and shard[1] > 1:
                 found.append((f"open_files(shard=({shard[0]}, {shard[1]}))", "files", tuple(shard)))
     return found
+
+
+def ranks_trimmed_to_equal(chain):
+    """Whether every `open_files(shard=(rank, world))` (world > 1) in a chain
+    trims the ranks to one record count (``equal_batches=True``); False when
+    there is none."""
+    from readerlib.readers._multifile import MultiFileReader
+    found = [r for r in chain._walk() if isinstance(r, MultiFileReader)
+             and getattr(r.plan, "shard", None) is not None and r.plan.shard[1] > 1]
+    return bool(found) and all(getattr(r.plan, "equal_batches", False) for r in found)
 
 
 def unseeded_shuffles(chain):

@@ -23,7 +23,8 @@ from readerlib.readers._base import ReaderBase
 from readerlib.tensor import LoDTensor
 
 from . import _sharding
-from ._sharding import _shard_chain, chain_sharding, rank_and_world_size, unseeded_shuffles
+from ._sharding import (_shard_chain, chain_sharding, rank_and_world_size, ranks_trimmed_to_equal,
+                        unseeded_shuffles)
 
 __all__ = ["IterableDataset", "TensorWithLoD", "to_torch"]
 
@@ -83,6 +84,11 @@ def _distributed():
 
 _SLOTS = 256                # DataLoader worker ids the shared epoch counters cover
 _STATE_VERSION = 1
+# a later iter() repositioned the chain this pass reads: reading on would
+# split the new pass's items between the two iterators
+_INVALIDATED = ("this iterator of the IterableDataset was invalidated: another iterator was created "
+                "from the same dataset in this process (a new pass, e.g. a second iter(loader)), and "
+                "both read one reader chain.  Finish or drop an iterator before starting the next pass")
 
 
 class IterableDataset(torch.utils.data.IterableDataset):
@@ -90,7 +96,8 @@ class IterableDataset(torch.utils.data.IterableDataset):
 
     Every (rank, worker) pair reads its own shard of the chain's items, so
     across all ranks and DataLoader workers each item is seen exactly once
-    per epoch.  Use it with ``DataLoader(ds, batch_size=None, ...)``: the
+    per epoch (with `equal_batches`, each item it keeps: the default in a
+    DDP job).  Use it with ``DataLoader(ds, batch_size=None, ...)``: the
     chain already batches.
 
     Parameters
@@ -109,6 +116,21 @@ class IterableDataset(torch.utils.data.IterableDataset):
     convert : bool, default True
         Hand out torch tensors (`to_torch`, zero-copy); False hands out the
         readerlib items themselves.
+    equal_batches : bool or None, default None
+        True: every DataLoader worker of every rank gets the same number of
+        items per epoch, so a DDP loop never waits in an all-reduce for a
+        step another rank does not take.  The epoch is cut to whole groups
+        of k items (k = world_size x num_workers): the last ``N % k`` items
+        of the chain's epoch (the same on every rank) are dropped, and with
+        fewer than k items every shard's epoch is empty.  None (the
+        default): True when torch.distributed is initialised with more than
+        one process and the dataset splits between ``world_size > 1`` ranks,
+        else False.  False: every item, and ranks may differ by one.  With a
+        chain split by rank by ``open_files(..., shard=...)`` the ranks'
+        counts are that ``open_files``' business: True there needs
+        ``open_files(..., equal_batches=True)`` (ValueError otherwise) and
+        evens out the rank's workers; None leaves the chain's counts as
+        they are.
 
     Notes
     -----
@@ -121,6 +143,13 @@ class IterableDataset(torch.utils.data.IterableDataset):
     only between the rank's DataLoader workers.  Any other sharding inside
     the chain (another rank/world, a ``.shard()``) together with the
     dataset's own raises ValueError naming both, instead of losing data.
+
+    **Equal counts for DDP**: with ``equal_batches`` (the default under an
+    initialised torch.distributed group of more than one process) each
+    shard looks ahead, past its own item, over the other shards' items of
+    the item's group of k (which it reads anyway) and keeps the item only
+    when the group is complete, as ``DistributedSampler(drop_last=True)``
+    keeps only whole rounds.  No length is needed.
 
     **Epochs advance by themselves**: each new pass over the DataLoader
     (each ``iter()`` of the dataset in a worker) is the next epoch, with a
@@ -141,8 +170,10 @@ class IterableDataset(torch.utils.data.IterableDataset):
     already prefetches; use ``num_workers=0`` with ``.prefetch()`` instead.
     """
 
-    def __init__(self, chain, rank=None, world_size=None, convert=True):
+    def __init__(self, chain, rank=None, world_size=None, convert=True, equal_batches=None):
         super().__init__()
+        if equal_batches is not None and not isinstance(equal_batches, (bool, np.bool_)):
+            raise TypeError(f"equal_batches must be True, False or None, got {equal_batches!r}")
         if isinstance(chain, ReaderBase):
             chain._check_open()
             if chain._epoch_started():        # like iter(chain): read from, so the next epoch
@@ -159,6 +190,7 @@ class IterableDataset(torch.utils.data.IterableDataset):
         self.rank = rank
         self.world_size = world_size
         self.convert = bool(convert)
+        self.equal_batches = None if equal_batches is None else bool(equal_batches)
         # Next epoch per DataLoader worker id, in shared memory: workers that
         # are new processes every epoch, persistent ones and set_epoch() in
         # the main process all see the same counters.
@@ -182,6 +214,7 @@ class IterableDataset(torch.utils.data.IterableDataset):
 
     def __setstate__(self, d):
         d.setdefault("_parent_dist", None)
+        d.setdefault("equal_batches", False)
         self.__dict__.update(d)
 
     def _adopt_parent_rank(self):
@@ -242,13 +275,14 @@ class IterableDataset(torch.utils.data.IterableDataset):
         return self._local
 
     def _split(self, base, rank, world, wid, nw):
-        """(num_shards, index) this process takes of `base`'s items."""
+        """(num_shards, index, by_files) this process takes of `base`'s items;
+        by_files: the chain itself splits by rank (open_files(shard=...))."""
         total, index = world * nw, rank * nw + wid
         found = chain_sharding(base)
         if not found or total == 1:
-            return total, index
+            return total, index, False
         if len(found) == 1 and found[0][1] == "files" and found[0][2] == (rank, world):
-            return nw, wid              # the chain splits by rank (by chunk); we split its workers
+            return nw, wid, True        # the chain splits by rank (by chunk); we split its workers
         chain_says = " and ".join(d for d, _, _ in found)
         raise ValueError(
             f"the chain is already sharded ({chain_says}) and IterableDataset shards it again by "
@@ -299,7 +333,8 @@ class IterableDataset(torch.utils.data.IterableDataset):
         epoch = int(pending["epoch"]) if pending is not None else int(self._epochs[wid])
         loc = self._base_chain()
         base = loc["base"]
-        k, index = self._split(base, rank, world, wid, nw)
+        k, index, by_files = self._split(base, rank, world, wid, nw)
+        whole_groups = self._whole_groups(base, k, rank, world, by_files)
         if k > 1:
             unseeded = unseeded_shuffles(base)
             if unseeded:
@@ -315,9 +350,18 @@ class IterableDataset(torch.utils.data.IterableDataset):
                 f"{pending['shard'][0]}; this process is shard {index} of {k} (rank {rank} of "
                 f"{world}, worker {wid} of {nw}): resume with the same world size and num_workers")
         start = self._position(loc, epoch, pending["start"] if pending is not None else None)
-        view = _shard_chain(base, k, index)
         taken = int(pending["taken"]) if pending is not None else 0
-        if taken and view._skip(taken) != taken:
+        if whole_groups:
+            # the shard reads `base` itself: after its j-th item it stands at
+            # (j + 1) * k, the end of that item's group.  (A state saved without
+            # equal_batches after the shard's last item may stand short of
+            # taken * k: that epoch is over all the same.)
+            view = base
+            past_end = taken and view._skip(taken * k) < index + (taken - 1) * k + 1
+        else:
+            view = _shard_chain(base, k, index)
+            past_end = taken and view._skip(taken) != taken
+        if past_end:
             raise ValueError(f"load_state_dict: the state's position ({taken} items into epoch "
                              f"{epoch}) is past the end of this shard's epoch")
         self._note_epoch_begun(wid, nw, epoch)
@@ -329,22 +373,58 @@ class IterableDataset(torch.utils.data.IterableDataset):
         cur = {"epoch": epoch, "start": start, "shard": [k, index], "view": view,
                "taken": taken, "rank": rank, "world": world}
         self._cur = cur
+        if whole_groups:
+            return self._generate_whole_groups(view, k, index, cur)
         return self._generate(view, cur)
+
+    def _whole_groups(self, base, k, rank, world, by_files):
+        """Whether this pass keeps only whole groups of k items (equal_batches)."""
+        equal = self.equal_batches
+        if by_files:
+            # open_files splits the ranks: only it can make their counts equal
+            if equal and not ranks_trimmed_to_equal(base):
+                raise ValueError(
+                    f"equal_batches=True: the chain is split between ranks by open_files(shard=...) "
+                    f"(rank {rank} of {world}), which reads only this rank's files, so the dataset "
+                    f"cannot see the other ranks' counts.  Pass open_files(..., equal_batches=True) "
+                    f"(it trims every rank to the same record count; the dataset then evens out "
+                    f"the rank's DataLoader workers), or let the dataset split the ranks (no shard= "
+                    f"in open_files)")
+            return bool(equal) and k > 1
+        if equal is None:                     # a DDP-style job: equal counts, else it hangs
+            group = _distributed() or _sharding._parent_distributed
+            equal = world > 1 and group is not None and group[1] > 1
+        return bool(equal) and k > 1
 
     def _generate(self, view, cur):
         convert = self.convert
         while True:
             if self._cur is not cur:
-                # a later iter() repositioned the chain this pass reads: reading
-                # on would split the new pass's items between the two iterators
-                raise RuntimeError(
-                    "this iterator of the IterableDataset was invalidated: another iterator was "
-                    "created from the same dataset in this process (a new pass, e.g. a second "
-                    "iter(loader)), and both read one reader chain.  Finish or drop an iterator "
-                    "before starting the next pass")
+                raise RuntimeError(_INVALIDATED)
             item = view.read_next()
             if item is None:
                 return
+            out = to_torch(item) if convert else item
+            cur["taken"] += 1
+            yield out
+
+    def _generate_whole_groups(self, base, k, index, cur):
+        # shard `index` of k reads `base` itself: the other shards' items before
+        # its own, its own, then the rest of that item's group of k -- which the
+        # next item's skip would read anyway -- to know the group is whole.  The
+        # partial last group is dropped by every shard alike.
+        convert = self.convert
+        after = k - 1 - index
+        while True:
+            if self._cur is not cur:
+                raise RuntimeError(_INVALIDATED)
+            if index and base._skip(index) != index:
+                return
+            item = base.read_next()
+            if item is None:
+                return
+            if after and base._skip(after) != after:
+                return                        # the last, partial group: nobody's
             out = to_torch(item) if convert else item
             cur["taken"] += 1
             yield out
