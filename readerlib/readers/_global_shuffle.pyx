@@ -286,6 +286,7 @@ cdef class GlobalShuffleReader(DecoratedReader):
     cdef int64_t nunits
     cdef readonly int64_t num_records
     cdef readonly int64_t window_chunks
+    cdef int64_t wcap               # window slots allocated: min(window_chunks, chunks)
     cdef int64_t *slot_unit         # this epoch: chunk order
     cdef int64_t *wstart            # window k: positions [wstart[k], wstart[k + 1])
     cdef int64_t nwin
@@ -341,24 +342,30 @@ cdef class GlobalShuffleReader(DecoratedReader):
         s, drawn = _check_seed(seed)
         DecoratedReader.__init__(self, reader)
         from readerlib.readers._random_access import open_random_access
-        self.ra = open_random_access(reader, int(w) + 1)
+        # a window never holds more chunks than the source has (nor, but for
+        # empty chunks, than it has records): what is allocated for one is
+        # sized by that, so window_chunks=10**9 ("one window: all of it") over
+        # a small file costs what the file's chunk count does
+        n0 = (<ReaderBase>reader).c_num_records()
+        self.ra = open_random_access(reader, int(w if n0 < 0 else min(w, max(n0, 1))) + 1)
         starts = self.ra.chunk_starts()
         cdef int64_t i
         self.nunits = starts.shape[0] - 1
         self.num_records = int(starts[self.nunits])
         self.window_chunks = w
+        self.wcap = min(w, max(self.nunits, 1))
         self.ustart = <int64_t *>malloc((self.nunits + 1) * sizeof(int64_t))
         self.slot_unit = <int64_t *>malloc(max(self.nunits, 1) * sizeof(int64_t))
         self.nwin = (self.nunits + w - 1) // w
         self.wstart = <int64_t *>malloc((self.nwin + 1) * sizeof(int64_t))
-        self.seq.cum = <int64_t *>malloc((w + 1) * sizeof(int64_t))
-        self.rnd.cum = <int64_t *>malloc((w + 1) * sizeof(int64_t))
-        self.wch = <_wchunk *>calloc(w, sizeof(_wchunk))
+        self.seq.cum = <int64_t *>malloc((self.wcap + 1) * sizeof(int64_t))
+        self.rnd.cum = <int64_t *>malloc((self.wcap + 1) * sizeof(int64_t))
+        self.wch = <_wchunk *>calloc(self.wcap, sizeof(_wchunk))
         self.ulost = <char *>calloc(max(self.nunits, 1), 1)
         self.lost_at = <int64_t *>calloc(max(self.nunits, 1), sizeof(int64_t))
         if not (self.ustart and self.slot_unit and self.wstart and self.seq.cum and self.rnd.cum
                 and self.wch and self.ulost and self.lost_at):
-            raise MemoryError()
+            raise MemoryError(f"global_shuffle: {self.nunits} chunks, windows of {self.wcap}")
         for i in range(self.nunits + 1):
             self.ustart[i] = starts[i]
         self.seed = <uint64_t>s
@@ -372,7 +379,7 @@ cdef class GlobalShuffleReader(DecoratedReader):
             return                   # half-made (ReaderBase.__cinit__ failed): see _base.pyx
         self._drop_window()
         if self.wch != NULL:
-            for j in range(self.window_chunks):
+            for j in range(self.wcap):
                 free(self.wch[j].rtab)
             free(self.wch)
             self.wch = NULL

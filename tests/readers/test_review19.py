@@ -24,6 +24,11 @@ lost chunks and their states (the code of sessions 17-18), adversarially.
    that ends inside a window not read yet leaves the rest of it to the next
    read, which reads the window first: a chunk lost there is lost from the
    window's start, for every shard, and set_state still loads nothing.
+3. global_shuffle sized its chunk cache and window tables by window_chunks,
+   not by the chunks the source has: window_chunks=2**30 (accepted, meaning
+   "one window: all of it") raised a bare MemoryError() over any file, and
+   10**7 over a 25-chunk file took 3 s and 875 MB.  Now they are sized by
+   min(window_chunks, chunks); the order is the same.
 """
 import collections
 import json
@@ -268,3 +273,25 @@ def test_torch_workers_over_a_skipping_global_shuffle_deliver_each_record_once(t
     assert sorted(count) == sorted(set(range(N2)) - lost) and max(count.values()) == 1, (
         f"{sum(n > 1 for n in count.values())} records twice, "
         f"{len(set(range(N2)) - lost - set(count))} missing")
+
+
+# ------------------------------------------------------------------ item 3
+@pytest.mark.parametrize("source", ["rio", "open_files"])
+def test_global_shuffle_a_window_larger_than_the_source_costs_what_the_source_does(tmp_path, source):
+    # window_chunks=2**30 (accepted: <= _MAX_WINDOW_CHUNKS), "one window, all
+    # of it", over a 25-chunk file: a bare MemoryError() (the chunk cache and
+    # window tables were sized by window_chunks, not by the chunks there are)
+    from readerlib.readers.files import open_files
+    path = str(tmp_path / "a.rio")
+    _bad_rio(path, bad=())
+    make = {"rio": lambda: rl.RecordIOReader(path), "open_files": lambda: open_files([path])}[source]
+    big = make().global_shuffle(seed=3, window_chunks=1 << 30)
+    ref = make().global_shuffle(seed=3, window_chunks=25)        # the same single window
+    assert big.window_chunks == 1 << 30
+    assert big.permutation().tolist() == ref.permutation().tolist()
+    got = [int(x[0]) for x in big]
+    assert got == [int(x[0]) for x in ref] and sorted(got) == list(range(N2))
+    st = big.get_state()
+    assert st["window_chunks"] == 1 << 30
+    big.close()
+    ref.close()
