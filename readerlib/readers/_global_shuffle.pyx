@@ -611,12 +611,13 @@ cdef class GlobalShuffleReader(DecoratedReader):
 
     cdef int c_next(self, rl_record *out) except -1 nogil:
         cdef int64_t i, n, q
-        if self.owed:
-            self._step(self.owed, True)       # a skip's claim (see _step); may raise: it holds
         while True:
             if self.pos >= self.num_records:
                 return 0
             if self.seq.k < 0 or self.pos >= self.wstart[self.seq.k + 1] or self.pos < self.wstart[self.seq.k]:
+                if self.owed:                  # a skip's claim (see _step: the position is then
+                    self._step(self.owed, True)    # outside the window read); may raise: it holds
+                    continue
                 self._build_window(self._window_of(self.pos))    # raises (the format's error): the position stays
             i = self.pos - self.wstart[self.seq.k]
             n = self.seq.n
