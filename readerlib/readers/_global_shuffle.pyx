@@ -671,13 +671,16 @@ cdef class GlobalShuffleReader(DecoratedReader):
         load is known only once it is read.  c_skip (`settle` False) claims
         the rest (`owed`, returned as done) and the next c_next settles it
         (`settle`: each window it enters is read first, its losses known from
-        its start on).  So the items are the same whatever mix of skips and reads got
-        there: every shard of a chain (ShardReader, a DataLoader worker's
-        share) counts the same items, and set_state positions as the original
-        read -- without loading anything before the position: windows without
-        a lost chunk are stepped over whole, a window with one is walked
-        through its order (O(window) integer work).  set_state comes here
-        with the lost chunks its state recorded."""
+        its start on; a claim in the last window that its losses cannot fill
+        ends the epoch there).  So the items are the same whatever mix of
+        skips and reads got there, as long as no skip goes over a whole window
+        not read: every shard of a chain (ShardReader, a DataLoader worker's
+        share: skips shorter than a window) counts the same items, and
+        set_state positions as the original read -- without loading anything
+        before the position: windows without a lost chunk are stepped over
+        whole, a window with one is walked through its order (O(window)
+        integer work).  set_state comes here with the lost chunks its state
+        recorded."""
         cdef int64_t done = 0, k, end, p, r, j, w0, u, t
         cdef bint any_lost
         cdef _order *o = &self.rnd
