@@ -286,10 +286,12 @@ cdef class GlobalShuffleReader(DecoratedReader):
     cdef int64_t nunits
     cdef readonly int64_t num_records
     cdef readonly int64_t window_chunks
+    cdef int64_t wcap               # window slots allocated: min(window_chunks, chunks)
     cdef int64_t *slot_unit         # this epoch: chunk order
     cdef int64_t *wstart            # window k: positions [wstart[k], wstart[k + 1])
     cdef int64_t nwin
     cdef int64_t pos
+    cdef int64_t owed               # items a c_skip claimed inside the window at pos, not read yet (_step)
     cdef _feistel uperm
     # the sequential path's window (see _build): its order, chunks and block references
     cdef _order seq
@@ -340,24 +342,30 @@ cdef class GlobalShuffleReader(DecoratedReader):
         s, drawn = _check_seed(seed)
         DecoratedReader.__init__(self, reader)
         from readerlib.readers._random_access import open_random_access
-        self.ra = open_random_access(reader, int(w) + 1)
+        # a window never holds more chunks than the source has (nor, but for
+        # empty chunks, than it has records): what is allocated for one is
+        # sized by that, so window_chunks=10**9 ("one window: all of it") over
+        # a small file costs what the file's chunk count does
+        n0 = (<ReaderBase>reader).c_num_records()
+        self.ra = open_random_access(reader, int(w if n0 < 0 else min(w, max(n0, 1))) + 1)
         starts = self.ra.chunk_starts()
         cdef int64_t i
         self.nunits = starts.shape[0] - 1
         self.num_records = int(starts[self.nunits])
         self.window_chunks = w
+        self.wcap = min(w, max(self.nunits, 1))
         self.ustart = <int64_t *>malloc((self.nunits + 1) * sizeof(int64_t))
         self.slot_unit = <int64_t *>malloc(max(self.nunits, 1) * sizeof(int64_t))
         self.nwin = (self.nunits + w - 1) // w
         self.wstart = <int64_t *>malloc((self.nwin + 1) * sizeof(int64_t))
-        self.seq.cum = <int64_t *>malloc((w + 1) * sizeof(int64_t))
-        self.rnd.cum = <int64_t *>malloc((w + 1) * sizeof(int64_t))
-        self.wch = <_wchunk *>calloc(w, sizeof(_wchunk))
+        self.seq.cum = <int64_t *>malloc((self.wcap + 1) * sizeof(int64_t))
+        self.rnd.cum = <int64_t *>malloc((self.wcap + 1) * sizeof(int64_t))
+        self.wch = <_wchunk *>calloc(self.wcap, sizeof(_wchunk))
         self.ulost = <char *>calloc(max(self.nunits, 1), 1)
         self.lost_at = <int64_t *>calloc(max(self.nunits, 1), sizeof(int64_t))
         if not (self.ustart and self.slot_unit and self.wstart and self.seq.cum and self.rnd.cum
                 and self.wch and self.ulost and self.lost_at):
-            raise MemoryError()
+            raise MemoryError(f"global_shuffle: {self.nunits} chunks, windows of {self.wcap}")
         for i in range(self.nunits + 1):
             self.ustart[i] = starts[i]
         self.seed = <uint64_t>s
@@ -371,7 +379,7 @@ cdef class GlobalShuffleReader(DecoratedReader):
             return                   # half-made (ReaderBase.__cinit__ failed): see _base.pyx
         self._drop_window()
         if self.wch != NULL:
-            for j in range(self.window_chunks):
+            for j in range(self.wcap):
                 free(self.wch[j].rtab)
             free(self.wch)
             self.wch = NULL
@@ -404,6 +412,7 @@ cdef class GlobalShuffleReader(DecoratedReader):
         self.rnd.k = -1
         self._drop_window()
         self.pos = 0
+        self.owed = 0
 
     cdef int64_t _window_of(self, int64_t p) noexcept nogil:
         """The window holding position p (0 <= p < num_records)."""
@@ -568,7 +577,7 @@ cdef class GlobalShuffleReader(DecoratedReader):
         are not in this epoch, and reading on gives every other record once,
         where the permutation puts it.  The loss (chunk, position) is kept
         for the states (_resume_state), whose set_state marks it again and
-        positions without counting its places (_skip_lossy).  True: the
+        positions without counting its places (_step).  True: the
         source skips the chunk (on_error="skip"; its warning is given),
         False: raise `err`."""
         cdef int64_t a = self.ustart[u], b = self.ustart[u + 1]
@@ -606,6 +615,9 @@ cdef class GlobalShuffleReader(DecoratedReader):
             if self.pos >= self.num_records:
                 return 0
             if self.seq.k < 0 or self.pos >= self.wstart[self.seq.k + 1] or self.pos < self.wstart[self.seq.k]:
+                if self.owed:                  # a skip's claim (see _step: the position is then
+                    self._step(self.owed, True)    # outside the window read); may raise: it holds
+                    continue
                 self._build_window(self._window_of(self.pos))    # raises (the format's error): the position stays
             i = self.pos - self.wstart[self.seq.k]
             n = self.seq.n
@@ -638,26 +650,58 @@ cdef class GlobalShuffleReader(DecoratedReader):
             # a record of a chunk lost this epoch (_lose): its place is skipped
 
     cdef int64_t c_skip(self, int64_t n) except -1 nogil:
-        cdef int64_t k = self.num_records - self.pos
-        if self.nlost:
-            return self._skip_lossy(n)
-        if n < k:
-            k = n if n > 0 else 0
-        self.pos += k
-        return k
+        # n items on, without loading anything (_step); a step that ends inside
+        # a window not read yet is settled by the next c_next (`owed`)
+        cdef int64_t prior = self.owed, got
+        if n <= 0:
+            return 0
+        if n > self.num_records:
+            n = self.num_records            # (never more items than records; no overflow below)
+        got = self._step(prior + n, False)
+        return got - prior if got > prior else 0
 
-    cdef int64_t _skip_lossy(self, int64_t n) except -1 nogil:
-        """c_skip when chunks are lost this epoch: the places of a lost chunk
-        from the position where it was lost on are not items (c_next skips
-        them), the ones before it are (a c_skip stepped over them before the
-        loss was known: the O(1) path counts every place), so n items end
-        where the same calls would have ended -- without loading anything:
-        windows without a lost chunk are stepped over whole, a window with
-        one is walked through its order (O(window) integer work).  set_state
-        comes here with the lost chunks its state recorded."""
-        cdef int64_t done = 0, k, end, p, r, j, w0, u
+    cdef int64_t _step(self, int64_t n, bint settle) except -1 nogil:
+        """n items on from the position (fewer at the end of the epoch: the
+        count is returned).  Which places are items: a lost chunk's places
+        from the position where it was lost on are not (c_next skips them),
+        the ones before it are (a step went over them before the loss was
+        known), and a window that is not read (built) and has no known loss
+        counts every place -- when a skip goes over all of it.  A skip that
+        ends inside such a window does not decide there: which of its chunks
+        load is known only once it is read.  c_skip (`settle` False) claims
+        the rest (`owed`, returned as done) and the next c_next settles it
+        (`settle`: each window it enters is read first, its losses known from
+        its start on; a claim in the last window that its losses cannot fill
+        ends the epoch there).  So the items are the same whatever mix of
+        skips and reads got there, as long as no skip goes over a whole window
+        not read: every shard of a chain (ShardReader, a DataLoader worker's
+        share: skips shorter than a window) counts the same items, and
+        set_state positions as the original read -- without loading anything
+        before the position: windows without a lost chunk are stepped over
+        whole, a window with one is walked through its order (O(window)
+        integer work).  set_state comes here with the lost chunks its state
+        recorded."""
+        cdef int64_t done = 0, k, end, p, r, j, w0, u, t
         cdef bint any_lost
         cdef _order *o = &self.rnd
+        if self.nlost == 0 and not settle:
+            # no loss known this epoch (O(log windows)): the target t; inside a
+            # window not read yet, the part of the step in it is claimed
+            t = self.pos + min64(n, self.num_records - self.pos)
+            self.owed = 0
+            if t >= self.num_records:
+                done = t - self.pos
+                self.pos = t
+                return done
+            k = self._window_of(t)
+            if t == self.wstart[k] or k == self.seq.k:
+                done = t - self.pos
+                self.pos = t
+                return done
+            if self.pos < self.wstart[k]:
+                self.pos = self.wstart[k]
+            self.owed = t - self.pos
+            return n
         while done < n and self.pos < self.num_records:
             k = self._window_of(self.pos)
             end = self.wstart[k + 1]
@@ -668,6 +712,14 @@ cdef class GlobalShuffleReader(DecoratedReader):
                 if self.ulost[u] and self.lost_at[u] < end:
                     any_lost = True
                     break
+            if not any_lost and k != self.seq.k and (settle or n - done < end - self.pos):
+                # the step ends inside a window not read yet (settling: any
+                # window it enters, read now rather than counted whole)
+                self.owed = n - done
+                if not settle:
+                    return n
+                self._build_window(k)      # may raise (the format's error): pos and owed hold
+                continue                   # (read now: its losses are known)
             if not any_lost:
                 p = min64(n - done, end - self.pos)
                 self.pos += p
@@ -683,6 +735,7 @@ cdef class GlobalShuffleReader(DecoratedReader):
                     done += 1
                     if done == n:
                         break
+        self.owed = 0
         return done
 
     def _has_lost(self):
@@ -772,9 +825,10 @@ cdef class GlobalShuffleReader(DecoratedReader):
         return out
 
     cdef void _plan_keep_pos(self) noexcept nogil:
-        cdef int64_t p = self.pos
+        cdef int64_t p = self.pos, w = self.owed
         self._plan()
         self.pos = p
+        self.owed = w
 
     def _length(self):
         return int(self.num_records)
@@ -795,7 +849,7 @@ cdef class GlobalShuffleReader(DecoratedReader):
     # [epoch, chunk, position when lost], for every epoch of this reader since
     # the chain's epoch started -- a multi_pass above runs several) travel in
     # the state.  set_state marks them lost as each of those epochs starts,
-    # before anything is positioned (_skip_lossy counts a lost chunk's places
+    # before anything is positioned (_step counts a lost chunk's places
     # before its position as items, as the c_skip before the loss did), so the
     # restored chain reads on as the original does, without loading them again
     # (no error, no second warning).  Such a state is version 4: a readerlib

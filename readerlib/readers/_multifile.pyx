@@ -268,6 +268,15 @@ cdef class _Run:
         pthread_mutex_unlock(&q.mu)
         return 0
 
+    cdef int _push_released(self, int t, _packet *p) noexcept:
+        """_push for a caller holding the GIL (a worker's error path): the wait
+        for queue space lets go of it -- the consumer needs the GIL to take
+        packets, so a wait holding it never ends (and Ctrl-C never comes)."""
+        cdef int r
+        with nogil:
+            r = self._push(t, p)
+        return r
+
     # -- workers -----------------------------------------------------------------
     cdef int _pump(self, ReaderBase rd, int t, int64_t u) except -1 nogil:
         """Read one unit into packets.  0: done; 1: stopped."""
@@ -324,7 +333,7 @@ cdef class _Run:
             e.add_note(f"open_files: while reading {path!r} (unit {u}, worker thread {t})")
         self.sh.partial[t] = NULL
         if p != NULL and p.n > 0:
-            if self._push(t, p) != 0:
+            if self._push_released(t, p) != 0:
                 _packet_free(p)
                 return None
         else:
@@ -334,7 +343,7 @@ cdef class _Run:
             raise MemoryError()
         p.error = 2
         self.soft[t].append(e)
-        if self._push(t, p) != 0:
+        if self._push_released(t, p) != 0:
             _packet_free(p)
             return None
         return text
@@ -397,7 +406,7 @@ cdef class _Run:
                 p = self.sh.partial[t]
                 self.sh.partial[t] = NULL
                 if p != NULL and p.n > 0:
-                    if self._push(t, p) != 0:
+                    if self._push_released(t, p) != 0:
                         _packet_free(p)
                         p = NULL
                 else:
@@ -405,7 +414,7 @@ cdef class _Run:
                 p = _packet_new(u)
                 if p != NULL:
                     p.error = 1
-                    if self._push(t, p) != 0:
+                    if self._push_released(t, p) != 0:
                         _packet_free(p)
         finally:
             _packet_free(self.sh.partial[t])

@@ -482,9 +482,14 @@ def open_files(paths_or_glob, num_threads=1, shuffle_files=False, seed=None, sha
     Raises
     ------
     FileNotFoundError, ValueError, TypeError
-        At construction.  While reading, a worker's exception (a corrupt
-        chunk, ...) is raised by `read_next()` after every record before it,
-        naming the file; `reset()` restarts the stream.
+        At construction.  While reading, a worker's exception is raised by
+        `read_next()` after every record before it, naming the file.  A
+        file's data error (DataLossError: a corrupt chunk or record, naming
+        file and offset) is raised once, and reading goes on with the records
+        after it (get_state refuses until the next epoch; with
+        `equal_batches`, a rank that lost records yields fewer than the
+        others).  Any other exception ends the stream: raised again by every
+        later read until `reset()`, which restarts it.
 
     Examples
     --------
