@@ -907,7 +907,8 @@ cdef class ReaderBase:
         live, out = [], []
         for entry in self._chain.pumps:
             p, pump = entry[0](), (entry[1]() if entry[1] is not None else None)
-            running = pump is not None and pump.thread is not None and pump.thread.is_alive()
+            # (inside the chain, not Thread.is_alive(): see _Pump._inside)
+            running = pump is not None and pump._inside()
             if running and pump.thread.ident == _get_ident():
                 continue                     # its own thread (closing the chain as it leaves)
             if not running and (p is None or (<ReaderBase>p)._closed):
@@ -931,8 +932,7 @@ cdef class ReaderBase:
                     f"through the PrefetchReader (or a reader built on it), or close the "
                     f"PrefetchReader first")
             # closed or dropped: its thread was told to stop and leaves after its item
-            pump.thread.join(_PUMP_LEAVE_S)
-            if pump.thread.is_alive():
+            if not pump._wait_left(_PUMP_LEAVE_S):
                 raise RuntimeError(
                     f"{type(self).__name__}: the thread of a closed or dropped PrefetchReader is "
                     f"still inside this chain after {_PUMP_LEAVE_S:g} s (a slow source?); "
@@ -947,8 +947,7 @@ cdef class ReaderBase:
             if p is not None:
                 p.close()                    # stops its thread, or hands it the close
         for p, pump in self._pumps_reading():
-            pump.thread.join(_CLOSE_LOCK_WAIT_S)
-            if pump.thread.is_alive():
+            if not pump._wait_left(_CLOSE_LOCK_WAIT_S):
                 return False
         return True
 
