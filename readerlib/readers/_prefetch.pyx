@@ -546,7 +546,10 @@ cdef class _Pump:
         _pf_request_stop(self.st)
         if self.st.forked or self.thread is None:
             return True
-        return self._wait_left(timeout)
+        if not self._wait_left(timeout):
+            return False
+        self.thread.join(timeout)       # (out of the chain: it ends at once; a stopped run is joined)
+        return True
 
     cdef bint hand_over_close(self):
         """close() could not join: let the thread close the chain when it leaves it.
