@@ -126,6 +126,10 @@ cdef class _Chain:
     # calling the chain it runs inside) is refused (ReaderBase._enter), and its
     # close() is left to that entry point (close_pending).
     cdef bint busy
+    # A close() was left to the entry point holding the chain (one called from
+    # inside it, or from another thread while it held the lock: a reader's
+    # _close_pending); that entry point runs it as it returns (_deferred_closes).
+    cdef bint close_pending
 
 
 cdef class ReaderBase:

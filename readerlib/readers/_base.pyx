@@ -674,6 +674,9 @@ cdef class ReaderBase:
                 return out
             finally:
                 ch.busy = was_busy
+        # (outside the lock, as read_next; a call made inside a read leaves them to that read)
+        if self._chain.close_pending and not self._chain.busy:
+            self._deferred_closes()
 
     def _check_open(self):
         if self._closed:
@@ -727,8 +730,21 @@ cdef class ReaderBase:
                 finally:
                     ch.busy = False
         finally:
-            if self._close_pending:          # close() from another thread left it to us
-                self.close()
+            if self._chain.close_pending and not self._chain.busy:   # a close() left to this read
+                self._deferred_closes()
+
+    def _deferred_closes(self):
+        """Run the close() calls left to the entry point of this reader that is
+        returning (made from inside it -- a map function, a signal handler -- or
+        by another thread while it held the chain): this reader's and those of
+        the readers below it, so a reader closed in the middle of a read lets
+        go of its files as that read ends, not at the chain's next call.  (A
+        reader above this one closed meanwhile is closed by its own next call
+        or close().)"""
+        self._chain.close_pending = False    # (first: a KeyboardInterrupt below leaves the
+        for r in self._walk():               #  rest to the next read's _check_below_open)
+            if (<ReaderBase>r)._close_pending:
+                r.close()
 
     def _held_items(self):
         """1 while an item taken from the chain waits to be handed out (its
@@ -740,19 +756,23 @@ cdef class ReaderBase:
         """Restart the whole chain; shuffles draw a new order (next epoch)."""
         cdef _Chain ch
         self._fork_check()
-        with self._lock:
-            self._check_open()
-            self._check_chain()
-            ch = self._enter("reset")
-            try:
-                self._has_held = False           # the item belonged to the epoch being left
-                self.c_reset()
-                self._resuming = False
-                self._restore_error = None
-                self._position = 0
-                self._mark_started(False)
-            finally:
-                ch.busy = False
+        try:
+            with self._lock:
+                self._check_open()
+                self._check_chain()
+                ch = self._enter("reset")
+                try:
+                    self._has_held = False           # the item belonged to the epoch being left
+                    self.c_reset()
+                    self._resuming = False
+                    self._restore_error = None
+                    self._position = 0
+                    self._mark_started(False)
+                finally:
+                    ch.busy = False
+        finally:
+            if self._chain.close_pending and not self._chain.busy:   # a close() left to this call
+                self._deferred_closes()
 
     cdef int _begin_read(self) except -1:
         if self.schema is None:
@@ -1106,14 +1126,18 @@ cdef class ReaderBase:
             a shuffle drew itself (no ``seed=``) is taken from the state.
         """
         self._fork_check()
-        with self._lock:                     # not while another thread reads the chain
-            self._check_open()
-            self._check_chain()
-            ch = self._enter("set_state")
-            try:
-                self._set_state(state)
-            finally:
-                ch.busy = False
+        try:
+            with self._lock:                 # not while another thread reads the chain
+                self._check_open()
+                self._check_chain()
+                ch = self._enter("set_state")
+                try:
+                    self._set_state(state)
+                finally:
+                    ch.busy = False
+        finally:
+            if self._chain.close_pending and not self._chain.busy:   # a close() left to this call
+                self._deferred_closes()
 
     def _set_state(self, state):
         if not isinstance(state, dict) or state.get("version") not in range(STATE_VERSION, STATE_VERSION_MAX + 1):
@@ -1161,21 +1185,25 @@ cdef class ReaderBase:
         cdef int64_t i = 0, held = 0, want = n
         cdef _Chain ch
         self._fork_check()
-        with self._lock:
-            self._check_open()
-            self._check_chain()
-            ch = self._enter("_skip")
-            try:
-                self._begin_read()
-                if want > 0 and self._has_held:  # the next item is the one read_next holds
-                    self._has_held = False
-                    held = 1
-                    want -= 1
-                with nogil:
-                    i = self.c_skip(want)
-                self._position += held + i
-            finally:
-                ch.busy = False
+        try:
+            with self._lock:
+                self._check_open()
+                self._check_chain()
+                ch = self._enter("_skip")
+                try:
+                    self._begin_read()
+                    if want > 0 and self._has_held:  # the next item is the one read_next holds
+                        self._has_held = False
+                        held = 1
+                        want -= 1
+                    with nogil:
+                        i = self.c_skip(want)
+                    self._position += held + i
+                finally:
+                    ch.busy = False
+        finally:
+            if self._chain.close_pending and not self._chain.busy:   # a close() left to this call
+                self._deferred_closes()
         return int(held + i)
 
     def __reduce__(self):
@@ -1227,15 +1255,18 @@ cdef class ReaderBase:
         self._fork_check(False)              # (a lock a thread of the parent held: freed)
         if not self._lock.acquire(True, _CLOSE_LOCK_WAIT_S):
             self._close_pending = True
+            self._chain.close_pending = True  # the call holding the lock closes it as it returns
             self._set_closed()              # reads from now on raise
             if not self._lock.acquire(False):
                 return
         if self._chain.busy:
             # called from inside a read of this chain by the reading thread
             # (a map function, a signal handler): the read is using the
-            # buffers, so the read's end closes it (read_next), or the next
-            # read of the chain (_check_below_open)
+            # buffers, so the read's end closes it (_deferred_closes: this
+            # reader is the one read or below it), else the next read of the
+            # chain (_check_below_open)
             self._close_pending = True
+            self._chain.close_pending = True
             self._set_closed()
             self._lock.release()
             return
