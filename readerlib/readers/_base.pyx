@@ -494,6 +494,34 @@ _pump_of_thread = {}
 cdef dict _pumps_by_thread = _pump_of_thread    # (the same dict, tested in C: _fork_check)
 
 
+def _restore_epoch_states(ReaderBase top, states):
+    """Each reader of `top`'s chain back to its epoch state in `states`
+    (top._chain_epoch_state(False), taken before a c_reset of `top` that
+    raised part-way), so that the retried c_reset moves each epoch on once.
+    A shuffle moves its epoch before it resets the reader below it: when that
+    one raised (Ctrl-C in open_files' thread join), the retry moved it again,
+    an order no uninterrupted run draws and no saved state restores (a state
+    taken in the pass replays the step once).  Readers below a prefetcher
+    whose thread is still inside the chain are left alone (the reset did not
+    get past that prefetcher; its own c_reset undoes its read-ahead)."""
+    readers = top._walk()
+    if len(readers) != len(states):
+        return
+    skip = set()
+    for r, d in zip(readers, states):
+        if id(r) in skip:
+            continue
+        if type(r).__name__ != d.get("type"):
+            return                           # (another chain below now: nothing to undo)
+        inside = getattr(r, "_thread_inside", None)
+        if inside is not None and inside():
+            skip.update(id(b) for b in (<DecoratedReader>r).reader._walk())
+            continue
+        s = {k: v for k, v in d.items() if k != "type"}
+        if r._epoch_state() != s:
+            r._set_epoch_state(s)
+
+
 def _epoch_step():
     """Called (with the GIL) by a reader just before it moves the epoch of the
     readers below it on in the middle of its own (a multi_pass or repeat starting
@@ -762,22 +790,48 @@ cdef class ReaderBase:
                 self._check_chain()
                 ch = self._enter("reset")
                 try:
-                    self._has_held = False           # the item belonged to the epoch being left
-                    self.c_reset()
-                    self._resuming = False
-                    self._restore_error = None
-                    self._position = 0
-                    self._mark_started(False)
+                    self._reset_chain()
                 finally:
                     ch.busy = False
         finally:
             if self._chain.close_pending and not self._chain.busy:   # a close() left to this call
                 self._deferred_closes()
 
+    def _reset_chain(self):
+        """reset()'s body, under the chain's lock.  A c_reset that raised part-way
+        (Ctrl-C in open_files' thread join, a prefetcher's thread that did not
+        stop) leaves some readers moved on -- a shuffle moves its epoch before
+        it resets the reader below it -- and others not: the chain is refused
+        until reset() is called again, and that retry starts from the epoch
+        states the failed one started from, so each epoch moves on once (it
+        moved twice: a retried reset gave an order that no uninterrupted run,
+        and with a prefetcher's read-ahead no run without it, gives)."""
+        before = self._reset_from
+        if before is None:
+            before = self._chain_epoch_state(False)
+        else:
+            _restore_epoch_states(self, before)
+        self._has_held = False                   # the item belonged to the epoch being left
+        try:
+            self.c_reset()
+        except BaseException as e:
+            self._reset_from = before
+            self._restore_error = f"{type(e).__name__}: {e}"
+            raise
+        self._reset_from = None
+        self._resuming = False
+        self._restore_error = None
+        self._position = 0
+        self._mark_started(False)
+
     cdef int _begin_read(self) except -1:
         if self.schema is None:
             _not_initialised(self)
         if self._restore_error is not None:
+            if self._reset_from is not None:
+                raise RuntimeError(
+                    f"{type(self).__name__}: the last reset() failed part-way ({self._restore_error}); "
+                    "call reset() again")
             raise RuntimeError(
                 f"{type(self).__name__}: the last set_state() failed part-way ({self._restore_error}); "
                 "call set_state() again with a state that restores, or reset() to start the next epoch")
@@ -1158,6 +1212,7 @@ cdef class ReaderBase:
         # from here a failure leaves the chain part-way into the saved epoch:
         # reads raise (naming the failure) until a set_state() succeeds or reset()
         self._restore_error = None
+        self._reset_from = None                 # (every epoch state comes from `state`)
         self._has_held = False
         try:
             self.c_reset()

@@ -1042,6 +1042,10 @@ cdef class PrefetchReader(DecoratedReader):
         v = self._view_at(pump, seen, False)     # the thread started a pass while it was read
         return states if v is None else v
 
+    def _thread_inside(self):
+        """Whether a thread of this prefetcher may still be inside the chain below."""
+        return self.pump is not None and self.pump._inside()
+
     def _read_ahead_steps(self):
         """Test hook: the items of the current run after which its thread started a pass."""
         return [] if self.pump is None else [int(e[0]) for e in self.pump.log]
