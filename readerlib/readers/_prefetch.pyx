@@ -737,6 +737,10 @@ cdef class PrefetchReader(DecoratedReader):
         pump = _Pump(self.reader, self.capacity)
         if self.fresh:                           # the epoch as its reading starts
             pump.start_view = self.reader._chain_epoch_state(False)
+        # started before it becomes this reader's run: a KeyboardInterrupt in
+        # start() (threading.Thread() is Python code) left a run with no thread,
+        # and the next read waited for ever for its items
+        pump.start(f"readerlib-prefetch-{id(self):x}")
         _pf_incref(pump.st)
         if self.st != NULL:
             _pf_decref(self.st)
@@ -744,7 +748,6 @@ cdef class PrefetchReader(DecoratedReader):
         self.pump = pump
         self._chain_entry[1] = weakref.ref(pump) # (a dropped prefetcher's thread may outlive it;
                                                  # weak: the chain must not keep its reader alive)
-        pump.start(f"readerlib-prefetch-{id(self):x}")
         return 0
 
     cdef int _end_run(self, join_timeout, bint for_close) except -1:

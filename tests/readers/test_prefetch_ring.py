@@ -281,3 +281,31 @@ print("OK")
 @pytest.mark.parametrize("how", ["reset", "set_state", "close"])
 def test_a_call_retried_after_ctrl_c_in_its_wait_for_the_thread_waits_for_it_again(how):
     run_ok_script(f"HOW = {how!r}\n" + _RETRY_AFTER_CTRL_C, timeout=60)
+
+
+def test_ctrl_c_while_a_run_starts_its_thread_leaves_no_run_without_one():
+    # A KeyboardInterrupt inside threading.Thread() as the prefetcher started a
+    # run (its first read after a reset) left that run published with no
+    # thread: the next read waited for ever for its items (here: the timeout).
+    run_ok_script(r"""
+import sys, threading, numpy as np, readerlib as rl
+p = rl.ArrayReader(np.arange(20, dtype=np.int64)).prefetch(2, timeout=5)
+assert int(p.read_next()[0]) == 0
+p.reset()
+def tracer(frame, event, arg):
+    if (event == "call" and frame.f_code.co_name == "__init__" and
+            frame.f_code.co_filename.endswith("threading.py") and type(frame.f_locals.get("self")) is threading.Thread):
+        sys.settrace(None)
+        raise KeyboardInterrupt("in Thread()")
+sys.settrace(tracer)
+try:
+    p.read_next()
+    raise AssertionError("not interrupted")
+except KeyboardInterrupt:
+    pass
+finally:
+    sys.settrace(None)
+assert [int(v[0]) for v in iter(p.read_next, None)] == list(range(20))
+p.close()
+print("OK")
+""", timeout=60)
