@@ -667,44 +667,46 @@ cdef class ReaderBase:
         cdef _Chain ch
         cdef bint was_busy
         self._fork_check()
-        with self._lock:
-            self._check_open()
-            self._check_chain()
-            # Allowed inside a read of the chain (a map function looking up
-            # another record of its source: random access does not move the
-            # sequential position, and reads through its own chunk cache);
-            # marked busy meanwhile, so that nothing moves the chain while a
-            # record of the cache is being decoded (a signal handler).
-            ch = self._chain
-            was_busy = ch.busy
-            ch.busy = True
-            try:
-                n = self.c_num_records()
-                if n < 0:
-                    self._open_random_access()          # raises, naming the reader
-                    raise TypeError(f"{type(self).__name__} has no random access")
-                out = []
-                for index in indices:
-                    try:
-                        j = index.__index__()
-                    except AttributeError:
-                        raise TypeError(f"{type(self).__name__} indices must be integers, got "
-                                        f"{type(index).__name__}") from None
-                    if j < 0:
-                        j += n
-                    if j < 0 or j >= n:               # (before the int64: 2**70 is out of range too)
-                        raise IndexError(f"{type(self).__name__} index {index} out of range for "
-                                         f"{n} records")
-                    i = j
-                    with nogil:
-                        self.c_read_at(i, &rec)
-                    out.append(_decode_instance(self, &rec))
-                return out
-            finally:
-                ch.busy = was_busy
-        # (outside the lock, as read_next; a call made inside a read leaves them to that read)
-        if self._chain.close_pending and not self._chain.busy:
-            self._deferred_closes()
+        try:
+            with self._lock:
+                self._check_open()
+                self._check_chain()
+                # Allowed inside a read of the chain (a map function looking up
+                # another record of its source: random access does not move the
+                # sequential position, and reads through its own chunk cache);
+                # marked busy meanwhile, so that nothing moves the chain while a
+                # record of the cache is being decoded (a signal handler).
+                ch = self._chain
+                was_busy = ch.busy
+                ch.busy = True
+                try:
+                    n = self.c_num_records()
+                    if n < 0:
+                        self._open_random_access()          # raises, naming the reader
+                        raise TypeError(f"{type(self).__name__} has no random access")
+                    out = []
+                    for index in indices:
+                        try:
+                            j = index.__index__()
+                        except AttributeError:
+                            raise TypeError(f"{type(self).__name__} indices must be integers, got "
+                                            f"{type(index).__name__}") from None
+                        if j < 0:
+                            j += n
+                        if j < 0 or j >= n:               # (before the int64: 2**70 is out of range too)
+                            raise IndexError(f"{type(self).__name__} index {index} out of range for "
+                                             f"{n} records")
+                        i = j
+                        with nogil:
+                            self.c_read_at(i, &rec)
+                        out.append(_decode_instance(self, &rec))
+                    return out
+                finally:
+                    ch.busy = was_busy
+        finally:
+            # (as read_next; one called inside a read of the chain leaves them to that read)
+            if self._chain.close_pending and not self._chain.busy:
+                self._deferred_closes()
 
     def _check_open(self):
         if self._closed:
