@@ -126,6 +126,10 @@ cdef class _Chain:
     # calling the chain it runs inside) is refused (ReaderBase._enter), and its
     # close() is left to that entry point (close_pending).
     cdef bint busy
+    # A close() was left to the entry point holding the chain (one called from
+    # inside it, or from another thread while it held the lock: a reader's
+    # _close_pending); that entry point runs it as it returns (_deferred_closes).
+    cdef bint close_pending
 
 
 cdef class ReaderBase:
@@ -143,7 +147,8 @@ cdef class ReaderBase:
                                     # what this reader reads (_check_chain), or -1
     cdef int64_t _closed_ok         # the chain's `closed` count at which none below this reader was
     cdef bint _close_pending        # close() from another thread did not get the lock: the read holding it closes
-    cdef object _restore_error      # why the last set_state() failed part-way (reads raise until reset/set_state), or None
+    cdef object _restore_error      # why the last set_state() or reset() failed part-way (reads raise until reset/set_state), or None
+    cdef object _reset_from         # the chain's epoch states before a reset() that raised part-way: the retry starts from them
     # Why a record this reader took this epoch was lost (a deferred record whose
     # verified copy failed its check: BatchReader's own copy, or hand_out_verified
     # in readerlib/_mapped.pxd), or None.  Reading on goes on after it, one record

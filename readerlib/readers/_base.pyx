@@ -494,6 +494,34 @@ _pump_of_thread = {}
 cdef dict _pumps_by_thread = _pump_of_thread    # (the same dict, tested in C: _fork_check)
 
 
+def _restore_epoch_states(ReaderBase top, states):
+    """Each reader of `top`'s chain back to its epoch state in `states`
+    (top._chain_epoch_state(False), taken before a c_reset of `top` that
+    raised part-way), so that the retried c_reset moves each epoch on once.
+    A shuffle moves its epoch before it resets the reader below it: when that
+    one raised (Ctrl-C in open_files' thread join), the retry moved it again,
+    an order no uninterrupted run draws and no saved state restores (a state
+    taken in the pass replays the step once).  Readers below a prefetcher
+    whose thread is still inside the chain are left alone (the reset did not
+    get past that prefetcher; its own c_reset undoes its read-ahead)."""
+    readers = top._walk()
+    if len(readers) != len(states):
+        return
+    skip = set()
+    for r, d in zip(readers, states):
+        if id(r) in skip:
+            continue
+        if type(r).__name__ != d.get("type"):
+            return                           # (another chain below now: nothing to undo)
+        inside = getattr(r, "_thread_inside", None)
+        if inside is not None and inside():
+            skip.update(id(b) for b in (<DecoratedReader>r).reader._walk())
+            continue
+        s = {k: v for k, v in d.items() if k != "type"}
+        if r._epoch_state() != s:
+            r._set_epoch_state(s)
+
+
 def _epoch_step():
     """Called (with the GIL) by a reader just before it moves the epoch of the
     readers below it on in the middle of its own (a multi_pass or repeat starting
@@ -639,41 +667,46 @@ cdef class ReaderBase:
         cdef _Chain ch
         cdef bint was_busy
         self._fork_check()
-        with self._lock:
-            self._check_open()
-            self._check_chain()
-            # Allowed inside a read of the chain (a map function looking up
-            # another record of its source: random access does not move the
-            # sequential position, and reads through its own chunk cache);
-            # marked busy meanwhile, so that nothing moves the chain while a
-            # record of the cache is being decoded (a signal handler).
-            ch = self._chain
-            was_busy = ch.busy
-            ch.busy = True
-            try:
-                n = self.c_num_records()
-                if n < 0:
-                    self._open_random_access()          # raises, naming the reader
-                    raise TypeError(f"{type(self).__name__} has no random access")
-                out = []
-                for index in indices:
-                    try:
-                        j = index.__index__()
-                    except AttributeError:
-                        raise TypeError(f"{type(self).__name__} indices must be integers, got "
-                                        f"{type(index).__name__}") from None
-                    if j < 0:
-                        j += n
-                    if j < 0 or j >= n:               # (before the int64: 2**70 is out of range too)
-                        raise IndexError(f"{type(self).__name__} index {index} out of range for "
-                                         f"{n} records")
-                    i = j
-                    with nogil:
-                        self.c_read_at(i, &rec)
-                    out.append(_decode_instance(self, &rec))
-                return out
-            finally:
-                ch.busy = was_busy
+        try:
+            with self._lock:
+                self._check_open()
+                self._check_chain()
+                # Allowed inside a read of the chain (a map function looking up
+                # another record of its source: random access does not move the
+                # sequential position, and reads through its own chunk cache);
+                # marked busy meanwhile, so that nothing moves the chain while a
+                # record of the cache is being decoded (a signal handler).
+                ch = self._chain
+                was_busy = ch.busy
+                ch.busy = True
+                try:
+                    n = self.c_num_records()
+                    if n < 0:
+                        self._open_random_access()          # raises, naming the reader
+                        raise TypeError(f"{type(self).__name__} has no random access")
+                    out = []
+                    for index in indices:
+                        try:
+                            j = index.__index__()
+                        except AttributeError:
+                            raise TypeError(f"{type(self).__name__} indices must be integers, got "
+                                            f"{type(index).__name__}") from None
+                        if j < 0:
+                            j += n
+                        if j < 0 or j >= n:               # (before the int64: 2**70 is out of range too)
+                            raise IndexError(f"{type(self).__name__} index {index} out of range for "
+                                             f"{n} records")
+                        i = j
+                        with nogil:
+                            self.c_read_at(i, &rec)
+                        out.append(_decode_instance(self, &rec))
+                    return out
+                finally:
+                    ch.busy = was_busy
+        finally:
+            # (as read_next; one called inside a read of the chain leaves them to that read)
+            if self._chain.close_pending and not self._chain.busy:
+                self._deferred_closes()
 
     def _check_open(self):
         if self._closed:
@@ -727,8 +760,21 @@ cdef class ReaderBase:
                 finally:
                     ch.busy = False
         finally:
-            if self._close_pending:          # close() from another thread left it to us
-                self.close()
+            if self._chain.close_pending and not self._chain.busy:   # a close() left to this read
+                self._deferred_closes()
+
+    def _deferred_closes(self):
+        """Run the close() calls left to the entry point of this reader that is
+        returning (made from inside it -- a map function, a signal handler -- or
+        by another thread while it held the chain): this reader's and those of
+        the readers below it, so a reader closed in the middle of a read lets
+        go of its files as that read ends, not at the chain's next call.  (A
+        reader above this one closed meanwhile is closed by its own next call
+        or close().)"""
+        self._chain.close_pending = False    # (first: a KeyboardInterrupt below leaves the
+        for r in self._walk():               #  rest to the next read's _check_below_open)
+            if (<ReaderBase>r)._close_pending:
+                r.close()
 
     def _held_items(self):
         """1 while an item taken from the chain waits to be handed out (its
@@ -740,24 +786,54 @@ cdef class ReaderBase:
         """Restart the whole chain; shuffles draw a new order (next epoch)."""
         cdef _Chain ch
         self._fork_check()
-        with self._lock:
-            self._check_open()
-            self._check_chain()
-            ch = self._enter("reset")
-            try:
-                self._has_held = False           # the item belonged to the epoch being left
-                self.c_reset()
-                self._resuming = False
-                self._restore_error = None
-                self._position = 0
-                self._mark_started(False)
-            finally:
-                ch.busy = False
+        try:
+            with self._lock:
+                self._check_open()
+                self._check_chain()
+                ch = self._enter("reset")
+                try:
+                    self._reset_chain()
+                finally:
+                    ch.busy = False
+        finally:
+            if self._chain.close_pending and not self._chain.busy:   # a close() left to this call
+                self._deferred_closes()
+
+    def _reset_chain(self):
+        """reset()'s body, under the chain's lock.  A c_reset that raised part-way
+        (Ctrl-C in open_files' thread join, a prefetcher's thread that did not
+        stop) leaves some readers moved on -- a shuffle moves its epoch before
+        it resets the reader below it -- and others not: the chain is refused
+        until reset() is called again, and that retry starts from the epoch
+        states the failed one started from, so each epoch moves on once (it
+        moved twice: a retried reset gave an order that no uninterrupted run,
+        and with a prefetcher's read-ahead no run without it, gives)."""
+        before = self._reset_from
+        if before is None:
+            before = self._chain_epoch_state(False)
+        else:
+            _restore_epoch_states(self, before)
+        self._has_held = False                   # the item belonged to the epoch being left
+        try:
+            self.c_reset()
+        except BaseException as e:
+            self._reset_from = before
+            self._restore_error = f"{type(e).__name__}: {e}"
+            raise
+        self._reset_from = None
+        self._resuming = False
+        self._restore_error = None
+        self._position = 0
+        self._mark_started(False)
 
     cdef int _begin_read(self) except -1:
         if self.schema is None:
             _not_initialised(self)
         if self._restore_error is not None:
+            if self._reset_from is not None:
+                raise RuntimeError(
+                    f"{type(self).__name__}: the last reset() failed part-way ({self._restore_error}); "
+                    "call reset() again")
             raise RuntimeError(
                 f"{type(self).__name__}: the last set_state() failed part-way ({self._restore_error}); "
                 "call set_state() again with a state that restores, or reset() to start the next epoch")
@@ -907,7 +983,8 @@ cdef class ReaderBase:
         live, out = [], []
         for entry in self._chain.pumps:
             p, pump = entry[0](), (entry[1]() if entry[1] is not None else None)
-            running = pump is not None and pump.thread is not None and pump.thread.is_alive()
+            # (inside the chain, not Thread.is_alive(): see _Pump._inside)
+            running = pump is not None and pump._inside()
             if running and pump.thread.ident == _get_ident():
                 continue                     # its own thread (closing the chain as it leaves)
             if not running and (p is None or (<ReaderBase>p)._closed):
@@ -931,8 +1008,7 @@ cdef class ReaderBase:
                     f"through the PrefetchReader (or a reader built on it), or close the "
                     f"PrefetchReader first")
             # closed or dropped: its thread was told to stop and leaves after its item
-            pump.thread.join(_PUMP_LEAVE_S)
-            if pump.thread.is_alive():
+            if not pump._wait_left(_PUMP_LEAVE_S):
                 raise RuntimeError(
                     f"{type(self).__name__}: the thread of a closed or dropped PrefetchReader is "
                     f"still inside this chain after {_PUMP_LEAVE_S:g} s (a slow source?); "
@@ -947,8 +1023,7 @@ cdef class ReaderBase:
             if p is not None:
                 p.close()                    # stops its thread, or hands it the close
         for p, pump in self._pumps_reading():
-            pump.thread.join(_CLOSE_LOCK_WAIT_S)
-            if pump.thread.is_alive():
+            if not pump._wait_left(_CLOSE_LOCK_WAIT_S):
                 return False
         return True
 
@@ -1107,14 +1182,18 @@ cdef class ReaderBase:
             a shuffle drew itself (no ``seed=``) is taken from the state.
         """
         self._fork_check()
-        with self._lock:                     # not while another thread reads the chain
-            self._check_open()
-            self._check_chain()
-            ch = self._enter("set_state")
-            try:
-                self._set_state(state)
-            finally:
-                ch.busy = False
+        try:
+            with self._lock:                 # not while another thread reads the chain
+                self._check_open()
+                self._check_chain()
+                ch = self._enter("set_state")
+                try:
+                    self._set_state(state)
+                finally:
+                    ch.busy = False
+        finally:
+            if self._chain.close_pending and not self._chain.busy:   # a close() left to this call
+                self._deferred_closes()
 
     def _set_state(self, state):
         if not isinstance(state, dict) or state.get("version") not in range(STATE_VERSION, STATE_VERSION_MAX + 1):
@@ -1135,6 +1214,7 @@ cdef class ReaderBase:
         # from here a failure leaves the chain part-way into the saved epoch:
         # reads raise (naming the failure) until a set_state() succeeds or reset()
         self._restore_error = None
+        self._reset_from = None                 # (every epoch state comes from `state`)
         self._has_held = False
         try:
             self.c_reset()
@@ -1162,21 +1242,25 @@ cdef class ReaderBase:
         cdef int64_t i = 0, held = 0, want = n
         cdef _Chain ch
         self._fork_check()
-        with self._lock:
-            self._check_open()
-            self._check_chain()
-            ch = self._enter("_skip")
-            try:
-                self._begin_read()
-                if want > 0 and self._has_held:  # the next item is the one read_next holds
-                    self._has_held = False
-                    held = 1
-                    want -= 1
-                with nogil:
-                    i = self.c_skip(want)
-                self._position += held + i
-            finally:
-                ch.busy = False
+        try:
+            with self._lock:
+                self._check_open()
+                self._check_chain()
+                ch = self._enter("_skip")
+                try:
+                    self._begin_read()
+                    if want > 0 and self._has_held:  # the next item is the one read_next holds
+                        self._has_held = False
+                        held = 1
+                        want -= 1
+                    with nogil:
+                        i = self.c_skip(want)
+                    self._position += held + i
+                finally:
+                    ch.busy = False
+        finally:
+            if self._chain.close_pending and not self._chain.busy:   # a close() left to this call
+                self._deferred_closes()
         return int(held + i)
 
     def __reduce__(self):
@@ -1228,15 +1312,18 @@ cdef class ReaderBase:
         self._fork_check(False)              # (a lock a thread of the parent held: freed)
         if not self._lock.acquire(True, _CLOSE_LOCK_WAIT_S):
             self._close_pending = True
+            self._chain.close_pending = True  # the call holding the lock closes it as it returns
             self._set_closed()              # reads from now on raise
             if not self._lock.acquire(False):
                 return
         if self._chain.busy:
             # called from inside a read of this chain by the reading thread
             # (a map function, a signal handler): the read is using the
-            # buffers, so the read's end closes it (read_next), or the next
-            # read of the chain (_check_below_open)
+            # buffers, so the read's end closes it (_deferred_closes: this
+            # reader is the one read or below it), else the next read of the
+            # chain (_check_below_open)
             self._close_pending = True
+            self._chain.close_pending = True
             self._set_closed()
             self._lock.release()
             return

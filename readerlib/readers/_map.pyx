@@ -1327,10 +1327,10 @@ cdef class MapBatchesReader(DecoratedReader):
                 finally:
                     ch.busy = False
         finally:
-            if self._closed:
-                # a close() from another thread that found this read holding the
-                # lock leaves the closing to it; close() is a no-op otherwise
-                self.close()
+            if self._chain.close_pending and not self._chain.busy:
+                # a close() that found this read holding the chain (from another
+                # thread, or from inside it) left the closing to it: as ReaderBase.read_next
+                self._deferred_closes()
 
     cdef int c_next(self, rl_record *out) except -1 nogil:
         cdef rl_record rec

@@ -9,7 +9,7 @@ from readerlib.readers._base cimport (
     rl_record_consumed, rl_copy_big, rl_copy_fence, rl_rng_seed, rl_rng_below, rl_store_i64,
     layout_parse, columns_encoded_size, columns_encode, encode_instance,
     ITEM_INSTANCE, ITEM_BATCH, RL_MAX_FIELDS)
-from readerlib.readers._base import _check_positive_int, _check_reader, _epoch_step
+from readerlib.readers._base import _check_positive_int, _check_reader, _epoch_step, _restore_epoch_states
 
 rl_core_import()
 
@@ -20,6 +20,8 @@ cdef class MultiPassReader(DecoratedReader):
     """Read the decorated reader `num_passes` times per epoch (Paddle's)."""
     cdef readonly int64_t num_passes
     cdef readonly int64_t pass_id
+    cdef object _step_from              # epoch states below before a pass step that raised, or None
+    cdef bint stepping                  # a pass step is under way (it raised: the next call retries it first)
 
     def __init__(self, reader, num_passes):
         _check_reader(reader, "MultiPassReader")
@@ -29,11 +31,15 @@ cdef class MultiPassReader(DecoratedReader):
         self.pass_id = 0
 
     cdef int c_next(self, rl_record *out) except -1 nogil:
-        cdef int r = self.reader.c_next(out)
+        cdef int r
+        if self.stepping:                 # the last pass step raised part-way: the reader
+            with gil:                     # below is half reset (a prefetcher refuses reads)
+                self._start_pass()
+            self.pass_id += 1
+        r = self.reader.c_next(out)
         while r == 0 and self.pass_id + 1 < self.num_passes:
             with gil:
-                _epoch_step()             # (a prefetcher's read-ahead: noted)
-                self.reader.c_reset()
+                self._start_pass()
             self.pass_id += 1             # after the reset: if it raises, the next call retries it
             r = self.reader.c_next(out)
         return r
@@ -44,17 +50,36 @@ cdef class MultiPassReader(DecoratedReader):
         cdef int64_t done = 0
         if n <= 0:
             return 0
+        if self.stepping:                 # (as in c_next)
+            with gil:
+                self._start_pass()
+            self.pass_id += 1
         done = self.reader.c_skip(n)
         while done < n and self.pass_id + 1 < self.num_passes:
             with gil:
-                _epoch_step()             # (a prefetcher's read-ahead: noted)
-                self.reader.c_reset()
+                self._start_pass()
             self.pass_id += 1
             done += self.reader.c_skip(n - done)
         return done
 
+    def _start_pass(self):
+        """The next pass of the reader below (its c_reset); one that raised
+        part-way is retried from the epoch states it started from (as
+        RepeatReader._start_pass)."""
+        if not self.stepping:
+            self._step_from = self.reader._chain_epoch_state(False)
+            self.stepping = True
+        else:
+            _restore_epoch_states(self.reader, self._step_from)
+        _epoch_step()                     # (a prefetcher's read-ahead: noted)
+        self.reader.c_reset()
+        self.stepping = False
+        self._step_from = None
+
     cdef int c_reset(self) except -1:
         self.pass_id = 0
+        self.stepping = False
+        self._step_from = None
         return self.reader.c_reset()
 
     def __repr__(self):

@@ -67,6 +67,7 @@ import numpy as np
 
 from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memset
+from cpython.exc cimport PyErr_CheckSignals as _check_signals    # (raises: except -1)
 
 from readerlib._typedefs cimport int64_t
 from readerlib._sync cimport (
@@ -428,8 +429,64 @@ cdef class _Pump:
     def start(self, name):
         t = threading.Thread(target=self._run, name=name, daemon=True)
         _live_pumps[id(self)] = weakref.ref(self)
-        start_threads((t,))         # (a KeyboardInterrupt never leaves it half-started)
+        try:
+            start_threads((t,))     # (a KeyboardInterrupt never leaves it half-started)
+        except BaseException:
+            with nogil:             # not started: no thread is inside (a resumed run's flag)
+                pthread_mutex_lock(&self.st.mu)
+                self.st.finished = 1
+                pthread_mutex_unlock(&self.st.mu)
+            raise
         self.thread = t
+
+    # Whether the thread is still inside the chain is `finished` (set by the
+    # thread, under the mutex, as it leaves), never Thread.is_alive() or
+    # Thread.join(): on CPython 3.11 a join() that Ctrl-C interrupts while the
+    # thread runs marks that thread stopped (threading's bpo-45274 mend
+    # releases the running thread's own lock), so the next join() returned at
+    # once and is_alive() said False while the thread was still reading the
+    # chain -- a retried reset() then reset the chain under it: a batch block
+    # freed while the thread copied into it (AddressSanitizer: use after free;
+    # glibc: "unaligned tcache chunk detected" as the thread exited), records lost.
+    def _inside(self):
+        """Whether this run's thread may still be inside the chain (started and not left)."""
+        cdef pf_state *st = self.st
+        cdef bint left
+        if self.thread is None:
+            return False
+        with nogil:
+            pthread_mutex_lock(&st.mu)
+            left = st.finished or st.forked
+            pthread_mutex_unlock(&st.mu)
+        return not left
+
+    def _wait_left(self, timeout):
+        """Wait until the thread has left the chain, at most `timeout` seconds
+        (None: as long as it takes), with the GIL released; Ctrl-C raises.
+        Returns whether it left."""
+        cdef pf_state *st = self.st
+        cdef int64_t deadline = -1, until
+        cdef bint left = False
+        if self.thread is None:
+            return True
+        if timeout is not None:
+            deadline = _now_ns() + <int64_t>(max(float(timeout), 0.0) * 1e9)
+        while True:
+            with nogil:
+                pthread_mutex_lock(&st.mu)
+                until = _now_ns() + SLICE_NS
+                if deadline >= 0 and deadline < until:
+                    until = deadline
+                while not st.finished and not st.forked:
+                    if cond_wait_until(&st.not_empty, &st.mu, until) != 0 and _now_ns() >= until:
+                        break
+                left = st.finished or st.forked
+                pthread_mutex_unlock(&st.mu)
+            if left:
+                return True
+            if deadline >= 0 and _now_ns() >= deadline:
+                return False
+            _check_signals()                 # Ctrl-C while waiting for a thread in a slow function
 
     cdef int _loop(self) except -1 nogil:
         cdef pf_state *st = self.st
@@ -483,13 +540,16 @@ cdef class _Pump:
         if close_upstream:
             self.upstream.close()
 
-    cdef bint stop_and_join(self, timeout):
-        """Ask the thread to stop and wait for it; False if it is still running."""
+    cdef bint stop_and_join(self, timeout) except -1:
+        """Ask the thread to stop and wait until it has left the chain (see
+        _inside); False if it is still inside after `timeout` seconds."""
         _pf_request_stop(self.st)
         if self.st.forked or self.thread is None:
             return True
-        self.thread.join(timeout)
-        return not self.thread.is_alive()
+        if not self._wait_left(timeout):
+            return False
+        self.thread.join(timeout)       # (out of the chain: it ends at once; a stopped run is joined)
+        return True
 
     cdef bint hand_over_close(self):
         """close() could not join: let the thread close the chain when it leaves it.
@@ -677,6 +737,10 @@ cdef class PrefetchReader(DecoratedReader):
         pump = _Pump(self.reader, self.capacity)
         if self.fresh:                           # the epoch as its reading starts
             pump.start_view = self.reader._chain_epoch_state(False)
+        # started before it becomes this reader's run: a KeyboardInterrupt in
+        # start() (threading.Thread() is Python code) left a run with no thread,
+        # and the next read waited for ever for its items
+        pump.start(f"readerlib-prefetch-{id(self):x}")
         _pf_incref(pump.st)
         if self.st != NULL:
             _pf_decref(self.st)
@@ -684,7 +748,6 @@ cdef class PrefetchReader(DecoratedReader):
         self.pump = pump
         self._chain_entry[1] = weakref.ref(pump) # (a dropped prefetcher's thread may outlive it;
                                                  # weak: the chain must not keep its reader alive)
-        pump.start(f"readerlib-prefetch-{id(self):x}")
         return 0
 
     cdef int _end_run(self, join_timeout, bint for_close) except -1:
@@ -982,6 +1045,10 @@ cdef class PrefetchReader(DecoratedReader):
         v = self._view_at(pump, seen, False)     # the thread started a pass while it was read
         return states if v is None else v
 
+    def _thread_inside(self):
+        """Whether a thread of this prefetcher may still be inside the chain below."""
+        return self.pump is not None and self.pump._inside()
+
     def _read_ahead_steps(self):
         """Test hook: the items of the current run after which its thread started a pass."""
         return [] if self.pump is None else [int(e[0]) for e in self.pump.log]
@@ -1020,7 +1087,17 @@ cdef class PrefetchReader(DecoratedReader):
         return 0
 
     cdef int c_close(self) except -1:
-        stopped = self._end_run(_CLOSE_JOIN_S, True)
+        cdef _Pump pump
+        try:
+            stopped = self._end_run(_CLOSE_JOIN_S, True)
+        except BaseException:
+            # Ctrl-C while waiting for the thread: close() has marked this reader
+            # closed, so no later close() comes back to the chain below -- it
+            # stayed open.  The thread closes it as it leaves (or it has left).
+            pump = self.pump
+            if pump is None or pump.hand_over_close():
+                self.reader.close()
+            raise
         if self._stager is not None:
             self._stager.clear()
         if stopped:

@@ -17,7 +17,7 @@ Design:
 """
 from readerlib._typedefs cimport int64_t
 from readerlib.readers._base cimport ReaderBase, DecoratedReader, rl_record, rl_core_import
-from readerlib.readers._base import _check_positive_int, _check_reader, _epoch_step
+from readerlib.readers._base import _check_positive_int, _check_reader, _epoch_step, _restore_epoch_states
 
 rl_core_import()
 
@@ -203,6 +203,8 @@ cdef class RepeatReader(DecoratedReader):
     cdef readonly int64_t num_passes       # -1: forever
     cdef readonly int64_t pass_id
     cdef int64_t in_pass                    # items read in this pass
+    cdef object _step_from                  # epoch states below before a pass step that raised, or None
+    cdef bint stepping                      # a pass step is under way (it raised: the next call retries it first)
 
     def __init__(self, reader, count=None):
         _check_reader(reader, "RepeatReader")
@@ -220,6 +222,11 @@ cdef class RepeatReader(DecoratedReader):
         cdef int r
         if self.num_passes == 0:
             return 0
+        if self.stepping:                   # the last pass step raised part-way: the reader
+            with gil:                       # below is half reset (a prefetcher refuses reads)
+                self._start_pass()
+            self.pass_id += 1
+            self.in_pass = 0
         while True:
             r = self.reader.c_next(out)
             if r != 0:
@@ -229,8 +236,7 @@ cdef class RepeatReader(DecoratedReader):
             if self.in_pass == 0 or (self.num_passes > 0 and self.pass_id + 1 >= self.num_passes):
                 return 0            # done, or the reader below is empty: never spin
             with gil:
-                _epoch_step()             # (a prefetcher's read-ahead: noted)
-                self.reader.c_reset()
+                self._start_pass()
             # after the reset: one that raises leaves the pass where it was (a
             # get_state then saves it so), and the next call retries it
             self.pass_id += 1
@@ -241,6 +247,11 @@ cdef class RepeatReader(DecoratedReader):
         cdef int64_t done = 0, got
         if self.num_passes == 0 or n <= 0:
             return 0
+        if self.stepping:                   # (as in c_next)
+            with gil:
+                self._start_pass()
+            self.pass_id += 1
+            self.in_pass = 0
         while True:
             got = self.reader.c_skip(n - done)
             done += got
@@ -250,14 +261,30 @@ cdef class RepeatReader(DecoratedReader):
             if self.in_pass == 0 or (self.num_passes > 0 and self.pass_id + 1 >= self.num_passes):
                 return done
             with gil:
-                _epoch_step()             # (a prefetcher's read-ahead: noted)
-                self.reader.c_reset()
+                self._start_pass()
             self.pass_id += 1             # (after the reset, as in c_next)
             self.in_pass = 0
+
+    def _start_pass(self):
+        """The next pass of the reader below: its c_reset in the middle of this
+        reader's epoch.  One that raised part-way is retried from the epoch
+        states it started from (_restore_epoch_states): a shuffle below moved
+        its epoch twice, and a state saved in that pass restored another order."""
+        if not self.stepping:
+            self._step_from = self.reader._chain_epoch_state(False)
+            self.stepping = True
+        else:
+            _restore_epoch_states(self.reader, self._step_from)
+        _epoch_step()                     # (a prefetcher's read-ahead: noted)
+        self.reader.c_reset()
+        self.stepping = False
+        self._step_from = None
 
     cdef int c_reset(self) except -1:
         self.pass_id = 0
         self.in_pass = 0
+        self.stepping = False
+        self._step_from = None
         return self.reader.c_reset()
 
     def _length(self):

@@ -19,7 +19,7 @@ import readerlib as rl
 from readerlib import _core
 from readerlib.readers._prefetch import PrefetchReader
 
-from helpers import assert_checkpoint_equal
+from helpers import assert_checkpoint_equal, run_ok_script
 
 CAPACITIES = [1, 2, 3, 4, 5, 7, 8, 9, 63, 64, 65]
 ROW = 64 << 10                       # 64 KiB rows: chunks of 16 rows are 1 MiB blocks, which the
@@ -211,3 +211,101 @@ def test_skip_through_the_ring(capacity):
         assert [int(v[0]) for v in p] == list(range(n, 300))
     p.close()
     ref.close()
+
+
+# Ctrl-C while a reset / set_state / close waits for the prefetch thread to
+# stop, and the call retried.  On CPython 3.11 an interrupted Thread.join()
+# marks the thread stopped while it is still running (threading's bpo-45274
+# mend releases the running thread's own lock); the prefetcher trusted it,
+# so the retried call reset or closed the chain below under the thread: the
+# batch block it was copying into was freed (AddressSanitizer: heap use after
+# free in BatchReader._next_fixed; glibc aborted "unaligned tcache chunk
+# detected" as the thread exited), and two threads then read the chain
+# (records lost).  A torchdata StatefulDataLoader job resumed after Ctrl-C hit
+# it.  Now the prefetcher waits for the thread's own "left the chain" flag.
+_RETRY_AFTER_CTRL_C = r"""
+import signal, sys, time
+import numpy as np
+import readerlib as rl
+
+how = sys.argv[1] if len(sys.argv) > 1 else HOW
+N = 40
+inside, slept = [0], []
+def slow(x):                        # item 7 takes a second, once: the thread is in here
+    inside[0] += 1
+    try:
+        if int(x[0]) == 7 and not slept:
+            slept.append(1)
+            time.sleep(1.0)
+    finally:
+        inside[0] -= 1
+    return x
+
+def ctrl_c(*a):
+    raise KeyboardInterrupt
+signal.signal(signal.SIGALRM, ctrl_c)
+
+p = rl.ArrayReader({"x": np.arange(N, dtype=np.int64)}).map(slow).batch(5).prefetch(2)
+state0 = p.get_state()
+first = p.read_next()
+deadline = time.monotonic() + 30
+while not inside[0]:                # the thread is inside slow(7)
+    assert time.monotonic() < deadline
+    time.sleep(0.005)
+call = {"reset": p.reset, "set_state": lambda: p.set_state(state0), "close": p.close}[how]
+signal.setitimer(signal.ITIMER_REAL, 0.1)
+try:
+    call()                          # waits for the thread: Ctrl-C there
+    raise AssertionError("not interrupted")
+except KeyboardInterrupt:
+    pass
+if how == "close":
+    # closed already (no retry to come back to it): the chain below is closed
+    # by the thread as it leaves (it stayed open for good)
+    assert p.closed
+    below = p.reader
+    while not below.closed:
+        assert time.monotonic() < deadline, "the chain below the prefetcher was left open"
+        time.sleep(0.01)
+    assert inside[0] == 0
+else:
+    call()                          # the retry: returns once the thread has left the chain
+    assert inside[0] == 0, "the retried call went on while the prefetch thread was inside the chain"
+    got = [int(v) for b in iter(p.read_next, None) for v in b[0].data]
+    assert got == list(range(N)), got
+    p.close()
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("how", ["reset", "set_state", "close"])
+def test_a_call_retried_after_ctrl_c_in_its_wait_for_the_thread_waits_for_it_again(how):
+    run_ok_script(f"HOW = {how!r}\n" + _RETRY_AFTER_CTRL_C, timeout=60)
+
+
+def test_ctrl_c_while_a_run_starts_its_thread_leaves_no_run_without_one():
+    # A KeyboardInterrupt inside threading.Thread() as the prefetcher started a
+    # run (its first read after a reset) left that run published with no
+    # thread: the next read waited for ever for its items (here: the timeout).
+    run_ok_script(r"""
+import sys, threading, numpy as np, readerlib as rl
+p = rl.ArrayReader(np.arange(20, dtype=np.int64)).prefetch(2, timeout=5)
+assert int(p.read_next()[0]) == 0
+p.reset()
+def tracer(frame, event, arg):
+    if (event == "call" and frame.f_code.co_name == "__init__" and
+            frame.f_code.co_filename.endswith("threading.py") and type(frame.f_locals.get("self")) is threading.Thread):
+        sys.settrace(None)
+        raise KeyboardInterrupt("in Thread()")
+sys.settrace(tracer)
+try:
+    p.read_next()
+    raise AssertionError("not interrupted")
+except KeyboardInterrupt:
+    pass
+finally:
+    sys.settrace(None)
+assert [int(v[0]) for v in iter(p.read_next, None)] == list(range(20))
+p.close()
+print("OK")
+""", timeout=60)

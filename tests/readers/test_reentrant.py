@@ -210,3 +210,57 @@ assert sorted(got) == list(range(N)), (len(got), len(set(got)))
 assert len(errors) == 2 and "thread of a PrefetchReader of its own chain" in errors[0], errors
 print("OK")
 """, timeout=60)
+
+
+@pytest.mark.parametrize("call", ["read_next", "_skip", "set_state"])
+@pytest.mark.parametrize("target", ["src", "holder"])
+def test_a_reader_closed_inside_a_read_lets_go_of_its_file_as_that_read_ends(target, call, tmp_path):
+    # A filter function closes a reader below the one read (the source, or a
+    # ReaderHolder over it): the close waits for the read, which is using the
+    # chain's buffers.  It kept the file open until the chain's next call (a
+    # loop that stopped there, or a chain left alone, held it for good); the
+    # call that deferred it now runs it as it returns.
+    path = str(tmp_path / "f.rio")
+    run_ok_script(PRELUDE + f"""
+import os
+schema = rl.Schema([rl.Field("x", "int64")])
+with rl.RecordIOWriter({path!r}, schema, chunk_size=256) as w:
+    w.write_batch({{"x": np.arange(N, dtype=np.int64)}})
+def fds():
+    return sum(1 for f in os.listdir("/proc/self/fd")
+               if os.path.realpath("/proc/self/fd/" + f) == {path!r})
+src = rl.RecordIOReader({path!r})
+held = rl.ReaderHolder(src)
+target = src if {target!r} == "src" else held
+closed_at = []
+def keep(x):
+    calls[0] += 1
+    if calls[0] == 27:
+        target.close()
+        closed_at.append(fds())         # left to the call in progress
+    return True
+chain = held.shuffle(16, seed=1).filter(keep).batch(8)
+state = chain.get_state()
+for _ in range(3):
+    chain.read_next()                   # 3 batches: 24 calls
+assert calls[0] == 24 and fds() == 1, (calls[0], fds())
+if {call!r} == "read_next":
+    item = chain.read_next()
+    assert len(item[0].data) == 8       # the read the close came from ends whole
+elif {call!r} == "_skip":
+    assert chain._skip(2) == 2
+else:
+    calls[0] = 0
+    chain.set_state(dict(state, position=4))    # replays 4 batches: 27 and more calls
+assert closed_at == [1], closed_at
+assert target.closed
+assert fds() == 0, "the file stays open after the call the close came from returned"
+try:
+    chain.read_next()
+    raise AssertionError("read a chain whose source is closed")
+except ValueError as e:
+    assert "closed reader" in str(e), str(e)
+chain.close()
+assert fds() == 0
+print("OK")
+""", timeout=120)

@@ -332,26 +332,35 @@ def _make_scratch_fixture():
 scratch = _make_scratch_fixture()
 
 
-def assert_checkpoint_equal(make_chain, epochs=2):
+def assert_checkpoint_equal(make_chain, epochs=2, retry=()):
     """Grain's "equal output after checkpoint", for any chain.
 
     Runs a chain from `make_chain()` to the end of each epoch, recording
     `get_state()` before every item; then, for every recorded state, a fresh
     chain restored from its JSON round trip must yield exactly the rest of
     that epoch (compared as canonical instances, batch boundaries included).
+    A read of the first chain that raises one of `retry` (exception types) is
+    retried, as a loop that goes on after an interrupt does; the state taken
+    after the failure must restore the same rest.  Returns the first chain's
+    items, per epoch.
     """
     import json
     ref = make_chain()
+    out = []
     for _ in range(epochs):
         it = iter(ref)
         states, items = [], []
         while True:
-            states.append(json.loads(json.dumps(ref.get_state())))
-            item = next(it, None)
+            states.append((len(items), json.loads(json.dumps(ref.get_state()))))
+            try:
+                item = next(it, None)
+            except retry:
+                continue
             if item is None:
                 break
             items.append([canon(i) for i in (unbatch(item) if isinstance(item[0], rl.LoDTensor) else [item])])
-        for k, state in enumerate(states):
+        out.append(items)
+        for k, state in states:
             other = make_chain()
             other.set_state(state)
             rest = []
@@ -360,6 +369,7 @@ def assert_checkpoint_equal(make_chain, epochs=2):
             assert rest == items[k:], f"restored at item {k} of {len(items)}: the rest differs"
             other.close()
     ref.close()
+    return out
 
 
 # -- GPU dispatch contract without a GPU: a stand-in for CuPy arrays and kernels._gpu --
