@@ -44,11 +44,14 @@ Design:
     a thread stuck inside a user function is left to exit on its own and
     closes the chain below itself when it does.
 
-    Errors: an exception raised by the chain in the thread ends the run; it
-    is kept (with its traceback) and raised in the consumer, after the items
-    produced before it, by the next `read_next()` (and again by every later
-    one, until `reset()`).  It is the same exception object, so its type,
-    message (file, offset, instance index) and original frames are intact.
+    Errors: an exception raised by the chain in the thread stops the run; it
+    is kept (with its traceback) and raised in the consumer once, after the
+    items produced before it, by the next `read_next()`; the read after that
+    resumes the run, which reads on from where the chain stands -- as the
+    chain without a prefetcher does (a data error raised once, then the next
+    chunk or file; the item after one a map function raised on).  It is the same
+    exception object, so its type, message (file, offset, instance index) and
+    original frames are intact.
 
     The thread runs under SCHED_BATCH on Linux (no wake-up preemption of
     the training step; see `_deprioritise_wakeups`).
@@ -658,8 +661,9 @@ cdef class PrefetchReader(DecoratedReader):
     Exception
         Whatever the chain raised in the background thread (a corrupt
         chunk, a user function), with its message and original traceback,
-        on the next `read_next()` after the items read before it, and on
-        every later call until `reset()`.
+        once, on the next `read_next()` after the items read before it; the
+        call after that reads on as the chain below does (the next chunk or
+        file after a data error; the item after one a map function raised on).
     TimeoutError
         No item within `timeout` seconds.
 
@@ -934,6 +938,7 @@ cdef class PrefetchReader(DecoratedReader):
             pf_istore_rlx(&st.done, 0)
             st.failed = 0
             st.finished = 0
+            st.seen_end = 0                      # (after an error: the run goes on)
             st.prod_need = 0
             st.cons_need = 0
             st.prod_sleeping = 0
@@ -952,8 +957,16 @@ cdef class PrefetchReader(DecoratedReader):
     def _raise(self, int code):
         cdef _Pump pump = self.pump
         if code == POP_ERROR:
-            err = pump.error
-            raise err.with_traceback(pump.error_tb)
+            # Raised once, in its place; the next read resumes the run, as the
+            # chain without a prefetcher reads on after an error (a data error
+            # raised once, then the next chunk or file; a map function's
+            # exception raised, its item dropped, then the next).  It used to be raised again by every read until
+            # reset(): a loop reading on past data errors never ended.
+            err, tb = pump.error, pump.error_tb
+            pump.error = None
+            pump.error_tb = None
+            self._resume_run()
+            raise err.with_traceback(tb)
         if code == POP_TIMEOUT:
             raise TimeoutError(
                 f"PrefetchReader: no item from the reader chain {self.reader!r} within "

@@ -118,9 +118,9 @@ CHAINS = {
     "multipass-shuffle-batch": ("seq", lambda r: r.multi_pass(2).shuffle(8, seed=1).batch(3, drop_last=True),
                                 False),
     "batch-shuffle": ("fixed", lambda r: r.batch(2).shuffle(4, seed=9), False),
-    "prefetch": ("fixed", lambda r: r.prefetch(2), True),
-    "prefetch-below-shuffle-batch": ("seq", lambda r: r.prefetch(2).shuffle(8, seed=2).batch(3), True),
-    "shuffle-batch-prefetch": ("fixed", lambda r: r.shuffle(8, seed=2).batch(3).prefetch(2), True),
+    "prefetch": ("fixed", lambda r: r.prefetch(2), False),
+    "prefetch-below-shuffle-batch": ("seq", lambda r: r.prefetch(2).shuffle(8, seed=2).batch(3), False),
+    "shuffle-batch-prefetch": ("fixed", lambda r: r.shuffle(8, seed=2).batch(3).prefetch(2), False),
     "open-files": ("fixed", None, True),
     "open-files-shuffle-batch": ("seq", lambda r: r.shuffle(8, seed=4).batch(3), True),
 }

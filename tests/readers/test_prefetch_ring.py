@@ -139,9 +139,17 @@ def test_error_below_a_batch_after_the_batches_before_it(k):
     assert len(got) == k // 10
     if got:
         np.testing.assert_array_equal(np.concatenate(got), np.arange(k // 10 * 10))
+    # raised once; reading on gives what the chain without the prefetcher
+    # gives after the error (the batch's records before it, then the end)
+    bare = _raising_at(k).batch(10)
     with pytest.raises(ValueError, match=f"bad instance {k}"):
-        r.read_next()                             # and again, until reset()
+        for _ in bare:
+            pass
+    rest = [b[0].data.copy() for b in iter(r.read_next, None)]     # (iter(r) would start an epoch)
+    want = [b[0].data.copy() for b in iter(bare.read_next, None)]
+    assert len(rest) == len(want) and all(np.array_equal(a, b) for a, b in zip(rest, want))
     r.close()
+    bare.close()
 
 
 @pytest.mark.parametrize("k", [0, 1, 5, 64])
