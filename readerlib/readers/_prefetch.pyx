@@ -960,8 +960,9 @@ cdef class PrefetchReader(DecoratedReader):
             # Raised once, in its place; the next read resumes the run, as the
             # chain without a prefetcher reads on after an error (a data error
             # raised once, then the next chunk or file; a map function's
-            # exception raised, its item dropped, then the next).  It used to be raised again by every read until
-            # reset(): a loop reading on past data errors never ended.
+            # exception raised, its item dropped, then the next).  It used to
+            # be raised again by every read until reset(): a loop reading on
+            # past data errors never ended.
             err, tb = pump.error, pump.error_tb
             pump.error = None
             pump.error_tb = None
