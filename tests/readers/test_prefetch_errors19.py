@@ -69,35 +69,45 @@ def test_a_prefetched_chain_reads_on_past_data_errors_as_the_chain_does(tmp_path
     bare.close()
 
 
+def _failing_map_chain(n, prefetch):
+    """ArrayReader(0..n-1).map(f), f raising ValueError once, at item 37
+    (each chain its own f); under prefetch(prefetch) when given."""
+    failed = []
+
+    def f(x):
+        if int(np.asarray(x[0] if isinstance(x, tuple) else x)) == 37 and not failed:
+            failed.append(1)
+            raise ValueError("transient failure at 37")
+        return x
+    r = rl.ArrayReader(np.arange(n, dtype=np.int64)).map(f)
+    return r.prefetch(prefetch) if prefetch else r
+
+
+def _read_on_values(r, states=None, limit=1000):
+    """The rest of the epoch, reading on past ValueErrors (their text in their
+    place); get_state() through JSON before every read into `states`."""
+    import json
+    out = []
+    for _ in range(limit):
+        if states is not None:
+            states.append(json.loads(json.dumps(r.get_state())))
+        try:
+            item = r.read_next()
+        except ValueError as e:
+            out.append(str(e))
+            continue
+        if item is None:
+            return out
+        out.append(_ids(item))
+    raise AssertionError("the epoch never ended")
+
+
 def test_a_map_function_that_fails_once_gives_what_the_chain_without_a_prefetcher_gives(tmp_path):
     # the chain's own rule (reliability.md: the function's exception is the
     # item's outcome, raised, the item dropped): the next read goes on
-    def chain(prefetch):
-        failed = []
-
-        def f(x):
-            if int(np.asarray(x[0] if isinstance(x, tuple) else x)) == 37 and not failed:
-                failed.append(1)
-                raise ValueError("transient failure at 37")
-            return x
-        r = rl.ArrayReader(np.arange(100, dtype=np.int64)).map(f)
-        return r.prefetch(8) if prefetch else r
-
-    def run(r):
-        out = []
-        for _ in range(200):
-            try:
-                item = r.read_next()
-            except ValueError as e:
-                out.append(str(e))
-                continue
-            if item is None:
-                return out
-            out.append(_ids(item))
-        raise AssertionError("the epoch never ended")
-    want = run(chain(False))
+    want = _read_on_values(_failing_map_chain(100, 0))
     assert "transient failure at 37" in want
-    assert run(chain(True)) == want
+    assert _read_on_values(_failing_map_chain(100, 8)) == want
 
 
 def test_an_error_raised_again_without_moving_on_is_raised_on_each_read_as_without_a_prefetcher():
@@ -140,49 +150,22 @@ def test_states_around_a_failed_map_item_restore_as_without_a_prefetcher():
     # (Not the original's tail after the failure: a state saved after a map
     # function's exception restores to before the dropped item, whose call is
     # made again -- the chain's own rule, with or without a prefetcher.)
-    import json
-
-    def chain(prefetch):
-        failed = []
-
-        def f(x):
-            if int(np.asarray(x[0] if isinstance(x, tuple) else x)) == 37 and not failed:
-                failed.append(1)
-                raise ValueError("transient failure at 37")
-            return x
-        r = rl.ArrayReader(np.arange(60, dtype=np.int64)).map(f)
-        return r.prefetch(4) if prefetch else r
-
-    def rest(r, states=None):
-        out = []
-        while True:
-            if states is not None:
-                states.append(json.loads(json.dumps(r.get_state())))
-            try:
-                item = r.read_next()
-            except ValueError as e:
-                out.append(str(e))
-                continue
-            if item is None:
-                return out
-            out.append(_ids(item))
-
     events = {}
-    for prefetch in (False, True):
+    for prefetch in (0, 4):
         states = []
-        r = chain(prefetch)
-        events[prefetch] = (rest(r, states), states)
+        r = _failing_map_chain(60, prefetch)
+        events[prefetch] = (_read_on_values(r, states), states)
         r.close()
-    assert events[True][0] == events[False][0]
-    assert events[True][0].count("transient failure at 37") == 1 and len(events[True][0]) == 60
-    assert [st["position"] for st in events[True][1]] == [st["position"] for st in events[False][1]]
-    for k in range(len(events[True][1])):
+    assert events[4][0] == events[0][0]
+    assert events[4][0].count("transient failure at 37") == 1 and len(events[4][0]) == 60   # (37 dropped)
+    assert [st["position"] for st in events[4][1]] == [st["position"] for st in events[0][1]]
+    for k in range(len(events[4][1])):
         got = {}
-        for prefetch in (False, True):
-            o = chain(prefetch)
+        for prefetch in (0, 4):
+            o = _failing_map_chain(60, prefetch)
             o.set_state(events[prefetch][1][k])
-            got[prefetch] = rest(o)
+            got[prefetch] = _read_on_values(o)
             o.close()
-        assert got[True] == got[False], (k, got[True][:3], got[False][:3])
+        assert got[4] == got[0], (k, got[4][:3], got[0][:3])
         if k <= 37:
-            assert got[True] == events[True][0][k:], k
+            assert got[4] == events[4][0][k:], k
