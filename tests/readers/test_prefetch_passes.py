@@ -274,6 +274,19 @@ def interrupt_join(monkeypatch):
     return arm
 
 
+def _wait_threads_left(r, timeout=30.0):
+    """Wait until every prefetcher's thread in `r` has read ahead to the end and
+    left the chain.  Below a repeat its pass steps join open_files' workers: a
+    Ctrl-C armed before it left landed in the thread's join (a quarter of the
+    runs), not in the reset() the test interrupts; settle() can return while
+    the thread still reads, on a loaded machine."""
+    deadline = time.monotonic() + timeout
+    for p in _prefetchers(r):
+        while p._thread_inside() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert not p._thread_inside(), "the prefetch thread did not reach the end"
+
+
 def _files_chain(paths, passes, where, cap=64):
     r = rl.open_files(paths).shuffle(4, seed=3)
     if where == "above":                 # the pass step resets a prefetcher (the loop's thread)
@@ -313,7 +326,7 @@ def test_a_reset_that_raised_and_is_retried_starts_the_next_epoch_once(rio_files
     def run(interrupt):
         r = _files_chain(rio_files, passes, where)
         head = [ids(r.read_next()) for _ in range(3)]
-        settle(r)                        # (below: the thread reads ahead into the next passes)
+        _wait_threads_left(r)            # (below: the thread reads ahead into the next passes)
         if interrupt:
             interrupt_join()
             with pytest.raises(Interrupted):
@@ -339,7 +352,9 @@ def test_a_chain_whose_reset_raised_is_read_only_after_reset_again(rio_files, in
     # beside those that were not; as after a set_state that failed part-way
     # (and as a prefetcher did already), reads raise until reset() succeeds
     r = _files_chain(rio_files, "repeat", where)
-    head = [ids(r.read_next()) for _ in range(3)]
+    for _ in range(3):
+        r.read_next()
+    _wait_threads_left(r)
     interrupt_join()
     with pytest.raises(Interrupted):
         r.reset()
