@@ -503,16 +503,18 @@ def _restore_epoch_states(ReaderBase top, states):
     an order no uninterrupted run draws and no saved state restores (a state
     taken in the pass replays the step once).  Readers below a prefetcher
     whose thread is still inside the chain are left alone (the reset did not
-    get past that prefetcher; its own c_reset undoes its read-ahead)."""
+    get past that prefetcher; its own c_reset undoes its read-ahead).  Also a
+    prefetcher's undoing of its thread's read-ahead (_undo_read_ahead).
+    Returns False, changing nothing, when the chain is no longer the one the
+    states describe (another chain below now: nothing to undo)."""
     readers = top._walk()
-    if len(readers) != len(states):
-        return
+    if len(readers) != len(states) or any(type(r).__name__ != d.get("type")
+                                          for r, d in zip(readers, states)):
+        return False
     skip = set()
     for r, d in zip(readers, states):
         if id(r) in skip:
             continue
-        if type(r).__name__ != d.get("type"):
-            return                           # (another chain below now: nothing to undo)
         inside = getattr(r, "_thread_inside", None)
         if inside is not None and inside():
             skip.update(id(b) for b in (<DecoratedReader>r).reader._walk())
@@ -520,6 +522,7 @@ def _restore_epoch_states(ReaderBase top, states):
         s = {k: v for k, v in d.items() if k != "type"}
         if r._epoch_state() != s:
             r._set_epoch_state(s)
+    return True
 
 
 def _epoch_step():

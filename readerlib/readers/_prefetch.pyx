@@ -81,7 +81,8 @@ from readerlib._sync cimport (
 from readerlib.readers._base cimport (
     ReaderBase, DecoratedReader, rl_block, rl_record, rl_block_incref, rl_block_decref,
     ITEM_BATCH, ITEM_INSTANCE, rl_core_import)
-from readerlib.readers._base import _check_positive_int, _check_reader, _epoch_step, _pump_of_thread
+from readerlib.readers._base import (_check_positive_int, _check_reader, _epoch_step, _pump_of_thread,
+                                     _restore_epoch_states)
 from readerlib._parallel import start_threads
 from readerlib.tensor import LoDTensor
 
@@ -1070,12 +1071,8 @@ cdef class PrefetchReader(DecoratedReader):
     def _undo_read_ahead(self, view):
         """After c_reset below: the chain's epoch state back to `view` (the
         thread's read-ahead had moved it on), and c_reset again from there."""
-        below = self.reader._walk()
-        if len(below) != len(view) or any(type(r).__name__ != d.get("type") for r, d in zip(below, view)):
-            return                               # (another chain below now: nothing to undo)
-        for r, d in zip(below, view):
-            r._set_epoch_state({k: v for k, v in d.items() if k != "type"})
-        self.reader.c_reset()
+        if _restore_epoch_states(self.reader, view):     # (False: another chain below now)
+            self.reader.c_reset()
 
     cdef int c_reset(self) except -1:
         cdef _Pump pump = self.pump
