@@ -939,7 +939,6 @@ cdef class PrefetchReader(DecoratedReader):
             pf_istore_rlx(&st.done, 0)
             st.failed = 0
             st.finished = 0
-            st.seen_end = 0                      # (after an error: the run goes on)
             st.prod_need = 0
             st.cons_need = 0
             st.prod_sleeping = 0
@@ -957,6 +956,7 @@ cdef class PrefetchReader(DecoratedReader):
 
     def _raise(self, int code):
         cdef _Pump pump = self.pump
+        cdef pf_state *st = self.st
         if code == POP_ERROR:
             # Raised once, in its place; the next read resumes the run, as the
             # chain without a prefetcher reads on after an error (a data error
@@ -967,6 +967,10 @@ cdef class PrefetchReader(DecoratedReader):
             err, tb = pump.error, pump.error_tb
             pump.error = None
             pump.error_tb = None
+            with nogil:                          # the error was not the run's end: it goes on
+                pthread_mutex_lock(&st.mu)
+                st.seen_end = 0
+                pthread_mutex_unlock(&st.mu)
             self._resume_run()
             raise err.with_traceback(tb)
         if code == POP_TIMEOUT:
